@@ -1,0 +1,145 @@
+"""The public functions: context-parallel attention and the sharding helpers that match its layout.
+
+Every check runs before any communication and depends only on arguments that are the same on every rank
+(config, shapes, dtypes), so a bad call raises the same error on every rank instead of hanging.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .config import CPConfig
+from .groups import CPGroups
+from .kernels import select_kernel
+from .layouts import Layout, layout_for
+from .ring import RingAttention
+
+
+def _check_setup(config: CPConfig, groups: CPGroups) -> Layout:
+    if not isinstance(config, CPConfig):
+        raise TypeError(f"config must be a ctx_plugin.CPConfig, got {type(config).__name__}")
+    if not isinstance(groups, CPGroups):
+        raise TypeError(f"groups must come from ctx_plugin.build_cp_groups, got {type(groups).__name__}")
+    if groups.config != config:
+        raise ValueError(f"groups were built for {groups.config} but this call uses {config}; "
+                         f"build them with ctx_plugin.build_cp_groups(config) for the config you pass")
+    return layout_for(config.backend)
+
+
+def _check_device(t: torch.Tensor, groups: CPGroups) -> None:
+    if groups.size > 1 and t.device.type not in groups.device_types:
+        served = ", ".join(sorted(groups.device_types)) or "none"
+        raise ValueError(f"the context-parallel group's backend ({dist.get_backend_config(groups.group)}) cannot send "
+                         f"{t.device.type} tensors (it serves: {served}); move the tensors to a served device or "
+                         f"build the groups over a process group for {t.device.type} (nccl for cuda, gloo for cpu)")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, local_seq, heads, head_dim], got shape {tuple(t.shape)}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"q, k and v must be floating point, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    (bq, sq, h, dq), (bk, sk, hkv, dk) = q.shape, k.shape
+    if bq != bk:
+        raise ValueError(f"q and k/v must have the same batch size, got {bq} and {bk}")
+    if dq != dk:
+        raise ValueError(f"q and k/v must have the same head_dim, got {dq} and {dk}")
+    if sq != sk:
+        raise ValueError(f"q and k/v must hold the same local tokens (self-attention), got {sq} and {sk}")
+    if sq == 0 or h == 0 or hkv == 0 or dq == 0:
+        raise ValueError(f"empty attention input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if h % hkv:
+        raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({hkv}) for grouped-query attention")
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CPConfig, groups: CPGroups,
+                 causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+    """Exact softmax attention over the whole sequence, each rank holding its shard of q, k and v.
+
+    q is ``[batch, local_seq, heads, head_dim]``, k and v ``[batch, local_seq, kv_heads, head_dim]``, sharded
+    with :func:`shard_sequence` (same config). Returns this rank's output rows, q's shape and dtype.
+    ``softmax_scale`` defaults to ``head_dim ** -0.5``. Differentiable in q, k and v.
+    """
+    layout = _check_setup(config, groups)
+    _check_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
+    layout.check_seq_len(q.shape[1] * groups.size, groups.size)
+    _check_device(q, groups)
+    kernel = select_kernel(config.kernel, q.device, q.dtype, q.shape[-1])
+    return RingAttention.apply(q, k, v, kernel, layout, groups, causal, float(softmax_scale))
+
+
+def _seq_dim(x: torch.Tensor, dim: int) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim {dim!r} is out of range for a {x.dim()}-D tensor")
+    return dim % x.dim()
+
+
+def sequence_positions(seq_len: int, *, config: CPConfig, groups: CPGroups,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions (int64) of the tokens this rank holds, in local order: the position ids for RoPE."""
+    layout = _check_setup(config, groups)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        raise TypeError(f"seq_len must be an int, got {type(seq_len).__name__}")
+    layout.check_seq_len(seq_len, groups.size)
+    return layout.local_indices(seq_len, groups.rank, groups.size).to(device)
+
+
+def shard_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of ``x`` (the full sequence along ``dim``), in the backend's layout. Differentiable."""
+    layout = _check_setup(config, groups)
+    dim = _seq_dim(x, dim)
+    layout.check_seq_len(x.shape[dim], groups.size)
+    return x.index_select(dim, layout.local_indices(x.shape[dim], groups.rank, groups.size).to(x.device))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of the shards in original token order. The backward is the gradient of the sum of every
+    rank's objective (like ``torch.distributed.nn.all_gather``): all-reduce, then this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, layout: Layout, groups: CPGroups, dim: int):
+        seq_len = x.shape[dim] * groups.size
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(groups.size)]
+        dist.all_gather(parts, x.contiguous(), group=groups.group)
+        inverse = torch.argsort(layout.permutation(seq_len, groups.size)).to(x.device)
+        ctx.args = (layout, groups, dim)
+        return torch.cat(parts, dim).index_select(dim, inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout, groups, dim = ctx.args
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=groups.group)
+        own = layout.local_indices(grad.shape[dim], groups.rank, groups.size).to(grad.device)
+        return grad.index_select(dim, own), None, None, None
+
+
+def gather_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1) -> torch.Tensor:
+    """The full sequence on every rank, in original order, from each rank's shard ``x``. Differentiable."""
+    layout = _check_setup(config, groups)
+    dim = _seq_dim(x, dim)
+    layout.check_seq_len(x.shape[dim] * groups.size, groups.size)
+    if groups.size == 1:
+        return x
+    _check_device(x, groups)
+    return _GatherSequence.apply(x, layout, groups, dim)

@@ -1,0 +1,39 @@
+"""The ``ctx-plugin`` command.
+
+``ctx-plugin demo [--nproc N] [demo options]`` starts N local processes with torchrun and runs
+:mod:`ctx_plugin.demo` on them (the README's main job).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo(args: argparse.Namespace, rest: list[str]) -> int:
+    import os
+
+    from torch.distributed.run import main as torchrun
+
+    if args.nproc < 1:
+        raise SystemExit("--nproc must be at least 1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")   # what torchrun would pick, without its warning banner
+    torchrun(["--standalone", "--nproc-per-node", str(args.nproc), "-m", "ctx_plugin.demo", *rest])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ctx-plugin", description="ctx_plugin: context-parallel attention tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a tiny model with context parallelism on local processes and check "
+                                       "its loss against the single-process run (other options: see "
+                                       "python -m ctx_plugin.demo --help)")
+    demo.add_argument("--nproc", type=int, default=4, help="number of local processes (ranks), default 4")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        return _demo(args, rest)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

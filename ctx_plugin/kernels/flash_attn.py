@@ -1,0 +1,249 @@
+"""flash-attn (Dao-AILab) as a local kernel: FlashAttention-2 (2.0 … 2.8) and FlashAttention-3 (hopper build).
+
+Every flash-attn version shim lives in this file. We call the low-level ``_flash_attn_forward`` /
+``_flash_attn_backward`` (not ``flash_attn_func``) because ring attention runs backward with an externally
+merged ``out``/``lse``. Their signatures changed many times, so arguments are bound **by name** from the
+function's signature, and outputs are picked by position 0 (``out``) and by shape (``lse`` is the only
+``[B, H, Sq]`` tensor), never by arity.
+
+Signatures verified from source (stored public copies, read with the search tool):
+
+* 2.7.x, Dao-AILab/flash-attention ``flash_attn/flash_attn_interface.py`` @ 005300258a22e5fc6be621063c3d5704e82b89d9:
+  ``torch.library.custom_op``; fwd ``(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+  window_size_right, softcap, alibi_slopes, return_softmax) -> (out_padded, softmax_lse, S_dmask, rng_state)``;
+  bwd ``(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+  window_size_right, softcap, alibi_slopes, deterministic, rng_state=None) -> softmax_d`` (writes dq/dk/dv).
+  ``flash_attn/__init__.py`` @ 06a9900d (2.8.3) swallows a missing CUDA module, so we import the interface module.
+* 2.6.0–2.6.2 (window_size tuple + softcap, 8 outputs; the switch to the 2.7 form is at 2.6.3) and 2.5.x
+  (``window_size, alibi_slopes``; bwd ``…, window_size, alibi_slopes, deterministic, rng_state=None``):
+  zhuzilin/ring-flash-attention ``ring_flash_attn/ring_flash_attn.py`` @ d4223db1da88e7b940516942eff8a7c06ccd6d10
+  and third-party copies that branch on ``flash_attn.__version__ < "2.6.3"``.
+* 2.0 (``(q, k, v, dropout_p, softmax_scale, causal, return_softmax)`` -> 7 outputs), 2.1/2.2 (+ ``rng_state``,
+  8 outputs), 2.3 (+ ``window_size``): vendored third-party copies of the 2.x interface.
+* FA3 hopper, Dao-AILab ``hopper/flash_attn_interface.py`` @ c082294e0f6c01d46318694a6f3e0274225a9683 (plain
+  functions, ~20 required varlen/paged/rotary/fp8 arguments that take None, ``window_size`` tuple,
+  fwd -> ``(out, softmax_lse, *rest)``) and @ 01afd16d248c4c7d0f9aed1914084f16c490eaed (custom ops,
+  ``window_size_left/right``, bwd takes ``is_causal``, fwd -> ``(out, softmax_lse, out_accum, lse_accum)``,
+  bwd -> ``softmax_d``); the earlier ``flashattn_hopper_cuda`` beta (fwd ``(q, k, v, softmax_scale, causal,
+  …, window_size=(-1, -1), …) -> (out, q, k, v, out_padded, softmax_lse)``) from a vendored copy.
+* ``flash_attn.cute`` is not used: its interface changes with nearly every commit.
+
+Not run against a real GPU build here: binding and output picking are tested with stand-ins of these signatures.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+from .base import accum_dtype, check_block
+
+_FA2_MODULES = ("flash_attn.flash_attn_interface",)
+_FA3_MODULES = ("flash_attn_interface", "flash_attn_3.flash_attn_interface")
+_FA3_DISTRIBUTIONS = ("flash_attn_3", "flashattn-hopper")
+_INSTALL = ("pip install 'ctx-plugin[flash]' (or pip install flash-attn --no-build-isolation; FlashAttention-3 "
+            "for Hopper is built from the hopper/ directory of github.com/Dao-AILab/flash-attention)")
+# Required (no default) parameters of FA3's low-level functions that we leave unused by passing None.
+_FA3_UNUSED = frozenset({
+    "k_new", "v_new", "qv", "out", "out_", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new", "seqused_q",
+    "seqused_k", "sequed_q", "sequed_k", "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx",
+    "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale", "v_descale",
+    "descale_q", "descale_k", "descale_v", "scheduler_metadata", "pack_gqa"})
+_FWD_TENSORS = ("q", "k", "v")
+_BWD_TENSORS = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv")
+_NEEDED = (("softmax_scale",), ("causal", "is_causal"))
+
+
+def _settings(scale: float, causal: bool) -> dict[str, Any]:
+    """Every non-tensor argument we know, at its "plain attention" value (both spellings of window/causal)."""
+    return {"dropout_p": 0.0, "softmax_scale": float(scale), "causal": bool(causal), "is_causal": bool(causal),
+            "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1, "softcap": 0.0,
+            "alibi_slopes": None, "return_softmax": False, "deterministic": False, "rng_state": None}
+
+
+_SETTINGS = frozenset(_settings(1.0, False))
+
+
+@dataclass(frozen=True)
+class FlashAttnInfo:
+    """The flash-attn implementation found."""
+
+    generation: int
+    """2 (FlashAttention-2, ``flash_attn`` package) or 3 (FlashAttention-3 hopper build)."""
+    module: str
+    """The module whose ``_flash_attn_forward``/``_flash_attn_backward`` are called."""
+    version: str
+    """The package version, or ``"unknown"`` when it does not record one."""
+
+
+def _import_first(names: tuple[str, ...]) -> tuple[ModuleType | None, str | None]:
+    """The first importable module of ``names``, else ``(None, why an installed one failed to import)``."""
+    broken = None
+    for name in names:
+        parts = name.split(".")
+        try:
+            return importlib.import_module(name), None
+        except ModuleNotFoundError as e:  # the module itself absent = not installed; a dependency absent = broken
+            if e.name not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+                broken = broken or f"{name}: {e}"
+        except (ImportError, OSError) as e:  # e.g. an extension built against another torch (undefined symbol)
+            broken = broken or f"{name}: {e}"
+    return None, broken
+
+
+def _is_hopper(device: torch.device) -> bool:
+    # Only sm90: the hopper build targets sm_90a, whose wgmma/TMA code newer architectures cannot run.
+    return (device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+def _version(generation: int) -> str:
+    if generation == 2:
+        return str(getattr(importlib.import_module("flash_attn"), "__version__", "unknown"))
+    for dist in _FA3_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _load(device: torch.device) -> tuple[FlashAttnInfo, ModuleType] | str:
+    """FA3 when importable and (the device is Hopper or FA2 is absent), else FA2; a reason string if neither."""
+    fa2, broken2 = _import_first(_FA2_MODULES)
+    fa3, broken3 = _import_first(_FA3_MODULES)
+    if fa3 is not None and (fa2 is None or _is_hopper(device)):
+        return FlashAttnInfo(3, fa3.__name__, _version(3)), fa3
+    if fa2 is not None:
+        return FlashAttnInfo(2, fa2.__name__, _version(2)), fa2
+    if broken2 or broken3:
+        return (f"flash-attn is installed but does not import ({broken2 or broken3}): reinstall it built against "
+                f"torch {torch.__version__}: pip install --force-reinstall --no-build-isolation flash-attn")
+    return f"flash-attn is not installed: {_INSTALL}"
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def version_info(device: torch.device | None = None) -> FlashAttnInfo | None:
+    """The flash-attn implementation the kernel would use on ``device`` (default: current CUDA device), or None."""
+    loaded = _load(_default_device() if device is None else device)
+    return None if isinstance(loaded, str) else loaded[0]
+
+
+def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    params = list(inspect.signature(fn).parameters.values())
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) and hasattr(fn, "_init_fn"):
+        # flash-attn >= 2.6.3 and recent FA3 wrap these in torch.library.custom_op; the CustomOpDef shows only
+        # (*args, **kwargs), while _init_fn is the decorated function, whose names are the op schema's.
+        params = list(inspect.signature(fn._init_fn).parameters.values())
+    return params
+
+
+def _plan(fn: Callable[..., Any], tensors: tuple[str, ...], unused: frozenset[str]) -> tuple[str, ...]:
+    """The parameter names to pass to ``fn``: all we know, plus unused required ones (passed None)."""
+    known = _SETTINGS | set(tensors)
+    names = []
+    for p in _parameters(fn):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
+            raise TypeError(f"{fn.__name__} has a parameter {p.name!r} that cannot be passed by name")
+        if p.name in known or (p.default is p.empty and p.name in unused):
+            names.append(p.name)
+        elif p.default is p.empty:
+            raise TypeError(f"{fn.__name__} requires {p.name!r}, which this adapter does not know")
+    for group in (*((t,) for t in tensors), *_NEEDED):
+        if not set(group) & set(names):
+            raise TypeError(f"{fn.__name__} takes no {' or '.join(map(repr, group))}")
+    return tuple(names)
+
+
+def _functions(module: ModuleType, generation: int) -> tuple[Callable[..., Any], tuple[str, ...],
+                                                              Callable[..., Any], tuple[str, ...]]:
+    fwd, bwd = getattr(module, "_flash_attn_forward", None), getattr(module, "_flash_attn_backward", None)
+    if fwd is None or bwd is None:
+        raise TypeError(f"{module.__name__} has no _flash_attn_forward/_flash_attn_backward")
+    unused = _FA3_UNUSED if generation == 3 else frozenset()
+    return fwd, _plan(fwd, _FWD_TENSORS, unused), bwd, _plan(bwd, _BWD_TENSORS, unused)
+
+
+def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None when flash-attn can run these inputs on ``device``, else a sentence saying why not and the fix."""
+    loaded = _load(device)
+    if isinstance(loaded, str):
+        return loaded
+    info, module = loaded
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn computes in float16 or bfloat16 only, got {dtype}: cast q/k/v or use another kernel"
+    if head_dim > 256 or head_dim % 8 != 0:
+        return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {head_dim}: use another kernel"
+    try:
+        _functions(module, info.generation)
+    except TypeError as e:
+        return (f"flash-attn {info.version} ({info.module}) is not supported by this adapter ({e}): "
+                f"install FlashAttention 2.0-2.8 or the FA3 hopper build: {_INSTALL}")
+    if device.type != "cuda":
+        return f"flash-attn needs a CUDA device, got {device}: run on a GPU or use the torch/reference kernel"
+    if not torch.cuda.is_available():
+        return "flash-attn needs CUDA, but torch.cuda.is_available() is False: install a CUDA build of torch"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"flash-attn needs an Ampere (sm80) or newer GPU, {device} is sm{major}{minor}: use another kernel"
+    return None
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _pick(result: Any, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` is element 0 in every version; ``lse`` is the only ``[B, H, Sq]`` tensor among the rest."""
+    items = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    lse = next((t for t in items[1:] if isinstance(t, torch.Tensor) and tuple(t.shape) == lse_shape), None)
+    out = items[0]
+    if lse is None or not isinstance(out, torch.Tensor) or out.shape[:3] != q.shape[:3]:
+        raise RuntimeError(f"unexpected flash-attn forward outputs: {[getattr(t, 'shape', t) for t in items]}")
+    return out[..., :q.shape[-1]], lse
+
+
+class FlashAttnKernel:
+    """flash-attn forward/backward behind the :class:`~ctx_plugin.kernels.base.AttentionKernel` interface.
+
+    Device and dtype limits are reported by :func:`unavailable`, not checked here. GQA is passed through:
+    flash-attn handles fewer K/V heads itself and returns ``dk``/``dv`` with ``k``'s head count.
+    """
+
+    name = "flash_attn"
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        loaded = _load(_default_device() if device is None else device)
+        if isinstance(loaded, str):
+            raise RuntimeError(loaded)
+        self.info, module = loaded
+        self._fwd, self._fwd_names, self._bwd, self._bwd_names = _functions(module, self.info.generation)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        check_block(q, k, causal)
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        values = {**_settings(scale, causal), "q": q, "k": k, "v": v}
+        out, lse = _pick(self._fwd(**{n: values.get(n) for n in self._fwd_names}), q)
+        return out.to(q.dtype), lse.to(accum_dtype(q.dtype))
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        check_block(q, k, causal)
+        dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
+        # flash-attn 2.x requires the gradient buffers; 2.6.3+ and FA3 custom ops return only softmax_d.
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        values = {**_settings(scale, causal), "dout": dout, "q": q, "k": k, "v": v, "out": out,
+                  "softmax_lse": lse.to(accum_dtype(q.dtype)).contiguous(), "dq": dq, "dk": dk, "dv": dv}
+        self._bwd(**{n: values.get(n) for n in self._bwd_names})
+        return dq, dk, dv

@@ -1,0 +1,135 @@
+"""Token layouts: which global tokens a rank holds, and the per-step plan of the ring.
+
+A layout is a permutation of the global sequence into P equal shards. ``local_indices`` is its one source
+of truth: sharding, un-sharding and position ids are all derived from it.
+
+The ring plan says, for rank ``r`` holding the K/V shard of rank ``s`` (``s = (r − step) mod P``), which
+slice of local Q meets which slice of that K/V and whether the block is causal. Blocks are either full
+or *square* causal (query i sees keys 0..i of the block), so every kernel convention agrees::
+
+    contiguous (P=4, r=2)      zigzag (P=2, r=0: chunks 0 and 3)      striped (r=0, s=1: q[1:] × k[:-1])
+    s<r: ■ full                s=r: ◣ causal over both chunks           s≤r: ◣ causal (diagonal included)
+    s=r: ◣ causal              s<r: all Q × first K chunk  (■)          s>r: ◣ strictly causal, shifted
+    s>r: · skipped             s>r: second Q chunk × all K (■)
+
+Together, over all steps, the blocks cover the global causal (or full) mask exactly once; the unit tests
+check that for every layout and P.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from .names import Backend
+
+
+@dataclass(frozen=True)
+class Block:
+    """Local query rows ``q`` meet visiting key rows ``k``; ``causal`` means a square top-left causal mask."""
+
+    q: slice
+    k: slice
+    causal: bool
+
+
+def _full(n: int) -> tuple[Block, ...]:
+    return (Block(slice(0, n), slice(0, n), False),)
+
+
+def _causal(n: int) -> tuple[Block, ...]:
+    return (Block(slice(0, n), slice(0, n), True),)
+
+
+class Layout(ABC):
+    """Base class: subclasses define ``name``, ``multiple``, ``local_indices`` and ``causal_plan``."""
+
+    name: str = ""
+    multiple: int = 1
+    """The global sequence length must be a multiple of ``multiple * P``."""
+
+    def check_seq_len(self, seq_len: int, size: int) -> None:
+        """ValueError naming the fix when ``seq_len`` cannot be split over ``size`` ranks."""
+        unit = self.multiple * size
+        if seq_len <= 0 or seq_len % unit:
+            raise ValueError(
+                f"the {self.name} layout over {size} rank(s) needs a sequence length that is a positive multiple "
+                f"of {unit}, got {seq_len}; pad the sequence (and mask the padding out of the loss) to a multiple "
+                f"of {unit}")
+
+    @abstractmethod
+    def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
+        """Global positions (int64) of the tokens rank ``rank`` holds, in local order (increasing)."""
+
+    @abstractmethod
+    def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
+        """Blocks for rank ``rank`` meeting the K/V shard of rank ``source`` under a causal mask."""
+
+    def plan(self, rank: int, source: int, size: int, local_len: int, causal: bool) -> tuple[Block, ...]:
+        """The blocks to compute at one ring step (pure function of its arguments)."""
+        if not causal:
+            return _full(local_len)
+        return self.causal_plan(rank, source, size, local_len)
+
+    def permutation(self, seq_len: int, size: int) -> torch.Tensor:
+        """Concatenation of every rank's ``local_indices`` (rank 0 first): the sharded order of the sequence."""
+        return torch.cat([self.local_indices(seq_len, r, size) for r in range(size)])
+
+
+class Contiguous(Layout):
+    name = "contiguous"
+
+    def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
+        n = seq_len // size
+        return torch.arange(rank * n, (rank + 1) * n)
+
+    def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
+        if source == rank:
+            return _causal(local_len)
+        return _full(local_len) if source < rank else ()
+
+
+class Zigzag(Layout):
+    name = "zigzag"
+    multiple = 2
+
+    def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
+        c = seq_len // (2 * size)
+        late = 2 * size - 1 - rank
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
+
+    def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
+        half = local_len // 2
+        if source == rank:
+            return _causal(local_len)
+        if source < rank:   # the visitor's early chunk precedes both of ours; its late chunk follows both
+            return (Block(slice(0, local_len), slice(0, half), False),)
+        # source > rank: only our late chunk comes after the visitor's chunks, and after both of them
+        return (Block(slice(half, local_len), slice(0, local_len), False),)
+
+
+class Striped(Layout):
+    name = "striped"
+
+    def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
+        return torch.arange(rank, seq_len, size)
+
+    def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
+        if source <= rank:   # local query j (global j·P+r) sees visiting key m (global m·P+s) iff m ≤ j
+            return _causal(local_len)
+        if local_len == 1:   # s > r: strictly m < j, i.e. q[1:] × k[:-1] causal; nothing when one token
+            return ()
+        return (Block(slice(1, local_len), slice(0, local_len - 1), True),)
+
+
+LAYOUTS: dict[Backend, Layout] = {
+    Backend.RING: Contiguous(),
+    Backend.ZIGZAG: Zigzag(),
+    Backend.STRIPED: Striped(),
+}
+"""The token layout of each backend (layouts hold no state)."""
+
+
+def layout_for(backend: Backend) -> Layout:
+    return LAYOUTS[Backend(backend)]

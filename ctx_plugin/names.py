@@ -1,0 +1,46 @@
+"""The one source of names: backends and local kernels.
+
+Command-line choices, JSON validation, documentation tables and test parametrization all read these
+enums; nothing else spells the names.
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Backend(StrEnum):
+    """Context-parallel attention algorithms."""
+
+    RING = "ring"
+    """Ring attention over contiguous shards (rank r holds tokens [r·S/P, (r+1)·S/P)). Unbalanced when causal."""
+    ZIGZAG = "zigzag"
+    """Ring attention over 2·P chunks, rank r holding chunks r and 2P−1−r: balanced causal work (Megatron's layout)."""
+    STRIPED = "striped"
+    """Ring attention with token t on rank t mod P: balanced causal work, finest interleave."""
+
+
+class Kernel(StrEnum):
+    """Local (single-device) attention kernels. ``auto`` picks the fastest available one."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    """Pure PyTorch math, any device and float dtype (float64 included): the reference kernel."""
+    SDPA_CUDNN = "sdpa_cudnn"
+    """torch's cuDNN attention entry point (CUDA, fp16/bf16)."""
+    SDPA_FLASH = "sdpa_flash"
+    """torch's built-in FlashAttention-2 entry point (CUDA, fp16/bf16)."""
+    FLASH_ATTN = "flash_attn"
+    """The flash-attn library, 3.x (Hopper) or 2.x (CUDA, fp16/bf16)."""
+
+
+def parse_enum(enum_cls: type[StrEnum], value: object, what: str) -> StrEnum:
+    """``value`` as a member of ``enum_cls``; a clear TypeError/ValueError listing the valid names otherwise."""
+    if isinstance(value, enum_cls):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, got {type(value).__name__}")
+    try:
+        return enum_cls(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in enum_cls)
+        raise ValueError(f"unknown {what} {value!r}; choose one of: {choices}") from None

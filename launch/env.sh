@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Creates (once) and checks the project's virtual environment: .venv with Python 3.12, ctx_plugin installed
+# in editable mode with the extras given as arguments (default: test), torch pinned by constraints.txt.
+# Usage: source launch/env.sh [extra,...]   → sets CTX_PY to the venv's python.
+set -euo pipefail
+CTX_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CTX_VENV="${CTX_VENV:-$CTX_ROOT/.venv}"
+CTX_EXTRAS="${1:-test}"
+
+find_python312() {
+  if python3.12 -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+    command -v python3.12; return
+  fi
+  if command -v pyenv >/dev/null 2>&1; then
+    local v
+    v=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$' | sort -V | tail -n 1 || true)
+    if [ -n "$v" ]; then echo "$(pyenv root)/versions/$v/bin/python3.12"; return; fi
+  fi
+  for p in /usr/bin/python3.12 /usr/local/bin/python3.12; do
+    if [ -x "$p" ]; then echo "$p"; return; fi
+  done
+  return 1
+}
+
+if [ ! -x "$CTX_VENV/bin/python" ]; then
+  py=$(find_python312) || {
+    echo "ctx_plugin needs Python 3.12 (megatron-core >= 0.17 requires it) and none was found:" >&2
+    echo "  install it (e.g. 'pyenv install 3.12' or your distribution's python3.12) and run this again." >&2
+    exit 1
+  }
+  echo "[ctx_plugin] creating $CTX_VENV with $py" >&2
+  "$py" -m venv "$CTX_VENV"
+  "$CTX_VENV/bin/python" -m pip install -q --upgrade pip
+fi
+stamp="$CTX_VENV/.ctx_plugin-installed-$(echo "$CTX_EXTRAS" | tr ',' '-')"
+if [ ! -f "$stamp" ] || [ "$CTX_ROOT/setup.py" -nt "$stamp" ] || [ "$CTX_ROOT/constraints.txt" -nt "$stamp" ]; then
+  echo "[ctx_plugin] installing ctx_plugin[$CTX_EXTRAS] (torch pinned by constraints.txt)" >&2
+  "$CTX_VENV/bin/python" -m pip install -q -c "$CTX_ROOT/constraints.txt" -e "$CTX_ROOT[$CTX_EXTRAS]"
+  touch "$stamp"
+fi
+CTX_PY="$CTX_VENV/bin/python"
+export CTX_PY CTX_ROOT

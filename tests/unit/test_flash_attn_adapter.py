@@ -1,0 +1,449 @@
+"""The flash-attn adapter, run on CPU against stand-ins of real flash-attn versions.
+
+Each stand-in module has the exact ``_flash_attn_forward``/``_flash_attn_backward`` signatures and return
+arities of a real version (see the adapter's docstring for the sources); the custom-op versions are real
+``torch.library.custom_op`` objects, like the ones flash-attn >= 2.6.3 and recent FA3 register. They compute
+attention in plain torch math and their backward uses only (dout, q, k, v, out, lse), as flash-attn does.
+One deliberate difference: real flash-attn returns a float32 lse for half inputs; the stand-ins return the
+lse in ``accum_dtype`` so float64 runs can be compared at 1e-10.
+"""
+import functools
+import subprocess
+from pathlib import Path
+import sys
+import types
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import pytest
+import torch
+
+from ctx_plugin.kernels import flash_attn as fa
+from ctx_plugin.kernels.base import accum_dtype
+
+NAMES = ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn_interface", "flash_attn_3",
+         "flash_attn_3.flash_attn_interface")
+TOL = 1e-10
+
+
+# ---------------------------------------------------------------- math shared by every stand-in
+def _require(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise RuntimeError("Input tensor must have contiguous last dimension")
+
+
+def _scores(q, k, scale, causal):
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _fwd_math(q, k, v, scale, causal, window=(-1, -1), softcap=0.0, dropout_p=0.0):
+    _require(q, k, v)
+    if tuple(window) != (-1, -1) or softcap != 0.0 or dropout_p != 0.0:
+        raise AssertionError("the adapter must ask for plain attention")
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    vx = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]), vx)
+    return out.to(q.dtype), lse.to(accum_dtype(q.dtype))
+
+
+def _bwd_math(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window=(-1, -1)):
+    """Writes dq/dk/dv in place from (dout, q, k, v, out, lse) and returns softmax_d, like flash-attn."""
+    _require(dout, q, k, v, out)
+    if dq is None or dk is None or dv is None:
+        raise AssertionError("gradient buffers must be preallocated")
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dout.dtype == q.dtype and out.dtype == q.dtype and lse.is_contiguous()
+    assert tuple(window) == (-1, -1)
+    g = q.shape[2] // k.shape[2]
+    p = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
+    kx, vx = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    d = (dout * out).sum(-1).transpose(1, 2)                                  # [B, H, Sq]
+    ds = p * (torch.einsum("bqhd,bkhd->bhqk", dout, vx) - d[..., None])
+    b, sk, hk, hd = k.shape
+    dq.copy_(torch.einsum("bhqk,bkhd->bqhd", ds, kx) * scale)
+    dk.copy_((torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale).reshape(b, sk, hk, g, hd).sum(3))
+    dv.copy_(torch.einsum("bhqk,bqhd->bkhd", p, dout).reshape(b, sk, hk, g, hd).sum(3))
+    return d
+
+
+def _empty(like):
+    return torch.empty(0, dtype=like.dtype)
+
+
+def _rng():
+    return torch.zeros(2, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------- FlashAttention 2.0: 7 outputs, no window
+def fa20_fwd(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
+    out, lse = _fwd_math(q, k, v, softmax_scale, causal, dropout_p=dropout_p)
+    return out, q, k, v, out, lse, _empty(q)
+
+
+def fa20_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal):
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
+    return dq, dk, dv, d
+
+
+# ---------------------------------------------------------------- 2.5: window_size tuple + alibi, 8 outputs
+def fa25_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
+    assert alibi_slopes is None
+    out, lse = _fwd_math(q, k, v, softmax_scale, causal, window_size, dropout_p=dropout_p)
+    return out, q, k, v, out, lse, _empty(q), _rng()
+
+
+def fa25_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
+             alibi_slopes, deterministic, rng_state=None):
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
+    return dq, dk, dv, d
+
+
+# ---------------------------------------------------------------- 2.6.0-2.6.2: + softcap, still 8 outputs
+def fa260_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
+    out, lse = _fwd_math(q, k, v, softmax_scale, causal, window_size, softcap, dropout_p)
+    return out, q, k, v, out, lse, _empty(q), _rng()
+
+
+def fa260_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
+              softcap, alibi_slopes, deterministic, rng_state=None):
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
+    return dq, dk, dv, d
+
+
+# ---------------------------------------------------------------- 2.6.3-2.8: custom ops, window_size_left/right
+@functools.cache
+def fa27_ops():
+    @torch.library.custom_op("ctx_plugin_test_fa27::fwd", mutates_args=("q", "k", "v"))
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
+            causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+            alibi_slopes: Optional[torch.Tensor], return_softmax: bool
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, lse = _fwd_math(q, k, v, softmax_scale, causal, (window_size_left, window_size_right), softcap,
+                             dropout_p)
+        return out, lse, _empty(q), _rng()
+
+    @torch.library.custom_op("ctx_plugin_test_fa27::bwd", mutates_args=("dq", "dk", "dv"))
+    def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+            dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
+            window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+            deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal,
+                         (window_size_left, window_size_right))
+
+    return fwd, bwd
+
+
+# ---------------------------------------------------------------- FA3 beta (flashattn_hopper_cuda): 6 outputs
+def fa3beta_fwd(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, v_descale=None,
+                window_size=(-1, -1), sink_token_length=0, softcap=0.0, num_splits=1, pack_gqa=None):
+    out, lse = _fwd_math(q, k, v, softmax_scale, causal, window_size, softcap)
+    return out, q, k, v, out, lse
+
+
+def fa3beta_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
+                sink_token_length=0, softcap=0.0, deterministic=False):
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
+    return dq, dk, dv, d
+
+
+# ---------------------------------------------------------------- FA3 @ c082294: many required None arguments
+def fa3c08_fwd(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q,
+               seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
+               seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal, window_size=(-1, -1),
+               attention_chunk=0, softcap=0.0, rotary_interleaved=True, scheduler_metadata=None, num_splits=1,
+               pack_gqa=None, sm_margin=0):
+    unused = (k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+              max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
+              seqlens_rotary, q_descale, k_descale, v_descale)
+    assert all(x is None for x in unused)
+    o, lse = _fwd_math(q, k, v, softmax_scale, causal, window_size, softcap)
+    return o, lse, _empty(q), _empty(q)
+
+
+def fa3c08_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q,
+               max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
+               deterministic=False, sm_margin=0):
+    assert all(x is None for x in (cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q, max_seqlen_k))
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
+    return dq, dk, dv, d
+
+
+# ---------------------------------------------------------------- FA3 @ 01afd16d: custom ops, bwd takes is_causal
+@functools.cache
+def fa3new_ops():
+    @torch.library.custom_op("ctx_plugin_test_fa3new::fwd", mutates_args=())
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: Optional[torch.Tensor] = None,
+            v_new: Optional[torch.Tensor] = None, qv: Optional[torch.Tensor] = None,
+            out_: Optional[torch.Tensor] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
+            cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+            softmax_scale: Optional[float] = None, causal: bool = False, window_size_left: int = -1,
+            window_size_right: int = -1, attention_chunk: int = 0, softcap: float = 0.0, num_splits: int = 1,
+            pack_gqa: Optional[bool] = None, sm_margin: int = 0
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, lse = _fwd_math(q, k, v, softmax_scale, causal, (window_size_left, window_size_right), softcap)
+        return out, lse, _empty(q), _empty(q)
+
+    @torch.library.custom_op("ctx_plugin_test_fa3new::bwd", mutates_args=("dq", "dk", "dv"))
+    def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            softmax_lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
+            cu_seqlens_k: Optional[torch.Tensor] = None, sequed_q: Optional[torch.Tensor] = None,
+            sequed_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+            max_seqlen_k: Optional[int] = None, dq: Optional[torch.Tensor] = None,
+            dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
+            softmax_scale: Optional[float] = None, is_causal: bool = False, window_size_left: int = -1,
+            window_size_right: int = -1, softcap: float = 0.0, deterministic: bool = False,
+            sm_margin: int = 0) -> torch.Tensor:
+        return _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, is_causal,
+                         (window_size_left, window_size_right))
+
+    return fwd, bwd
+
+
+@dataclass(frozen=True)
+class Version:
+    label: str
+    generation: int
+    version: str
+    functions: Callable[[], tuple]
+
+
+VERSIONS = [
+    Version("2.0", 2, "2.0.9", lambda: (fa20_fwd, fa20_bwd)),
+    Version("2.5", 2, "2.5.9.post1", lambda: (fa25_fwd, fa25_bwd)),
+    Version("2.6.0", 2, "2.6.0", lambda: (fa260_fwd, fa260_bwd)),
+    Version("2.7-custom-op", 2, "2.7.4", fa27_ops),
+    Version("fa3-beta", 3, "unknown", lambda: (fa3beta_fwd, fa3beta_bwd)),
+    Version("fa3-c082294", 3, "unknown", lambda: (fa3c08_fwd, fa3c08_bwd)),
+    Version("fa3-custom-op", 3, "unknown", fa3new_ops),
+]
+
+
+def _hide_all(monkeypatch):
+    for name in NAMES:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def _install(monkeypatch, version: Version, fwd=None, bwd=None):
+    """Puts a stand-in of ``version`` into sys.modules (on top of whatever is installed already)."""
+    fwd_default, bwd_default = version.functions()
+    if version.generation == 2:
+        pkg = types.ModuleType("flash_attn")
+        pkg.__path__ = []
+        pkg.__version__ = version.version
+        module = types.ModuleType("flash_attn.flash_attn_interface")
+        pkg.flash_attn_interface = module
+        monkeypatch.setitem(sys.modules, "flash_attn", pkg)
+        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", module)
+    else:
+        module = types.ModuleType("flash_attn_interface")
+        monkeypatch.setitem(sys.modules, "flash_attn_interface", module)
+    module._flash_attn_forward = fwd or fwd_default
+    module._flash_attn_backward = bwd or bwd_default
+
+
+@pytest.fixture(params=VERSIONS, ids=lambda v: v.label)
+def version(request, monkeypatch):
+    _hide_all(monkeypatch)
+    _install(monkeypatch, request.param)
+    return request.param
+
+
+# ---------------------------------------------------------------- dense float64 reference
+def _inputs(hk, *, sq=6, sk=6, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, sq, 4, 8, generator=gen, dtype=dtype)
+    k = torch.randn(2, sk, hk, 8, generator=gen, dtype=dtype)
+    v = torch.randn(2, sk, hk, 8, generator=gen, dtype=dtype)
+    dout = torch.randn(2, sq, 4, 8, generator=gen, dtype=dtype)
+    return q, k, v, dout
+
+
+def _reference(q, k, v, dout, causal, scale):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, dim=2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v.repeat_interleave(g, dim=2))
+    out.backward(dout)
+    return out.detach(), torch.logsumexp(s, dim=-1).detach(), q.grad, k.grad, v.grad
+
+
+SCALE = 0.3
+HEADS = pytest.mark.parametrize("hk", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+CAUSAL = pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+
+
+@HEADS
+@CAUSAL
+def test_forward_matches_dense(version, hk, causal):
+    q, k, v, dout = _inputs(hk)
+    kernel = fa.FlashAttnKernel(torch.device("cpu"))
+    out, lse = kernel.forward(q, k, v, causal=causal, scale=SCALE)
+    ref_out, ref_lse, *_ = _reference(q, k, v, dout, causal, SCALE)
+    assert kernel.info.generation == version.generation
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == accum_dtype(q.dtype) and lse.shape == (2, 4, 6)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=TOL)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=TOL)
+
+
+@HEADS
+@CAUSAL
+def test_backward_matches_autograd(version, hk, causal):
+    q, k, v, dout = _inputs(hk, seed=1)
+    kernel = fa.FlashAttnKernel(torch.device("cpu"))
+    out, lse = kernel.forward(q, k, v, causal=causal, scale=SCALE)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=SCALE)
+    _, _, ref_dq, ref_dk, ref_dv = _reference(q, k, v, dout, causal, SCALE)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    for got, want in ((dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("hk", [4, 2], ids=["mha", "gqa"])
+def test_backward_with_externally_merged_out_and_lse(version, hk):
+    """Ring attention's use: two K/V blocks, merged out/lse, one backward per block with the merged values."""
+    q, k, v, dout = _inputs(hk, sk=10, seed=2)
+    kernel = fa.FlashAttnKernel(torch.device("cpu"))
+    blocks = [(k[:, :4], v[:, :4]), (k[:, 4:], v[:, 4:])]
+    parts = [kernel.forward(q, kb, vb, causal=False, scale=SCALE) for kb, vb in blocks]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(o * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l in parts)
+    grads = [kernel.backward(dout, q, kb, vb, out, lse, causal=False, scale=SCALE) for kb, vb in blocks]
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _reference(q, k, v, dout, False, SCALE)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=TOL)
+    torch.testing.assert_close(grads[0][0] + grads[1][0], ref_dq, rtol=0, atol=TOL)
+    torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], dim=1), ref_dk, rtol=0, atol=TOL)
+    torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], dim=1), ref_dv, rtol=0, atol=TOL)
+
+
+def test_inputs_with_strided_last_dim_are_made_contiguous(version):
+    q, k, v, dout = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in _inputs(2, seed=3))
+    assert q.stride(-1) != 1  # the stand-ins reject this layout, as flash-attn does
+    kernel = fa.FlashAttnKernel(torch.device("cpu"))
+    out, lse = kernel.forward(q, k, v, causal=True, scale=SCALE)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out.transpose(-1, -2).contiguous().transpose(-1, -2),
+                                 lse.transpose(1, 2).contiguous().transpose(1, 2), causal=True, scale=SCALE)
+    ref_out, _, ref_dq, ref_dk, ref_dv = _reference(q, k, v, dout, True, SCALE)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=TOL)
+    torch.testing.assert_close(dk, ref_dk, rtol=0, atol=TOL)
+
+
+def test_float32_inputs_keep_their_dtype(version):
+    q, k, v, dout = _inputs(2, dtype=torch.float32, seed=4)
+    kernel = fa.FlashAttnKernel(torch.device("cpu"))
+    out, lse = kernel.forward(q, k, v, causal=True, scale=SCALE)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=SCALE)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32 and dq.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _reference(q.double(), k.double(), v.double(), dout.double(),
+                                                        True, SCALE)[0], rtol=0, atol=1e-5)
+
+
+def test_causal_block_must_be_square(version):
+    q, k, v, _ = _inputs(2, sk=8)
+    with pytest.raises(ValueError, match="square"):
+        fa.FlashAttnKernel(torch.device("cpu")).forward(q, k, v, causal=True, scale=SCALE)
+
+
+def test_version_info_names_what_was_found(version):
+    info = fa.version_info(torch.device("cpu"))
+    assert info == fa.FlashAttnInfo(version.generation, "flash_attn.flash_attn_interface"
+                                    if version.generation == 2 else "flash_attn_interface", version.version)
+
+
+@pytest.mark.parametrize("capability,generation", [((9, 0), 3), ((8, 0), 2), ((10, 0), 2)])
+def test_fa3_preferred_on_hopper_only(monkeypatch, capability, generation):
+    _hide_all(monkeypatch)
+    _install(monkeypatch, VERSIONS[3])
+    _install(monkeypatch, VERSIONS[6])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert fa.version_info(torch.device("cuda", 0)).generation == generation
+    assert fa.version_info(torch.device("cpu")).generation == 2
+    assert fa.unavailable(torch.device("cuda", 0), torch.bfloat16, 128) is None
+
+
+def test_unavailable_without_flash_attn_gives_install_hint(monkeypatch):
+    _hide_all(monkeypatch)
+    reason = fa.unavailable(torch.device("cuda", 0), torch.bfloat16, 128)
+    assert "not installed" in reason and "pip install" in reason and "flash-attn" in reason
+    assert fa.version_info(torch.device("cpu")) is None
+    with pytest.raises(RuntimeError, match="not installed"):
+        fa.FlashAttnKernel(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("body,detail", [("import flash_attn_2_cuda\n", "flash_attn_2_cuda"),
+                                         ("raise ImportError('undefined symbol: _ZN3c10')\n", "undefined symbol")])
+def test_unavailable_reports_a_broken_install(monkeypatch, tmp_path, body, detail):
+    _hide_all(monkeypatch)
+    (tmp_path / "flash_attn_interface.py").write_text(body)
+    pkg = types.ModuleType("flash_attn")
+    pkg.__path__ = [str(tmp_path)]
+    monkeypatch.setitem(sys.modules, "flash_attn", pkg)
+    monkeypatch.delitem(sys.modules, "flash_attn.flash_attn_interface")
+    monkeypatch.setitem(sys.modules, "flash_attn_2_cuda", None)
+    reason = fa.unavailable(torch.device("cuda", 0), torch.bfloat16, 128)
+    assert "does not import" in reason and detail in reason and "reinstall" in reason
+
+
+def test_unavailable_on_cpu_asks_for_cuda(version):
+    reason = fa.unavailable(torch.device("cpu"), torch.float16, 128)
+    assert reason is not None and "CUDA" in reason
+
+
+@pytest.mark.parametrize("dtype,head_dim,words", [(torch.float32, 128, "float16 or bfloat16"),
+                                                  (torch.float64, 64, "float16 or bfloat16"),
+                                                  (torch.bfloat16, 264, "head_dim"),
+                                                  (torch.float16, 36, "head_dim")])
+def test_unavailable_names_dtype_and_head_dim_limits(version, dtype, head_dim, words):
+    reason = fa.unavailable(torch.device("cuda", 0), dtype, head_dim)
+    assert reason is not None and words in reason and str(head_dim if words == "head_dim" else dtype) in reason
+
+
+def test_unavailable_rejects_pre_ampere_and_missing_cuda(version, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "is_available" in fa.unavailable(torch.device("cuda", 0), torch.float16, 128)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert "Ampere" in fa.unavailable(torch.device("cuda", 0), torch.float16, 128)
+
+
+def test_flash_attn_1_signature_is_rejected(monkeypatch):
+    def v1_fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+               softmax_scale, causal, return_softmax, num_splits=0, generator=None):
+        raise AssertionError("must not be called")
+
+    _hide_all(monkeypatch)
+    _install(monkeypatch, Version("1.0", 2, "1.0.9", lambda: (fa20_fwd, fa20_bwd)), fwd=v1_fwd)
+    reason = fa.unavailable(torch.device("cuda", 0), torch.float16, 128)
+    assert "1.0.9" in reason and "not supported" in reason and "requires 'out'" in reason
+    with pytest.raises(TypeError, match="requires 'out'"):
+        fa.FlashAttnKernel(torch.device("cpu"))
+
+
+def test_missing_causal_parameter_is_an_error_not_a_silent_full_mask(monkeypatch):
+    def no_causal_fwd(q, k, v, dropout_p, softmax_scale, return_softmax):
+        raise AssertionError("must not be called")
+
+    _hide_all(monkeypatch)
+    _install(monkeypatch, VERSIONS[0], fwd=no_causal_fwd)
+    with pytest.raises(TypeError, match="causal"):
+        fa.FlashAttnKernel(torch.device("cpu"))
+
+
+def test_module_imports_nothing_from_flash_attn():
+    code = ("import sys, ctx_plugin.kernels.flash_attn\n"
+            f"hit = [n for n in {NAMES!r} if n in sys.modules]\n"
+            "assert not hit, hit\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr
