@@ -113,3 +113,27 @@ def bad_inputs(rank: int, world: int, payload) -> dict:
     probe = torch.ones(1)
     dist.all_reduce(probe)   # would hang or fail if a bad call had left a request behind
     return {"errors": errors, "started": started, "probe": probe.item()}
+
+
+def sharding_helpers(rank: int, world: int, payload) -> dict:
+    """Positions, shard→gather round trips and gather_sequence's gradient, for every ring backend."""
+    out = {}
+    for backend in RING_BACKENDS:
+        cfg = ctx_plugin.CPConfig(backend=backend)
+        groups = ctx_plugin.build_cp_groups(cfg)
+        seq = 12 * world
+        pos = ctx_plugin.sequence_positions(seq, config=cfg, groups=groups)
+        gathered_pos = ctx_plugin.gather_sequence(pos.view(1, -1), config=cfg, groups=groups)
+        x = torch.randn(2, seq, 3, generator=torch.Generator().manual_seed(5))
+        x_local = ctx_plugin.shard_sequence(x, config=cfg, groups=groups).requires_grad_(True)
+        full = ctx_plugin.gather_sequence(x_local, config=cfg, groups=groups)
+        weight = torch.arange(full.numel(), dtype=full.dtype).view_as(full)
+        (full * weight).sum().backward()
+        # every rank computed the same objective on the gathered tensor: the gradient of the sum over ranks
+        want_grad = world * ctx_plugin.shard_sequence(weight, config=cfg, groups=groups)
+        out[backend] = {"positions_roundtrip": gathered_pos.flatten().tolist() == list(range(seq)),
+                        "positions_are_layout": pos.tolist() == x_local.new_tensor(
+                            ctx_plugin.layouts.layout_for(backend).local_indices(seq, rank, world)).long().tolist(),
+                        "gather_roundtrip": torch.equal(full.detach(), x),
+                        "gather_grad": torch.equal(x_local.grad, want_grad)}
+    return out

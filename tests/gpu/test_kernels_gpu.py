@@ -1,0 +1,86 @@
+"""Fused CUDA kernels (torch cuDNN, torch flash, flash-attn) in bf16/fp16 against the torch kernel in fp32.
+
+Skipped without CUDA. One short command on a single GPU: ``python -m pytest -q tests/gpu``.
+Tolerances follow TransformerEngine's attention tests: bf16 2.5e-2 and fp16 1e-2 relative (norm-wise); the
+LSE is fp32 in every kernel, so it must agree within 1e-2 absolute (its values are O(log S)).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ctx_plugin
+from ctx_plugin.kernels import kernel_unavailable, select_kernel
+from ctx_plugin.kernels.torch_math import TorchKernel
+from ctx_plugin.names import Kernel
+from tests.reference import rel_err
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+FUSED = [Kernel.SDPA_CUDNN, Kernel.SDPA_FLASH, Kernel.FLASH_ATTN]
+TOL = {torch.bfloat16: 2.5e-2, torch.float16: 1e-2}
+SHAPES = {"mha": (2, 512, 8, 8, 128), "gqa": (2, 512, 8, 2, 128), "mqa-d64": (1, 1024, 4, 1, 64)}
+
+
+def _inputs(shape, dtype, seed=0):
+    b, s, h, hkv, d = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *sh: torch.randn(*sh, generator=g, device="cuda", dtype=torch.float32)  # noqa: E731
+    q, k, v, do = mk(b, s, h, d), mk(b, s, hkv, d), mk(b, s, hkv, d), mk(b, s, h, d)
+    return [t.to(dtype) for t in (q, k, v, do)]
+
+
+def _need(kernel, dtype, head_dim):
+    reason = kernel_unavailable(kernel, torch.device("cuda"), dtype, head_dim)
+    if reason is not None:
+        pytest.skip(reason)
+    return select_kernel(kernel, torch.device("cuda"), dtype, head_dim)
+
+
+@pytest.mark.parametrize("kernel", FUSED)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_fused_kernel_matches_fp32_reference(kernel, dtype, shape, causal):
+    q, k, v, do = _inputs(SHAPES[shape], dtype)
+    impl = _need(kernel, dtype, q.shape[-1])
+    scale = q.shape[-1] ** -0.5
+    ref = TorchKernel()
+    q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
+    want_out, want_lse = ref.forward(q32, k32, v32, causal=causal, scale=scale)
+    want = ref.backward(do32, q32, k32, v32, want_out, want_lse, causal=causal, scale=scale)
+    out, lse = impl.forward(q, k, v, causal=causal, scale=scale)
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32
+    assert rel_err(out, want_out) < TOL[dtype]
+    assert (lse - want_lse).abs().max().item() < 1e-2
+    grads = impl.backward(do, q, k, v, out, lse, causal=causal, scale=scale)
+    for name, got, exp in zip(("dq", "dk", "dv"), grads, want):
+        assert got.shape == exp.shape, name
+        assert rel_err(got, exp) < TOL[dtype], f"{name}: {rel_err(got, exp):.2e}"
+
+
+@pytest.mark.parametrize("kernel", [Kernel.AUTO, *FUSED])
+@pytest.mark.parametrize("backend", list(ctx_plugin.Backend))
+def test_cp_attention_single_gpu(kernel, backend):
+    """The full ring path (P = 1) with each kernel, gradients included, in bf16."""
+    q, k, v, do = _inputs(SHAPES["gqa"], torch.bfloat16, seed=1)
+    if kernel != Kernel.AUTO:
+        _need(kernel, torch.bfloat16, q.shape[-1])
+    cfg = ctx_plugin.CPConfig(backend=backend, kernel=kernel)
+    groups = ctx_plugin.build_cp_groups(cfg)
+    ql, kl, vl = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = ctx_plugin.cp_attention(ql, kl, vl, config=cfg, groups=groups, causal=True)
+    out.backward(do)
+    ref = TorchKernel()
+    q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
+    want_out, want_lse = ref.forward(q32, k32, v32, causal=True, scale=q.shape[-1] ** -0.5)
+    want = ref.backward(do32, q32, k32, v32, want_out, want_lse, causal=True, scale=q.shape[-1] ** -0.5)
+    assert rel_err(out, want_out) < TOL[torch.bfloat16]
+    for got, exp in zip((ql.grad, kl.grad, vl.grad), want):
+        assert got.dtype == torch.bfloat16
+        assert rel_err(got, exp) < TOL[torch.bfloat16]
+
+
+def test_auto_picks_a_fused_kernel_on_gpu():
+    picked = select_kernel(Kernel.AUTO, torch.device("cuda"), torch.bfloat16, 128)
+    assert picked.name != Kernel.TORCH.value

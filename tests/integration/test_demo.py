@@ -1,0 +1,25 @@
+"""The quick-start job itself: `ctx-plugin demo` under torchrun, every ring backend, parity with 1 process."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ctx_plugin.names import Backend
+
+
+@pytest.mark.parametrize("backend", [b.value for b in Backend])
+def test_demo_matches_single_process(tmp_path, backend):
+    report = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ctx_plugin.cli", "demo", "--nproc", "2", "--backend", backend, "--device", "cpu",
+         "--steps", "3", "--seq-len", "64", "--json", str(report)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASS: loss matches the single-process run" in proc.stdout
+    data = json.loads(report.read_text())
+    assert data["ok"] and data["world_size"] == 2 and data["device"] == "cpu"
+    assert len(data["cp_losses"]) == 3 and data["worst_rel_diff"] <= 1e-5
+    assert data["tokens_per_s"] > 0 and all(m > 0 for m in data["peak_memory_mib"])
