@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ctx_plugin", "ctx_plugin.*"]),
     python_requires=">=3.12",
-    install_requires=["torch>=2.5"],
+    install_requires=["torch>=2.5", "numpy"],
     extras_require={
         "megatron": ["megatron-core>=0.16", "triton"],
         "deepspeed": ["deepspeed>=0.19"],

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from .config import CPConfig
 from .groups import CPGroups
 from .kernels import select_kernel
-from .layouts import Layout, layout_for
-from .ring import RingAttention
+from .attention import check_heads, run_backend
+from .layouts import Layout, shard_layout
 
 
 def _check_setup(config: CPConfig, groups: CPGroups) -> Layout:
@@ -25,7 +25,7 @@ def _check_setup(config: CPConfig, groups: CPGroups) -> Layout:
     if groups.config != config:
         raise ValueError(f"groups were built for {groups.config} but this call uses {config}; "
                          f"build them with ctx_plugin.build_cp_groups(config) for the config you pass")
-    return layout_for(config.backend)
+    return shard_layout(config)
 
 
 def _check_device(t: torch.Tensor, groups: CPGroups) -> None:
@@ -81,9 +81,11 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
             or not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
     layout.check_seq_len(q.shape[1] * groups.size, groups.size)
+    check_heads(q.shape[2], k.shape[2], groups)
     _check_device(q, groups)
     kernel = select_kernel(config.kernel, q.device, q.dtype, q.shape[-1])
-    return RingAttention.apply(q, k, v, kernel, layout, groups, causal, float(softmax_scale))
+    return run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=causal,
+                       scale=float(softmax_scale))
 
 
 def _seq_dim(x: torch.Tensor, dim: int) -> int:

@@ -1,10 +1,10 @@
-"""The ring communicator: batched non-blocking exchange with the next and previous rank of a group."""
+"""Communication primitives, each on an explicit :class:`RankGroup` and counted in a :class:`CommCounter`."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .groups import CPGroups
+from .groups import CommCounter, RankGroup
 
 
 class Exchange:
@@ -20,24 +20,26 @@ class Exchange:
 
 
 class RingComm:
-    """Sends to rank ``r+1`` and receives from rank ``r−1`` of ``groups.group``, counting each exchange."""
+    """Sends to rank ``r+1`` and receives from rank ``r−1`` of a group, counting each exchange.
 
-    def __init__(self, groups: CPGroups) -> None:
-        self.groups = groups
-        self.rank, self.size = groups.rank, groups.size
-        self.send_to = (self.rank + 1) % self.size
-        self.recv_from = (self.rank - 1) % self.size
+    Use as a context manager: on exit every posted request is completed, also when an exception unwinds the
+    ring (a request dropped without ``wait()`` makes the next collective hang on every rank)."""
+
+    def __init__(self, group: RankGroup, counter: CommCounter) -> None:
+        self.group, self.counter = group, counter
+        self.send_to = (group.rank + 1) % group.size
+        self.recv_from = (group.rank - 1) % group.size
         self._pending: list[Exchange] = []
 
     def start(self, send: torch.Tensor, recv: torch.Tensor, kind: str, tag: int = 0) -> Exchange:
         """Posts ``send`` → next rank and ``recv`` ← previous rank as one batch; returns without waiting.
 
         ``tag`` keeps different streams of messages apart on backends that match by tag (gloo)."""
-        group = self.groups.group
-        ops = [dist.P2POp(dist.isend, send, group=group, tag=tag, group_peer=self.send_to),
-               dist.P2POp(dist.irecv, recv, group=group, tag=tag, group_peer=self.recv_from)]
+        pg = self.group.group
+        ops = [dist.P2POp(dist.isend, send, group=pg, tag=tag, group_peer=self.send_to),
+               dist.P2POp(dist.irecv, recv, group=pg, tag=tag, group_peer=self.recv_from)]
         exchange = Exchange(dist.batch_isend_irecv(ops))
-        self.groups.counter.record(kind)
+        self.counter.record(kind)
         self._pending.append(exchange)
         return exchange
 
@@ -45,8 +47,32 @@ class RingComm:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        # Complete every posted request, also when an exception unwinds the ring: a request dropped without
-        # wait() makes the next collective hang on every rank.
         pending, self._pending = self._pending, []
         for exchange in pending:
             exchange.wait()
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: RankGroup, counter: CommCounter) -> torch.Tensor:
+    """``out[i]`` ← rank i's ``inp[this rank]`` (first dimension = group size); returns ``out``."""
+    dist.all_to_all_single(out, inp, group=group.group)
+    counter.record("a2a")
+    return out
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: RankGroup, counter: CommCounter,
+               kind: str) -> torch.Tensor:
+    """``out`` (contiguous, first dimension = group size) ← every rank's ``inp``, in rank order; returns ``out``."""
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has only the old.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out.view(-1), inp.contiguous().view(-1), group=group.group)
+    counter.record(kind)
+    return out
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: RankGroup, counter: CommCounter,
+                   kind: str) -> torch.Tensor:
+    """``out`` (contiguous) ← the sum over ranks of ``inp[this rank]`` (first dimension of ``inp`` = group size)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor   # renamed in 2.13
+    scatter(out.view(-1), inp.contiguous().view(-1), group=group.group)
+    counter.record(kind)
+    return out

@@ -11,13 +11,25 @@ class CPConfig:
     """Context-parallel attention settings. Keyword-only, frozen, checked on construction."""
 
     backend: Backend = Backend.ZIGZAG
-    """Algorithm and token layout: one of :class:`ctx_plugin.names.Backend` (``ring``, ``zigzag``, ``striped``).
+    """Algorithm and token layout: one of :class:`ctx_plugin.names.Backend` (``ring``, ``zigzag``, ``striped``,
+    ``ulysses``, ``ulysses_ring``, ``allgather``).
     ``zigzag`` (the default) balances causal work across ranks and is the layout Megatron-LM assumes."""
 
     kernel: Kernel = Kernel.AUTO
     """Local attention kernel: ``auto`` (fastest available for the device, dtype and head size), ``torch``,
     ``sdpa_cudnn``, ``sdpa_flash`` or ``flash_attn``. An explicit kernel that cannot run is an error."""
 
+    ulysses_size: int = 1
+    """For ``backend="ulysses_ring"``: ranks per Ulysses (all-to-all) group, meant to sit inside one node; the
+    ring runs across the P / ulysses_size groups. Must divide the context-parallel size. Other backends take 1."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", parse_enum(Backend, self.backend, "backend"))
         object.__setattr__(self, "kernel", parse_enum(Kernel, self.kernel, "kernel"))
+        if isinstance(self.ulysses_size, bool) or not isinstance(self.ulysses_size, int):
+            raise TypeError(f"ulysses_size must be an int, got {type(self.ulysses_size).__name__}")
+        if self.ulysses_size < 1:
+            raise ValueError(f"ulysses_size must be at least 1, got {self.ulysses_size}")
+        if self.ulysses_size != 1 and self.backend != Backend.ULYSSES_RING:
+            raise ValueError(f"ulysses_size={self.ulysses_size} applies to backend='ulysses_ring' only; use that "
+                             f"backend for the 2-D hybrid, or leave ulysses_size at 1 for backend={self.backend.value!r}")

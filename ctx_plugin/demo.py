@@ -123,6 +123,7 @@ def _peak_memory_mib(device: torch.device) -> float:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default=Backend.ZIGZAG.value, choices=[b.value for b in Backend])
+    p.add_argument("--ulysses-size", type=int, default=1, help="Ulysses group size for --backend ulysses_ring")
     p.add_argument("--kernel", default=Kernel.AUTO.value, choices=[k.value for k in Kernel])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: CUDA when every rank can have its own GPU, else CPU with gloo")
@@ -147,17 +148,18 @@ def main(argv=None) -> int:
     device = torch.device("cuda", rank % gpus) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    cp_config = ctx_plugin.CPConfig(backend=args.backend, kernel=args.kernel)
+    cp_config = ctx_plugin.CPConfig(backend=args.backend, kernel=args.kernel, ulysses_size=args.ulysses_size)
     cp_groups = ctx_plugin.build_cp_groups(cp_config)                  # every rank shares one sequence
     alone, _ = dist.new_subgroups(group_size=1)                         # a group of one for the reference run
-    ref_groups = ctx_plugin.build_cp_groups(cp_config, group=alone)
+    ref_config = ctx_plugin.CPConfig(kernel=args.kernel)                # on one rank every backend is plain attention
+    ref_groups = ctx_plugin.build_cp_groups(ref_config, group=alone)
     model_cfg = TinyModelConfig()
     runs = {}
-    for name, groups in (("reference", ref_groups), ("context_parallel", cp_groups)):
+    for name, config, groups in (("reference", ref_config, ref_groups), ("context_parallel", cp_config, cp_groups)):
         torch.manual_seed(args.seed)
         model = TinyLM(model_cfg).to(device)
-        runs[name] = train(model, cp_config, groups, args.steps, args.batch, args.seq_len, model_cfg.vocab,
-                           args.lr, args.seed)
+        runs[name] = train(model, config, groups, args.steps, args.batch, args.seq_len, model_cfg.vocab, args.lr,
+                           args.seed)
     (ref_losses, _), (cp_losses, tokens_per_s) = runs["reference"], runs["context_parallel"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(cp_losses, ref_losses))
     memory = torch.tensor([_peak_memory_mib(device)], device=device)
@@ -165,7 +167,8 @@ def main(argv=None) -> int:
     dist.all_gather(all_memory, memory)
     ok = worst <= args.rtol
     if rank == 0:
-        print(f"ctx_plugin demo: {model_cfg.layers}-layer GQA model, backend={cp_config.backend}, "
+        hybrid = f" (ulysses_size={cp_config.ulysses_size})" if cp_config.backend == Backend.ULYSSES_RING else ""
+        print(f"ctx_plugin demo: {model_cfg.layers}-layer GQA model, backend={cp_config.backend}{hybrid}, "
               f"{world} {device.type} ranks, {args.seq_len} tokens per sequence ({args.seq_len // world} per rank)")
         print(f"{'step':>4}  {'loss (CP)':>12}  {'loss (1 process)':>16}  {'rel. diff':>9}")
         for i, (a, b) in enumerate(zip(cp_losses, ref_losses)):

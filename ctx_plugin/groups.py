@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from .config import CPConfig
+from .names import Backend
 
 
 @dataclass(eq=False)
 class CommCounter:
     """Counts communication operations issued through these groups (tests read it; cheap enough to keep on).
 
-    Keys are operation kinds such as ``"ring_kv"`` (one K/V rotation) and ``"ring_dkv"`` (one dK/dV hop)."""
+    Keys are operation kinds: ``"ring_kv"`` (one K/V rotation), ``"ring_dkv"`` (one dK/dV hop), ``"a2a"`` (one
+    Ulysses all-to-all), ``"allgather_kv"`` and ``"reduce_scatter_dkv"``."""
 
     counts: Counter = field(default_factory=Counter)
 
@@ -25,21 +27,49 @@ class CommCounter:
 
 
 @dataclass(frozen=True, eq=False)
+class RankGroup:
+    """One process group as the collectives see it: the group, this process's rank in it, its size."""
+
+    group: dist.ProcessGroup | None
+    """``None`` only for a group of one process that never communicates."""
+    rank: int
+    size: int
+
+
+ALONE = RankGroup(group=None, rank=0, size=1)
+"""The trivial group: the axis a backend does not use (e.g. the Ulysses axis of the plain ring)."""
+
+
+@dataclass(frozen=True, eq=False)
 class CPGroups:
-    """The context-parallel group of this rank, made by :func:`build_cp_groups` for one :class:`CPConfig`."""
+    """The context-parallel groups of this rank, made by :func:`build_cp_groups` for one :class:`CPConfig`."""
 
     config: CPConfig
     """The configuration these groups were built for; ``cp_attention`` refuses any other."""
-    group: dist.ProcessGroup | None
-    """The context-parallel process group; ``None`` only when torch.distributed is not initialized (size 1)."""
-    rank: int
-    """This process's rank within ``group``."""
-    size: int
-    """Number of ranks P that share one sequence."""
+    cp: RankGroup
+    """All P ranks that share one sequence."""
+    ulysses: RankGroup
+    """The all-to-all axis: the whole group for ``ulysses``, ``ulysses_size`` consecutive ranks for the hybrid,
+    trivial otherwise."""
+    ring: RankGroup
+    """The ring (or all-gather) axis: the whole group for ring backends and ``allgather``, every
+    ``ulysses_size``-th rank for the hybrid, trivial for ``ulysses``."""
     device_types: frozenset[str]
-    """Device types (``"cpu"``, ``"cuda"``, ...) whose tensors the group's backend can send."""
+    """Device types (``"cpu"``, ``"cuda"``, ...) whose tensors the groups' backend can send."""
     counter: CommCounter = field(default_factory=CommCounter)
     """Communication counts, for tests and diagnostics."""
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.cp.group
+
+    @property
+    def rank(self) -> int:
+        return self.cp.rank
+
+    @property
+    def size(self) -> int:
+        return self.cp.size
 
 
 def _device_types(group: dist.ProcessGroup) -> frozenset[str]:
@@ -49,21 +79,49 @@ def _device_types(group: dist.ProcessGroup) -> frozenset[str]:
     return frozenset(dev for dev, backend in pairs if backend != "gloo" or dev == "cpu")
 
 
+def _split(cp: RankGroup, ulysses_size: int) -> tuple[RankGroup, RankGroup]:
+    """Ulysses groups of ``ulysses_size`` consecutive ranks and ring groups of every ``ulysses_size``-th rank.
+
+    Each rank creates only the two groups it belongs to (``use_local_synchronization``), so this works for a
+    context-parallel group that is a subgroup of the world."""
+    if ulysses_size == 1:
+        return ALONE, cp
+    if ulysses_size == cp.size:
+        return cp, ALONE
+    members = dist.get_process_group_ranks(cp.group)
+    outer, inner = divmod(cp.rank, ulysses_size)
+    inner_ranks = members[outer * ulysses_size:(outer + 1) * ulysses_size]
+    outer_ranks = members[inner::ulysses_size]
+    inner_group = dist.new_group(inner_ranks, use_local_synchronization=True)
+    outer_group = dist.new_group(outer_ranks, use_local_synchronization=True)
+    return RankGroup(inner_group, inner, ulysses_size), RankGroup(outer_group, outer, cp.size // ulysses_size)
+
+
 def build_cp_groups(config: CPConfig, group: dist.ProcessGroup | None = None) -> CPGroups:
     """Groups for ``config`` over ``group`` (``None``: the default group, or a single process when
-    torch.distributed is not initialized). Call it on every rank of ``group``; it does not communicate."""
+    torch.distributed is not initialized). Call it on every rank of ``group``. For ``ulysses_ring`` it creates
+    the Ulysses and ring subgroups (a collective over ``group``); otherwise it does not communicate."""
     if not isinstance(config, CPConfig):
         raise TypeError(f"config must be a ctx_plugin.CPConfig, got {type(config).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialized; "
                              "call torch.distributed.init_process_group first")
-        return CPGroups(config=config, group=None, rank=0, size=1, device_types=frozenset())
-    if group is None:
-        group = dist.group.WORLD
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the given process group; call build_cp_groups with a "
-                         "group that contains it (every rank passes its own context-parallel group)")
-    return CPGroups(config=config, group=group, rank=rank, size=dist.get_world_size(group),
-                    device_types=_device_types(group))
+        cp, device_types = ALONE, frozenset()
+    else:
+        group = dist.group.WORLD if group is None else group
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("this process is not a member of the given process group; call build_cp_groups with "
+                             "a group that contains it (every rank passes its own context-parallel group)")
+        cp, device_types = RankGroup(group, rank, dist.get_world_size(group)), _device_types(group)
+    u = config.ulysses_size
+    if cp.size % u:
+        valid = [d for d in range(1, cp.size + 1) if cp.size % d == 0]
+        raise ValueError(f"ulysses_size={u} does not divide the context-parallel size {cp.size}; "
+                         f"valid ulysses_size values: {valid}")
+    if config.backend == Backend.ULYSSES:
+        ulysses, ring = cp, ALONE
+    else:
+        ulysses, ring = _split(cp, u)
+    return CPGroups(config=config, cp=cp, ulysses=ulysses, ring=ring, device_types=device_types)

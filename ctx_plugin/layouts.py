@@ -1,7 +1,9 @@
 """Token layouts: which global tokens a rank holds, and the per-step plan of the ring.
 
 A layout is a permutation of the global sequence into P equal shards. ``local_indices`` is its one source
-of truth: sharding, un-sharding and position ids are all derived from it.
+of truth: sharding, un-sharding and position ids are all derived from it. Ring layouts (contiguous, zigzag,
+striped) add the per-step plan; the Ulysses×ring hybrid has a sharding layout of its own (zigzag over the
+ring, contiguous within each Ulysses group) and runs its ring with the zigzag plan.
 
 The ring plan says, for rank ``r`` holding the K/V shard of rank ``s`` (``s = (r − step) mod P``), which
 slice of local Q meets which slice of that K/V and whether the block is causal. Blocks are either full
@@ -17,11 +19,13 @@ check that for every layout and P.
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from .config import CPConfig
 from .names import Backend
 
 
@@ -43,15 +47,19 @@ def _causal(n: int) -> tuple[Block, ...]:
 
 
 class Layout(ABC):
-    """Base class: subclasses define ``name``, ``multiple``, ``local_indices`` and ``causal_plan``."""
+    """How the global sequence is split over P ranks. Subclasses define ``name``, ``unit`` and
+    ``local_indices``."""
 
     name: str = ""
     multiple: int = 1
-    """The global sequence length must be a multiple of ``multiple * P``."""
+
+    def unit(self, size: int) -> int:
+        """The global sequence length must be a positive multiple of this."""
+        return self.multiple * size
 
     def check_seq_len(self, seq_len: int, size: int) -> None:
         """ValueError naming the fix when ``seq_len`` cannot be split over ``size`` ranks."""
-        unit = self.multiple * size
+        unit = self.unit(size)
         if seq_len <= 0 or seq_len % unit:
             raise ValueError(
                 f"the {self.name} layout over {size} rank(s) needs a sequence length that is a positive multiple "
@@ -61,6 +69,14 @@ class Layout(ABC):
     @abstractmethod
     def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
         """Global positions (int64) of the tokens rank ``rank`` holds, in local order (increasing)."""
+
+    def permutation(self, seq_len: int, size: int) -> torch.Tensor:
+        """Concatenation of every rank's ``local_indices`` (rank 0 first): the sharded order of the sequence."""
+        return torch.cat([self.local_indices(seq_len, r, size) for r in range(size)])
+
+
+class RingLayout(Layout):
+    """A layout the ring can run on: adds the per-step plan (``causal_plan``)."""
 
     @abstractmethod
     def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
@@ -72,12 +88,8 @@ class Layout(ABC):
             return _full(local_len)
         return self.causal_plan(rank, source, size, local_len)
 
-    def permutation(self, seq_len: int, size: int) -> torch.Tensor:
-        """Concatenation of every rank's ``local_indices`` (rank 0 first): the sharded order of the sequence."""
-        return torch.cat([self.local_indices(seq_len, r, size) for r in range(size)])
 
-
-class Contiguous(Layout):
+class Contiguous(RingLayout):
     name = "contiguous"
 
     def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
@@ -90,7 +102,7 @@ class Contiguous(Layout):
         return _full(local_len) if source < rank else ()
 
 
-class Zigzag(Layout):
+class Zigzag(RingLayout):
     name = "zigzag"
     multiple = 2
 
@@ -109,7 +121,7 @@ class Zigzag(Layout):
         return (Block(slice(half, local_len), slice(0, local_len), False),)
 
 
-class Striped(Layout):
+class Striped(RingLayout):
     name = "striped"
 
     def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
@@ -123,13 +135,44 @@ class Striped(Layout):
         return (Block(slice(1, local_len), slice(0, local_len - 1), True),)
 
 
-LAYOUTS: dict[Backend, Layout] = {
-    Backend.RING: Contiguous(),
-    Backend.ZIGZAG: Zigzag(),
-    Backend.STRIPED: Striped(),
+class UlyssesRing(Layout):
+    """The hybrid's sharding: the ring (P/u groups) splits the sequence zigzag-wise; each Ulysses group of u
+    consecutive ranks splits its ring shard contiguously, so the all-to-all re-assembles the ring shard."""
+
+    name = "ulysses_ring"
+
+    def __init__(self, ulysses_size: int) -> None:
+        self.ulysses_size = ulysses_size
+
+    def unit(self, size: int) -> int:
+        return size // self.ulysses_size * math.lcm(2, self.ulysses_size)
+
+    def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
+        outer, inner = divmod(rank, self.ulysses_size)
+        ring_shard = Zigzag().local_indices(seq_len, outer, size // self.ulysses_size)
+        n = seq_len // size
+        return ring_shard[inner * n:(inner + 1) * n]
+
+
+RING_LAYOUTS: tuple[RingLayout, ...] = (Contiguous(), Zigzag(), Striped())
+
+_SHARDING: dict[Backend, type[RingLayout]] = {
+    Backend.RING: Contiguous,
+    Backend.ZIGZAG: Zigzag,
+    Backend.STRIPED: Striped,
+    Backend.ULYSSES: Contiguous,     # the all-to-all concatenates rank shards: contiguous is the original order
+    Backend.ALLGATHER: Zigzag,       # balances the causal rows each rank computes
 }
-"""The token layout of each backend (layouts hold no state)."""
 
 
-def layout_for(backend: Backend) -> Layout:
-    return LAYOUTS[Backend(backend)]
+def shard_layout(config: CPConfig) -> Layout:
+    """How ``config``'s backend expects the tokens of a sequence to be spread over the ranks."""
+    if config.backend == Backend.ULYSSES_RING:
+        return UlyssesRing(config.ulysses_size)
+    return _SHARDING[config.backend]()
+
+
+def ring_layout(config: CPConfig) -> RingLayout:
+    """The layout whose plan the ring runs (over the ring group; trivial when that group has one rank)."""
+    layout = shard_layout(config)
+    return layout if isinstance(layout, RingLayout) else Zigzag()

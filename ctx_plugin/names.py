@@ -17,6 +17,12 @@ class Backend(StrEnum):
     """Ring attention over 2·P chunks, rank r holding chunks r and 2P−1−r: balanced causal work (Megatron's layout)."""
     STRIPED = "striped"
     """Ring attention with token t on rank t mod P: balanced causal work, finest interleave."""
+    ULYSSES = "ulysses"
+    """DeepSpeed-Ulysses: all-to-all from sequence to head sharding, full-sequence attention on heads/P heads."""
+    ULYSSES_RING = "ulysses_ring"
+    """Ulysses inside groups of ``ulysses_size`` ranks (a node), zigzag ring attention across the groups."""
+    ALLGATHER = "allgather"
+    """All-gather K/V once; each rank attends its zigzag-balanced query rows to the keys they need, one softmax."""
 
 
 class Kernel(StrEnum):
@@ -29,6 +35,8 @@ class Kernel(StrEnum):
     """torch's cuDNN attention entry point (CUDA, fp16/bf16)."""
     SDPA_FLASH = "sdpa_flash"
     """torch's built-in FlashAttention-2 entry point (CUDA, fp16/bf16)."""
+    SDPA_CPU = "sdpa_cpu"
+    """torch's blockwise flash attention for CPU (float32/float64/bf16/fp16): the fast CPU kernel."""
     FLASH_ATTN = "flash_attn"
     """The flash-attn library, 3.x (Hopper) or 2.x (CUDA, fp16/bf16)."""
 

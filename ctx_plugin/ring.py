@@ -13,25 +13,26 @@ from __future__ import annotations
 import torch
 
 from .comm import RingComm
-from .groups import CPGroups
+from .groups import CommCounter, RankGroup
 from .kernels import AttentionKernel, accum_dtype
-from .layouts import Layout
+from .layouts import RingLayout
 from .merge import merge_into
 
 KV = "ring_kv"
 DKV = "ring_dkv"
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: AttentionKernel, layout: Layout,
-                 groups: CPGroups, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: AttentionKernel,
+                 layout: RingLayout, group: RankGroup, counter: CommCounter, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     b, n, h, d = q.shape
-    size, rank = groups.size, groups.rank
+    size, rank = group.size, group.rank
     acc = accum_dtype(q.dtype)
     out = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack((k, v))
     spare = torch.empty_like(kv) if size > 1 else None
-    with RingComm(groups) as comm:
+    with RingComm(group, counter) as comm:
         for step in range(size):
             exchange = comm.start(kv, spare, KV) if step < size - 1 else None
             for blk in layout.plan(rank, (rank - step) % size, size, n, causal):
@@ -45,10 +46,10 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: A
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, *, kernel: AttentionKernel, layout: Layout, groups: CPGroups, causal: bool,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor, *, kernel: AttentionKernel, layout: RingLayout, group: RankGroup,
+                  counter: CommCounter, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, n, h, d = q.shape
-    size, rank = groups.size, groups.rank
+    size, rank = group.size, group.rank
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
     kv = torch.stack((k, v))
@@ -57,7 +58,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dkv = [torch.empty((2, *k.shape), dtype=acc, device=k.device) for _ in range(2 if size > 1 else 1)]
     incoming = torch.empty_like(dkv[0]) if size > 1 else None
     arriving = None
-    with RingComm(groups) as comm:
+    with RingComm(group, counter) as comm:
         for step in range(size):
             kv_exchange = comm.start(kv, kv_spare, KV) if step < size - 1 else None
             contrib = dkv[0].zero_()
@@ -86,17 +87,18 @@ class RingAttention(torch.autograd.Function):
     """Differentiable ring attention; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel: AttentionKernel, layout: Layout, groups: CPGroups, causal: bool,
-                scale: float):
-        out, lse = ring_forward(q, k, v, kernel=kernel, layout=layout, groups=groups, causal=causal, scale=scale)
+    def forward(ctx, q, k, v, kernel: AttentionKernel, layout: RingLayout, group: RankGroup, counter: CommCounter,
+                causal: bool, scale: float):
+        out, lse = ring_forward(q, k, v, kernel=kernel, layout=layout, group=group, counter=counter, causal=causal,
+                                scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (kernel, layout, groups, causal, scale)
+        ctx.args = (kernel, layout, group, counter, causal, scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        kernel, layout, groups, causal, scale = ctx.args
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, kernel=kernel, layout=layout,
-                                   groups=groups, causal=causal, scale=scale)
-        return dq, dk, dv, None, None, None, None, None
+        kernel, layout, group, counter, causal, scale = ctx.args
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, kernel=kernel, layout=layout, group=group,
+                                   counter=counter, causal=causal, scale=scale)
+        return dq, dk, dv, None, None, None, None, None, None

@@ -28,6 +28,7 @@ SPECS: dict[Kernel, KernelSpec] = {
                                   lambda device: sdpa.CudnnKernel()),
     Kernel.SDPA_FLASH: KernelSpec(Kernel.SDPA_FLASH.value, sdpa.flash_unavailable,
                                   lambda device: sdpa.FlashKernel()),
+    Kernel.SDPA_CPU: KernelSpec(Kernel.SDPA_CPU.value, sdpa.cpu_unavailable, lambda device: sdpa.CpuFlashKernel()),
     Kernel.TORCH: KernelSpec(Kernel.TORCH.value, _never, lambda device: TorchKernel()),
 }
 """Every concrete kernel (read-only by convention: nothing registers at run time)."""
@@ -35,11 +36,12 @@ SPECS: dict[Kernel, KernelSpec] = {
 
 def auto_order(device: torch.device) -> tuple[Kernel, ...]:
     """Kernels fastest first. On Hopper, flash-attn 3 and cuDNN lead (cuDNN measured ~1.8× torch's flash
-    kernel on an H200, DESIGN.md §5); flash-attn 2 sits between cuDNN and torch's flash kernel."""
+    kernel on an H200, DESIGN.md §5); flash-attn 2 sits between cuDNN and torch's flash kernel. On the CPU,
+    torch's blockwise flash kernel beats the pure-torch one (which materialises every score)."""
     info = flash_attn.version_info(device) if device.type == "cuda" else None
     if info is not None and info.generation == 3:
-        return (Kernel.FLASH_ATTN, Kernel.SDPA_CUDNN, Kernel.SDPA_FLASH, Kernel.TORCH)
-    return (Kernel.SDPA_CUDNN, Kernel.FLASH_ATTN, Kernel.SDPA_FLASH, Kernel.TORCH)
+        return (Kernel.FLASH_ATTN, Kernel.SDPA_CUDNN, Kernel.SDPA_FLASH, Kernel.SDPA_CPU, Kernel.TORCH)
+    return (Kernel.SDPA_CUDNN, Kernel.FLASH_ATTN, Kernel.SDPA_FLASH, Kernel.SDPA_CPU, Kernel.TORCH)
 
 
 def kernel_unavailable(name: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

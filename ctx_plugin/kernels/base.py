@@ -4,8 +4,9 @@ Tensors use the ``[batch, seq, heads, head_dim]`` layout throughout (the layout 
 flash-attn). ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA); a kernel handles that itself and
 returns ``dk``/``dv`` with ``k``'s head count.
 
-``causal=True`` is only ever asked for square blocks (``q`` and ``k`` of equal length), where the
-top-left and bottom-right conventions of the different libraries agree; kernels reject anything else.
+``causal=True`` is aligned bottom-right: query i of Sq may see keys ``0 .. i + Sk − Sq`` (so a square block
+is the usual lower triangle, and a query chunk attending to the prefix that ends with it is one call).
+Blocks with fewer keys than queries are never causal; kernels reject them.
 
 The log-sum-exp is ``[batch, heads, seq]`` in natural log, in ``accum_dtype(q.dtype)`` (float32 for half
 precision inputs, float64 for float64 inputs) so partial results can be merged exactly.
@@ -58,6 +59,7 @@ class KernelSpec:
 
 
 def check_block(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
-    """Shared argument check for kernels (causal blocks must be square)."""
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal attention blocks must be square, got {q.shape[1]} queries and {k.shape[1]} keys")
+    """Shared argument check for kernels (causal blocks need at least as many keys as queries)."""
+    if causal and q.shape[1] > k.shape[1]:
+        raise ValueError(f"causal attention blocks need at least as many keys as queries (bottom-right aligned), "
+                         f"got {q.shape[1]} queries and {k.shape[1]} keys")

@@ -18,7 +18,8 @@ Signatures verified from source (stored public copies, read with the search tool
   (``window_size, alibi_slopes``; bwd ``…, window_size, alibi_slopes, deterministic, rng_state=None``):
   zhuzilin/ring-flash-attention ``ring_flash_attn/ring_flash_attn.py`` @ d4223db1da88e7b940516942eff8a7c06ccd6d10
   and third-party copies that branch on ``flash_attn.__version__ < "2.6.3"``.
-* 2.0 (``(q, k, v, dropout_p, softmax_scale, causal, return_softmax)`` -> 7 outputs), 2.1/2.2 (+ ``rng_state``,
+* 2.0 (``(q, k, v, dropout_p, softmax_scale, causal, return_softmax)`` -> 7 outputs; refused: its causal
+  mask is aligned top-left, ctx_plugin needs bottom-right), 2.1/2.2 (+ ``rng_state``,
   8 outputs), 2.3 (+ ``window_size``): vendored third-party copies of the 2.x interface.
 * FA3 hopper, Dao-AILab ``hopper/flash_attn_interface.py`` @ c082294e0f6c01d46318694a6f3e0274225a9683 (plain
   functions, ~20 required varlen/paged/rotary/fp8 arguments that take None, ``window_size`` tuple,
@@ -127,6 +128,15 @@ def _load(device: torch.device) -> tuple[FlashAttnInfo, ModuleType] | str:
     return f"flash-attn is not installed: {_INSTALL}"
 
 
+def _too_old(info: FlashAttnInfo) -> str | None:
+    """flash-attn 2.0 aligns causal masks top-left; ctx_plugin's blocks need bottom-right (2.1 and later)."""
+    parts = info.version.split(".")
+    if info.generation == 2 and parts[0] == "2" and len(parts) > 1 and parts[1] == "0":
+        return (f"flash-attn {info.version} aligns causal masks top-left, ctx_plugin needs the bottom-right "
+                f"alignment of flash-attn >= 2.1: pip install -U flash-attn --no-build-isolation")
+    return None
+
+
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -178,6 +188,8 @@ def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str 
     if isinstance(loaded, str):
         return loaded
     info, module = loaded
+    if _too_old(info):
+        return _too_old(info)
     if dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attn computes in float16 or bfloat16 only, got {dtype}: cast q/k/v or use another kernel"
     if head_dim > 256 or head_dim % 8 != 0:
@@ -226,6 +238,8 @@ class FlashAttnKernel:
         if isinstance(loaded, str):
             raise RuntimeError(loaded)
         self.info, module = loaded
+        if _too_old(self.info):
+            raise RuntimeError(_too_old(self.info))
         self._fwd, self._fwd_names, self._bwd, self._bwd_names = _functions(module, self.info.generation)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,

@@ -17,7 +17,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
     qg = q.reshape(b, sq, hkv, h // hkv, d)
     s = torch.einsum("bqkgd,bskd->bkgqs", qg, k) * scale
     if causal:
-        mask = torch.ones(sq, k.shape[1], dtype=torch.bool, device=q.device).triu_(1)
+        mask = torch.ones(sq, k.shape[1], dtype=torch.bool, device=q.device).triu_(1 + k.shape[1] - sq)
         s = s.masked_fill(mask, float("-inf"))
     return s
 

@@ -1,8 +1,6 @@
 """Work run inside spawned ranks (see harness.py). Each function returns JSON-able results for the parent."""
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
@@ -13,50 +11,74 @@ from tests.reference import dense_with_grads, rel_err
 RING_BACKENDS = (Backend.RING, Backend.ZIGZAG, Backend.STRIPED)
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+KERNELS = ("torch", "sdpa_cpu")
 
 
-def case_id(backend: str, causal: bool, heads: str, dtype: str) -> str:
-    return f"{backend}-{'causal' if causal else 'full'}-{heads}-{dtype}"
+def case_id(backend: str, causal: bool, heads: str, dtype: str, kernel: str = "torch", ulysses_size: int = 1) -> str:
+    hybrid = f"u{ulysses_size}-" if backend == Backend.ULYSSES_RING else ""
+    return f"{backend}-{hybrid}{'causal' if causal else 'full'}-{heads}-{dtype}-{kernel}"
 
 
-def _inputs(seq: int, heads: str, dtype: torch.dtype, seed: int, batch: int = 2, dim: int = 16):
+def _inputs(seq: int, heads: str, seed: int, batch: int = 2, dim: int = 16):
     h, hkv = HEADS[heads]
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seq, h, dim, generator=g, dtype=torch.float64)
     k = torch.randn(batch, seq, hkv, dim, generator=g, dtype=torch.float64)
     v = torch.randn(batch, seq, hkv, dim, generator=g, dtype=torch.float64)
     dout = torch.randn(batch, seq, h, dim, generator=g, dtype=torch.float64)
-    return q, k, v, dout, dtype
+    return q, k, v, dout
 
 
-def run_case(backend: str, causal: bool, heads: str, dtype_name: str, seq: int, seed: int) -> dict:
-    """Sharded forward+backward vs. the float64 dense reference; relative errors of out, dq, dk, dv."""
-    q, k, v, dout, dtype = _inputs(seq, heads, DTYPES[dtype_name], seed)
-    cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch")
-    groups = ctx_plugin.build_cp_groups(cfg)
+def sharded_run(cfg, groups, q, k, v, dout, causal: bool, dtype: torch.dtype):
+    """cp_attention on this rank's shards; returns the gathered (out, dq, dk, dv) in original order."""
     shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
-    gather = lambda t: ctx_plugin.gather_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
     ql, kl, vl = (shard(t).to(dtype).requires_grad_(True) for t in (q, k, v))
     out = ctx_plugin.cp_attention(ql, kl, vl, config=cfg, groups=groups, causal=causal)
     out.backward(shard(dout).to(dtype))
+    local = (out.detach(), ql.grad, kl.grad, vl.grad)
+    return [ctx_plugin.gather_sequence(t, config=cfg, groups=groups, dim=1) for t in local], local
+
+
+def run_case(cfg, groups, causal: bool, heads: str, dtype_name: str, seq: int, seed: int) -> dict:
+    """Sharded forward+backward vs. the float64 dense reference; relative errors of out, dq, dk, dv."""
+    q, k, v, dout = _inputs(seq, heads, seed)
+    dtype = DTYPES[dtype_name]
+    got, local = sharded_run(cfg, groups, q, k, v, dout, causal, dtype)
     ref = dense_with_grads(q, k, v, dout, causal=causal)
-    got = [gather(t.detach()) for t in (out, ql.grad, kl.grad, vl.grad)]
-    dtypes_ok = all(t.dtype == dtype for t in (out, ql.grad, kl.grad, vl.grad))
-    return {"out": rel_err(got[0], ref[0]), "dq": rel_err(got[1], ref[1]), "dk": rel_err(got[2], ref[2]),
-            "dv": rel_err(got[3], ref[3]), "dtypes_ok": dtypes_ok}
+    errors = {name: rel_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+    return {**errors, "dtypes_ok": all(t.dtype == dtype for t in local),
+            "shapes_ok": [tuple(t.shape) for t in local] == [(t.shape[0], seq // groups.size, *t.shape[2:])
+                                                             for t in (q, q, k, k)]}
 
 
 def attention_matrix(rank: int, world: int, payload: dict) -> dict:
-    """Every ring backend × causal × head layout × dtype, at this world size."""
-    results = {}
-    for backend, causal, heads, dtype in itertools.product(RING_BACKENDS, (True, False), HEADS, DTYPES):
-        results[case_id(backend, causal, heads, dtype)] = run_case(backend, causal, heads, dtype,
-                                                                   payload["seq"], payload["seed"])
+    """Runs every case of ``payload["cases"]`` (backend, ulysses_size, causal, heads, dtype, kernel)."""
+    results, groups_for = {}, {}
+    for backend, u, causal, heads, dtype, kernel in payload["cases"]:
+        cfg = ctx_plugin.CPConfig(backend=backend, kernel=kernel, ulysses_size=u)
+        if cfg not in groups_for:      # build each config's groups once (the hybrid creates subgroups)
+            groups_for[cfg] = ctx_plugin.build_cp_groups(cfg)
+        results[case_id(backend, causal, heads, dtype, kernel, u)] = run_case(
+            cfg, groups_for[cfg], causal, heads, dtype, payload["seq"], payload["seed"])
     return results
 
 
+def hybrid_reduces(rank: int, world: int, payload) -> dict:
+    """ulysses_ring with u = 1 and u = P against plain zigzag and plain ulysses: identical numbers."""
+    q, k, v, dout = _inputs(payload["seq"], "gqa", 3)
+    runs = {}
+    for name, cfg in {"u1": ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=1, kernel="torch"),
+                      "zigzag": ctx_plugin.CPConfig(backend="zigzag", kernel="torch"),
+                      "uP": ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=world, kernel="torch"),
+                      "ulysses": ctx_plugin.CPConfig(backend="ulysses", kernel="torch")}.items():
+        runs[name] = sharded_run(cfg, ctx_plugin.build_cp_groups(cfg), q, k, v, dout, True, torch.float64)[0]
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(runs[a], runs[b]))  # noqa: E731
+    return {"u1_is_zigzag": same("u1", "zigzag"), "uP_is_ulysses": same("uP", "ulysses")}
+
+
 def count_exchanges(rank: int, world: int, payload: dict) -> dict:
-    """Counts real batch_isend_irecv calls and the groups' counter in forward and in backward."""
+    """Communication per backend in forward and in backward: the groups' counter, and the real batched
+    point-to-point calls (counted by wrapping torch.distributed.batch_isend_irecv)."""
     calls = {"n": 0}
     original = dist.batch_isend_irecv
 
@@ -67,17 +89,18 @@ def count_exchanges(rank: int, world: int, payload: dict) -> dict:
     dist.batch_isend_irecv = counting
     try:
         result = {}
-        for backend in RING_BACKENDS:
-            cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch")
+        for backend, u in payload["configs"]:
+            cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch", ulysses_size=u)
             groups = ctx_plugin.build_cp_groups(cfg)
-            q = torch.randn(1, 4, 2, 8, requires_grad=True)
+            q = torch.randn(1, 4, 4, 8, requires_grad=True)
+            kv = torch.randn(1, 4, 2, 8, requires_grad=True)
             calls["n"] = 0
-            out = ctx_plugin.cp_attention(q, q, q, config=cfg, groups=groups)
+            out = ctx_plugin.cp_attention(q, kv, kv, config=cfg, groups=groups)
             fwd_calls, fwd_counts = calls["n"], dict(groups.counter.counts)
             groups.counter.reset()
             out.sum().backward()
-            result[backend] = {"fwd_calls": fwd_calls, "fwd_counts": fwd_counts, "bwd_calls": calls["n"] - fwd_calls,
-                               "bwd_counts": dict(groups.counter.counts)}
+            result[f"{backend}-u{u}"] = {"fwd_p2p": fwd_calls, "fwd": fwd_counts, "bwd_p2p": calls["n"] - fwd_calls,
+                                         "bwd": dict(groups.counter.counts)}
         return result
     finally:
         dist.batch_isend_irecv = original
@@ -88,6 +111,8 @@ def bad_inputs(rank: int, world: int, payload) -> dict:
     zig = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
     zig_groups = ctx_plugin.build_cp_groups(zig)
     ring_groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig(backend="ring", kernel="torch"))
+    uly = ctx_plugin.CPConfig(backend="ulysses", kernel="torch")
+    uly_groups = ctx_plugin.build_cp_groups(uly)
     q = torch.randn(1, 4, 4, 8)
     kv = torch.randn(1, 4, 2, 8)
     calls = {
@@ -101,6 +126,12 @@ def bad_inputs(rank: int, world: int, payload) -> dict:
                                                              config=zig, groups=zig_groups),
         "gather_device_not_served": lambda: ctx_plugin.gather_sequence(q.to("meta"), config=zig,
                                                                        groups=zig_groups),
+        "ulysses_heads": lambda: ctx_plugin.cp_attention(q[:, :, :2], kv[:, :, :2], kv[:, :, :2], config=uly,
+                                                         groups=uly_groups),
+        "ulysses_kv_heads": lambda: ctx_plugin.cp_attention(torch.randn(1, 4, 6, 8), torch.randn(1, 4, 2, 8),
+                                                            torch.randn(1, 4, 2, 8), config=uly, groups=uly_groups),
+        "ulysses_size_not_dividing": lambda: ctx_plugin.build_cp_groups(
+            ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=2)),
     }
     errors = {}
     for name, call in calls.items():
@@ -109,7 +140,7 @@ def bad_inputs(rank: int, world: int, payload) -> dict:
             errors[name] = None
         except (ValueError, TypeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
-    started = dict(zig_groups.counter.counts) or dict(ring_groups.counter.counts)
+    started = {k: v for g in (zig_groups, ring_groups, uly_groups) for k, v in g.counter.counts.items()}
     probe = torch.ones(1)
     dist.all_reduce(probe)   # would hang or fail if a bad call had left a request behind
     return {"errors": errors, "started": started, "probe": probe.item()}
@@ -118,8 +149,8 @@ def bad_inputs(rank: int, world: int, payload) -> dict:
 def sharding_helpers(rank: int, world: int, payload) -> dict:
     """Positions, shard→gather round trips and gather_sequence's gradient, for every ring backend."""
     out = {}
-    for backend in RING_BACKENDS:
-        cfg = ctx_plugin.CPConfig(backend=backend)
+    for backend, u in payload["configs"]:
+        cfg = ctx_plugin.CPConfig(backend=backend, ulysses_size=u)
         groups = ctx_plugin.build_cp_groups(cfg)
         seq = 12 * world
         pos = ctx_plugin.sequence_positions(seq, config=cfg, groups=groups)
@@ -131,9 +162,9 @@ def sharding_helpers(rank: int, world: int, payload) -> dict:
         (full * weight).sum().backward()
         # every rank computed the same objective on the gathered tensor: the gradient of the sum over ranks
         want_grad = world * ctx_plugin.shard_sequence(weight, config=cfg, groups=groups)
-        out[backend] = {"positions_roundtrip": gathered_pos.flatten().tolist() == list(range(seq)),
+        out[f"{backend}-u{u}"] = {"positions_roundtrip": gathered_pos.flatten().tolist() == list(range(seq)),
                         "positions_are_layout": pos.tolist() == x_local.new_tensor(
-                            ctx_plugin.layouts.layout_for(backend).local_indices(seq, rank, world)).long().tolist(),
+                            ctx_plugin.layouts.shard_layout(cfg).local_indices(seq, rank, world)).long().tolist(),
                         "gather_roundtrip": torch.equal(full.detach(), x),
                         "gather_grad": torch.equal(x_local.grad, want_grad)}
     return out

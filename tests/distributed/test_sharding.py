@@ -3,13 +3,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.cases import RING_BACKENDS
+from ctx_plugin.names import Backend
 from tests.distributed.harness import run_spawned
 
+CONFIGS = {2: [(b.value, 1) for b in Backend if b != Backend.ULYSSES_RING] + [("ulysses_ring", 2)],
+           3: [(b.value, 1) for b in Backend if b != Backend.ULYSSES_RING] + [("ulysses_ring", 3)],
+           4: [("ulysses_ring", 2)]}
 
-@pytest.mark.parametrize("world", [2, 3])
+
+@pytest.mark.parametrize("world", sorted(CONFIGS))
 def test_sharding_helpers(world):
-    for rank, res in enumerate(run_spawned("tests.distributed.cases:sharding_helpers", world)):
-        for backend in RING_BACKENDS:
-            assert res[backend] == {"positions_roundtrip": True, "positions_are_layout": True,
-                                    "gather_roundtrip": True, "gather_grad": True}, (rank, backend)
+    configs = CONFIGS[world]
+    for rank, res in enumerate(run_spawned("tests.distributed.cases:sharding_helpers", world, {"configs": configs})):
+        for backend, u in configs:
+            assert res[f"{backend}-u{u}"] == {"positions_roundtrip": True, "positions_are_layout": True,
+                                              "gather_roundtrip": True, "gather_grad": True}, (rank, backend, u)

@@ -10,16 +10,21 @@ import pytest
 from ctx_plugin.names import Backend
 
 
+# (ranks, extra flags) per backend; the hybrid needs 4 ranks to have both axes.
+RUNS = {b.value: (2, []) for b in Backend} | {Backend.ULYSSES_RING.value: (4, ["--ulysses-size", "2"])}
+
+
 @pytest.mark.parametrize("backend", [b.value for b in Backend])
 def test_demo_matches_single_process(tmp_path, backend):
     report = tmp_path / "demo.json"
+    nproc, extra = RUNS[backend]
     proc = subprocess.run(
-        [sys.executable, "-m", "ctx_plugin.cli", "demo", "--nproc", "2", "--backend", backend, "--device", "cpu",
-         "--steps", "3", "--seq-len", "64", "--json", str(report)],
+        [sys.executable, "-m", "ctx_plugin.cli", "demo", "--nproc", str(nproc), "--backend", backend, *extra,
+         "--device", "cpu", "--steps", "3", "--seq-len", "64", "--json", str(report)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS: loss matches the single-process run" in proc.stdout
     data = json.loads(report.read_text())
-    assert data["ok"] and data["world_size"] == 2 and data["device"] == "cpu"
+    assert data["ok"] and data["world_size"] == nproc and data["device"] == "cpu"
     assert len(data["cp_losses"]) == 3 and data["worst_rel_diff"] <= 1e-5
     assert data["tokens_per_s"] > 0 and all(m > 0 for m in data["peak_memory_mib"])

@@ -40,6 +40,26 @@ def test_config_is_keyword_only_frozen_and_typed():
     assert ctx_plugin.CPConfig(backend="ring").backend is ctx_plugin.Backend.RING
 
 
+def test_ulysses_size_checks():
+    with pytest.raises(ValueError, match="applies to backend='ulysses_ring' only"):
+        ctx_plugin.CPConfig(backend="zigzag", ulysses_size=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=0)
+    with pytest.raises(TypeError, match="ulysses_size must be an int"):
+        ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=2.0)
+    with pytest.raises(ValueError, match=r"ulysses_size=2 does not divide the context-parallel size 1"):
+        ctx_plugin.build_cp_groups(ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=2))
+
+
+def test_groups_built_with_another_ulysses_size():
+    """Single process: a group of one accepts ulysses_size 1 only, so compare two configs differing in it."""
+    q, k, v = _qkv()
+    groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=1))
+    with pytest.raises(ValueError, match="groups were built for"):
+        ctx_plugin.cp_attention(q, k, v, config=ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=2),
+                                groups=groups)
+
+
 def test_not_4d():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"q must be 4-D \[batch, local_seq, heads, head_dim\]"):
@@ -49,7 +69,7 @@ def test_not_4d():
 def test_not_a_tensor():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="k must be a torch.Tensor"):
-        _call(q, k.numpy(), v)
+        _call(q, k.tolist(), v)
 
 
 def test_mismatched_dtype():

@@ -34,10 +34,11 @@ def _require(*tensors: torch.Tensor) -> None:
 
 
 def _scores(q, k, scale, causal):
+    """Causal masks are aligned bottom-right, as in flash-attn >= 2.1 and FA3."""
     k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if causal:
-        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(k.shape[1] - q.shape[1])
         s = s.masked_fill(~keep, float("-inf"))
     return s
 
@@ -215,8 +216,8 @@ class Version:
     functions: Callable[[], tuple]
 
 
+FA20 = Version("2.0", 2, "2.0.9", lambda: (fa20_fwd, fa20_bwd))
 VERSIONS = [
-    Version("2.0", 2, "2.0.9", lambda: (fa20_fwd, fa20_bwd)),
     Version("2.5", 2, "2.5.9.post1", lambda: (fa25_fwd, fa25_bwd)),
     Version("2.6.0", 2, "2.6.0", lambda: (fa260_fwd, fa260_bwd)),
     Version("2.7-custom-op", 2, "2.7.4", fa27_ops),
@@ -270,8 +271,9 @@ def _reference(q, k, v, dout, causal, scale):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     g = q.shape[2] // k.shape[2]
     s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, dim=2)) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    if causal:   # bottom-right aligned, like ctx_plugin's kernel interface
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq), float("-inf"))
     out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v.repeat_interleave(g, dim=2))
     out.backward(dout)
     return out.detach(), torch.logsumexp(s, dim=-1).detach(), q.grad, k.grad, v.grad
@@ -348,10 +350,32 @@ def test_float32_inputs_keep_their_dtype(version):
                                                         True, SCALE)[0], rtol=0, atol=1e-5)
 
 
-def test_causal_block_must_be_square(version):
-    q, k, v, _ = _inputs(2, sk=8)
-    with pytest.raises(ValueError, match="square"):
+def test_causal_block_needs_as_many_keys_as_queries(version):
+    q, k, v, _ = _inputs(2, sq=8, sk=6)
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
         fa.FlashAttnKernel(torch.device("cpu")).forward(q, k, v, causal=True, scale=SCALE)
+
+
+def test_causal_prefix_block_is_bottom_right(version):
+    """Queries attending to the prefix that ends with them (the all-gather backend's call)."""
+    q, k, v, dout = _inputs(2, sq=4, sk=10, seed=6)
+    kernel = fa.FlashAttnKernel(torch.device("cpu"))
+    out, lse = kernel.forward(q, k, v, causal=True, scale=SCALE)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _reference(q, k, v, dout, True, SCALE)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=TOL)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=TOL)
+    for got, want in zip(kernel.backward(dout, q, k, v, out, lse, causal=True, scale=SCALE), (ref_dq, ref_dk, ref_dv)):
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+
+
+def test_flash_attn_2_0_is_refused(monkeypatch):
+    """2.0 aligns causal masks top-left: unavailable, with the upgrade command."""
+    _hide_all(monkeypatch)
+    _install(monkeypatch, FA20)
+    reason = fa.unavailable(torch.device("cuda", 0), torch.bfloat16, 64)
+    assert "top-left" in reason and "pip install -U flash-attn" in reason
+    with pytest.raises(RuntimeError, match="top-left"):
+        fa.FlashAttnKernel(torch.device("cpu"))
 
 
 def test_version_info_names_what_was_found(version):
@@ -363,8 +387,9 @@ def test_version_info_names_what_was_found(version):
 @pytest.mark.parametrize("capability,generation", [((9, 0), 3), ((8, 0), 2), ((10, 0), 2)])
 def test_fa3_preferred_on_hopper_only(monkeypatch, capability, generation):
     _hide_all(monkeypatch)
-    _install(monkeypatch, VERSIONS[3])
-    _install(monkeypatch, VERSIONS[6])
+    by_label = {v.label: v for v in VERSIONS}
+    _install(monkeypatch, by_label["2.7-custom-op"])
+    _install(monkeypatch, by_label["fa3-custom-op"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert fa.version_info(torch.device("cuda", 0)).generation == generation

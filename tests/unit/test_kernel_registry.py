@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ctx_plugin.kernels import SPECS, auto_order, kernel_unavailable, select_kernel
+from ctx_plugin.kernels.sdpa import CpuFlashKernel
 from ctx_plugin.kernels.torch_math import TorchKernel
 from ctx_plugin.names import Kernel
 
@@ -18,8 +19,13 @@ def test_every_named_kernel_is_registered():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
-def test_auto_on_cpu_is_the_torch_kernel(dtype):
-    assert isinstance(select_kernel(Kernel.AUTO, CPU, dtype, 64), TorchKernel)
+def test_auto_on_cpu_is_torchs_cpu_flash_kernel(dtype):
+    assert isinstance(select_kernel(Kernel.AUTO, CPU, dtype, 64), CpuFlashKernel)
+
+
+def test_explicit_torch_kernel():
+    assert isinstance(select_kernel(Kernel.TORCH, CPU, torch.float64, 64), TorchKernel)
+    assert "CPU only" in kernel_unavailable(Kernel.SDPA_CPU, torch.device("cuda", 0), torch.float32, 64)
 
 
 def test_cuda_kernels_explain_themselves_on_cpu():

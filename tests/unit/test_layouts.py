@@ -5,19 +5,28 @@ import pytest
 import torch
 
 import ctx_plugin
-from ctx_plugin.layouts import LAYOUTS, Contiguous, Striped, Zigzag, layout_for
+from ctx_plugin.layouts import RING_LAYOUTS, Contiguous, Striped, UlyssesRing, Zigzag, ring_layout, shard_layout
 from ctx_plugin.names import Backend
 
 SIZES = range(1, 9)
-LAYOUT_LIST = list(LAYOUTS.values())
+LAYOUT_LIST = [*RING_LAYOUTS, UlyssesRing(1), UlyssesRing(2), UlyssesRing(4)]
 
 
 def _seq_len(layout, size: int, per_unit: int = 3) -> int:
-    return layout.multiple * size * per_unit
+    return layout.unit(size) * per_unit
 
 
-@pytest.mark.parametrize("layout", LAYOUT_LIST, ids=lambda l: l.name)
-@pytest.mark.parametrize("size", SIZES)
+def _name(layout) -> str:
+    return f"{layout.name}{getattr(layout, 'ulysses_size', '')}"
+
+
+def _valid(sizes):
+    """(layout, size) pairs a group can have: the hybrid's ulysses_size must divide the group size."""
+    return [pytest.param(layout, size, id=f"{_name(layout)}-P{size}") for layout in LAYOUT_LIST for size in sizes
+            if size % getattr(layout, "ulysses_size", 1) == 0]
+
+
+@pytest.mark.parametrize("layout,size", _valid(SIZES))
 def test_positions_form_a_permutation(layout, size):
     seq = _seq_len(layout, size)
     perm = layout.permutation(seq, size)
@@ -36,7 +45,7 @@ def test_known_layouts():
     assert Striped().local_indices(8, 1, 4).tolist() == [1, 5]
 
 
-@pytest.mark.parametrize("layout", LAYOUT_LIST, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", RING_LAYOUTS, ids=_name)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("size", SIZES)
 def test_plans_cover_the_global_mask_exactly_once(layout, causal, size):
@@ -61,11 +70,26 @@ def test_plans_cover_the_global_mask_exactly_once(layout, causal, size):
     assert torch.equal(cover, want)
 
 
+def test_hybrid_layout_regroups_into_zigzag_ring_shards():
+    """Concatenating a Ulysses group's shards (what its all-to-all does) gives that ring rank's zigzag shard."""
+    seq, size, u = 48, 4, 2
+    hybrid = UlyssesRing(u)
+    for outer in range(size // u):
+        group = torch.cat([hybrid.local_indices(seq, outer * u + i, size) for i in range(u)])
+        assert torch.equal(group, Zigzag().local_indices(seq, outer, size // u))
+    assert hybrid.unit(size) == 4 and UlyssesRing(4).unit(4) == 4 and UlyssesRing(1).unit(4) == 8
+
+
 def test_backend_layouts():
-    assert isinstance(layout_for(Backend.RING), Contiguous)
-    assert isinstance(layout_for(Backend.ZIGZAG), Zigzag)
-    assert isinstance(layout_for(Backend.STRIPED), Striped)
-    assert set(LAYOUTS) == set(Backend)
+    layout = lambda backend, u=1: shard_layout(ctx_plugin.CPConfig(backend=backend, ulysses_size=u))  # noqa: E731
+    assert isinstance(layout(Backend.RING), Contiguous)
+    assert isinstance(layout(Backend.ZIGZAG), Zigzag)
+    assert isinstance(layout(Backend.STRIPED), Striped)
+    assert isinstance(layout(Backend.ULYSSES), Contiguous)
+    assert isinstance(layout(Backend.ALLGATHER), Zigzag)
+    assert isinstance(layout(Backend.ULYSSES_RING, 2), UlyssesRing) and layout(Backend.ULYSSES_RING, 2).ulysses_size == 2
+    assert isinstance(ring_layout(ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=2)), Zigzag)
+    assert all(shard_layout(ctx_plugin.CPConfig(backend=b)) is not None for b in Backend)
 
 
 @pytest.mark.parametrize("backend", list(Backend))
@@ -78,8 +102,7 @@ def test_shard_gather_round_trip_single_process(backend):
     assert ctx_plugin.sequence_positions(12, config=cfg, groups=groups).tolist() == list(range(12))
 
 
-@pytest.mark.parametrize("layout", LAYOUT_LIST, ids=lambda l: l.name)
-@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("layout,size", _valid([2, 3, 4]))
 def test_shards_reassemble_through_the_permutation(layout, size):
     """Sharding every rank's part and undoing the permutation (what gather_sequence does) gives x back."""
     seq = _seq_len(layout, size)

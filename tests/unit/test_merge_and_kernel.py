@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ctx_plugin.kernels.sdpa import CpuFlashKernel
 from ctx_plugin.kernels.torch_math import TorchKernel
 from ctx_plugin.merge import merge_into
 from tests.reference import dense_with_grads, rel_err
@@ -17,11 +18,23 @@ def _qkv(b=2, s=10, h=4, hkv=2, d=8, dtype=torch.float64, seed=0):
     return mk(b, s, h, d), mk(b, s, hkv, d), mk(b, s, hkv, d), mk(b, s, h, d)
 
 
+CPU_KERNELS = [TorchKernel(), CpuFlashKernel()]
+
+
+def _prefix_reference(q, k, v, dout, scale):
+    """Bottom-right causal reference: the queries are the last Sq positions of a length-Sk causal sequence."""
+    sq, sk = q.shape[1], k.shape[1]
+    pad = torch.zeros(q.shape[0], sk - sq, *q.shape[2:], dtype=q.dtype)
+    out, dq, dk, dv = dense_with_grads(torch.cat((pad, q), 1), k, v, torch.cat((pad, dout), 1), causal=True,
+                                       scale=scale)
+    return out[:, sk - sq:], dq[:, sk - sq:], dk, dv
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS, ids=lambda k: k.name)
 @pytest.mark.parametrize("h,hkv", HEADS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_torch_kernel_matches_autograd(h, hkv, causal):
+def test_cpu_kernels_match_autograd(kernel, h, hkv, causal):
     q, k, v, dout = _qkv(h=h, hkv=hkv)
-    kernel = TorchKernel()
     out, lse = kernel.forward(q, k, v, causal=causal, scale=0.3)
     ref = dense_with_grads(q, k, v, dout, causal=causal, scale=0.3)
     assert rel_err(out, ref[0]) < 1e-12
@@ -30,6 +43,18 @@ def test_torch_kernel_matches_autograd(h, hkv, causal):
     for got, want in zip(grads, ref[1:]):
         assert got.shape == want.shape
         assert rel_err(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS, ids=lambda k: k.name)
+def test_causal_with_more_keys_is_bottom_right_aligned(kernel):
+    """A query chunk attending to the prefix that ends with it: one call, exact (the all-gather backend)."""
+    q, _, _, dout = _qkv(s=6, h=4, hkv=2)
+    _, k, v, _ = _qkv(s=15, h=4, hkv=2, seed=1)
+    out, lse = kernel.forward(q, k, v, causal=True, scale=0.3)
+    want = _prefix_reference(q, k, v, dout, 0.3)
+    assert rel_err(out, want[0]) < 1e-12
+    for got, exp in zip(kernel.backward(dout, q, k, v, out, lse, causal=True, scale=0.3), want[1:]):
+        assert rel_err(got, exp) < 1e-12
 
 
 def test_torch_kernel_lse_is_logsumexp_of_scores():
@@ -45,10 +70,11 @@ def test_torch_kernel_half_precision_returns_fp32_lse():
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
 
 
-def test_causal_block_must_be_square():
+@pytest.mark.parametrize("kernel", CPU_KERNELS, ids=lambda k: k.name)
+def test_causal_block_needs_as_many_keys_as_queries(kernel):
     q, k, v, _ = _qkv()
-    with pytest.raises(ValueError, match="square"):
-        TorchKernel().forward(q, k[:, :5], v[:, :5], causal=True, scale=1.0)
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
+        kernel.forward(q, k[:, :5], v[:, :5], causal=True, scale=1.0)
 
 
 @pytest.mark.parametrize("splits", [[10], [3, 7], [1, 4, 5], [2, 2, 2, 2, 2]])

@@ -1,0 +1,48 @@
+"""Runs one backend: the all-gather algorithm, or the Ulysses all-to-all around the ring.
+
+The ring family, Ulysses and the hybrid are one composition: all-to-all over the Ulysses axis (skipped when
+it has one rank), ring attention over the ring axis (a single local kernel call when it has one rank), and
+the inverse all-to-all. ``ring``/``zigzag``/``striped`` use only the ring axis, ``ulysses`` only the
+all-to-all, ``ulysses_ring`` both.
+"""
+from __future__ import annotations
+
+import torch
+
+from .allgather import AllGatherAttention
+from .config import CPConfig
+from .groups import CPGroups
+from .kernels import AttentionKernel
+from .layouts import ring_layout
+from .names import Backend
+from .ring import RingAttention
+from .ulysses import HeadsToSeq, SeqToHeads, kv_replicas
+
+
+def check_heads(heads: int, kv_heads: int, groups: CPGroups) -> None:
+    """ValueError naming valid sizes when the heads cannot be split over the Ulysses axis."""
+    u = groups.ulysses.size
+    if u == 1:
+        return
+    what = "context-parallel size" if groups.config.backend == Backend.ULYSSES else "ulysses_size"
+    if heads % u:
+        valid = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(f"Ulysses splits heads over {u} ranks, but there are {heads} query heads; use a {what} "
+                         f"that divides {heads}: {valid}")
+    if kv_heads % u and u % kv_heads:
+        raise ValueError(f"Ulysses over {u} ranks needs kv_heads ({kv_heads}) to divide {u} or be divisible by it; "
+                         f"use a {what} that is a multiple or a divisor of {kv_heads}")
+
+
+def run_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CPConfig, groups: CPGroups,
+                kernel: AttentionKernel, causal: bool, scale: float) -> torch.Tensor:
+    if config.backend == Backend.ALLGATHER:
+        return AllGatherAttention.apply(q, k, v, kernel, groups.ring, groups.counter, causal, scale)
+    ulysses = groups.ulysses
+    if ulysses.size > 1:
+        copies = kv_replicas(k.shape[2], ulysses.size)
+        if copies > 1:   # more Ulysses ranks than K/V heads: replicate; autograd sums the copies' gradients
+            k, v = k.repeat_interleave(copies, dim=2), v.repeat_interleave(copies, dim=2)
+        q, k, v = (SeqToHeads.apply(t, ulysses, groups.counter) for t in (q, k, v))
+    out = RingAttention.apply(q, k, v, kernel, ring_layout(config), groups.ring, groups.counter, causal, scale)
+    return HeadsToSeq.apply(out, ulysses, groups.counter) if ulysses.size > 1 else out
