@@ -42,7 +42,7 @@ def run_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CP
     if ulysses.size > 1:
         copies = kv_replicas(k.shape[2], ulysses.size)
         if copies > 1:   # more Ulysses ranks than K/V heads: replicate; autograd sums the copies' gradients
-            k, v = k.repeat_interleave(copies, dim=2), v.repeat_interleave(copies, dim=2)
+            k, v = (t.unsqueeze(3).expand(*t.shape[:3], copies, t.shape[3]).flatten(2, 3) for t in (k, v))
         q, k, v = (SeqToHeads.apply(t, ulysses, groups.counter) for t in (q, k, v))
     out = RingAttention.apply(q, k, v, kernel, ring_layout(config), groups.ring, groups.counter, causal, scale)
     return HeadsToSeq.apply(out, ulysses, groups.counter) if ulysses.size > 1 else out

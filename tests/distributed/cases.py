@@ -168,3 +168,24 @@ def sharding_helpers(rank: int, world: int, payload) -> dict:
                         "gather_roundtrip": torch.equal(full.detach(), x),
                         "gather_grad": torch.equal(x_local.grad, want_grad)}
     return out
+
+
+def saved_tensors(rank: int, world: int, payload) -> dict:
+    """Shapes of what autograd keeps from one cp_attention forward (GQA inputs)."""
+    out = {}
+    for backend, u in payload["configs"]:
+        cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch", ulysses_size=u)
+        groups = ctx_plugin.build_cp_groups(cfg)
+        q = torch.randn(2, 8, 8, 16, requires_grad=True)
+        k = torch.randn(2, 8, payload["kv_heads"], 16, requires_grad=True)
+        v = torch.randn(2, 8, payload["kv_heads"], 16, requires_grad=True)
+        saved = []
+
+        def pack(t):
+            saved.append(list(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            ctx_plugin.cp_attention(q, k, v, config=cfg, groups=groups)
+        out[f"{backend}-u{u}"] = saved
+    return out

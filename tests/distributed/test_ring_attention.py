@@ -86,3 +86,23 @@ def test_communication_counts():
                                 "bwd": {"a2a": 4, "ring_kv": r - 1, "ring_dkv": r}}}
     for rank, res in enumerate(run_spawned("tests.distributed.cases:count_exchanges", p, {"configs": configs})):
         assert res == want, f"rank {rank}"
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa-replicated"])
+def test_forward_saves_only_q_k_v_out_lse(kv_heads):
+    """Per call, autograd keeps exactly q, k, v, out and lse: no per-step copies, no gathered K/V. Under Ulysses
+    they are the head-sharded tensors (same size as the inputs: full sequence × heads/u); the Ulysses K/V of
+    the MQA case are replicated to one head per rank."""
+    p, b, n, h, d = 4, 2, 8, 8, 16
+    configs = [(bk.value, 1) for bk in Backend if bk != Backend.ULYSSES_RING] + [("ulysses_ring", 2)]
+    local = lambda heads: [b, n, heads, d]  # noqa: E731
+    want = {f"{bk}-u1": [local(h), local(kv_heads), local(kv_heads), local(h), [b, h, n]]
+            for bk in (*RING_BACKENDS, Backend.ALLGATHER)}
+    uly_kv = max(kv_heads // p, 1)
+    want["ulysses-u1"] = [[b, p * n, h // p, d], [b, p * n, uly_kv, d], [b, p * n, uly_kv, d], [b, p * n, h // p, d],
+                          [b, h // p, p * n]]
+    hyb_kv = max(kv_heads // 2, 1)
+    want["ulysses_ring-u2"] = [[b, 2 * n, h // 2, d], [b, 2 * n, hyb_kv, d], [b, 2 * n, hyb_kv, d],
+                               [b, 2 * n, h // 2, d], [b, h // 2, 2 * n]]
+    for res in run_spawned("tests.distributed.cases:saved_tensors", p, {"configs": configs, "kv_heads": kv_heads}):
+        assert res == want

@@ -19,14 +19,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 FUSED = [Kernel.SDPA_CUDNN, Kernel.SDPA_FLASH, Kernel.FLASH_ATTN]
 TOL = {torch.bfloat16: 2.5e-2, torch.float16: 1e-2}
-SHAPES = {"mha": (2, 512, 8, 8, 128), "gqa": (2, 512, 8, 2, 128), "mqa-d64": (1, 1024, 4, 1, 64)}
+# (batch, query length, heads, kv heads, head_dim, key length): "prefix" is a query chunk attending to the
+# longer prefix that ends with it (bottom-right causal), as the all-gather backend calls it.
+SHAPES = {"mha": (2, 512, 8, 8, 128, 512), "gqa": (2, 512, 8, 2, 128, 512), "mqa-d64": (1, 1024, 4, 1, 64, 1024),
+          "prefix": (2, 256, 8, 2, 128, 768)}
 
 
 def _inputs(shape, dtype, seed=0):
-    b, s, h, hkv, d = shape
+    b, s, h, hkv, d, sk = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
     mk = lambda *sh: torch.randn(*sh, generator=g, device="cuda", dtype=torch.float32)  # noqa: E731
-    q, k, v, do = mk(b, s, h, d), mk(b, s, hkv, d), mk(b, s, hkv, d), mk(b, s, h, d)
+    q, k, v, do = mk(b, s, h, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d), mk(b, s, h, d)
     return [t.to(dtype) for t in (q, k, v, do)]
 
 
