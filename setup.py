@@ -15,7 +15,8 @@ setup(
         "deepspeed": ["deepspeed>=0.19"],
         "hf": ["transformers>=5.0"],
         "flash": ["flash-attn>=2.0"],
-        "test": ["pytest>=8"],
+        "plot": ["matplotlib"],
+        "test": ["pytest>=8", "matplotlib"],
     },
     entry_points={"console_scripts": ["ctx-plugin = ctx_plugin.cli:main"]},
 )

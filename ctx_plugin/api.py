@@ -84,8 +84,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     check_heads(q.shape[2], k.shape[2], groups)
     _check_device(q, groups)
     kernel = select_kernel(config.kernel, q.device, q.dtype, q.shape[-1])
-    return run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=causal,
-                       scale=float(softmax_scale))
+    return groups.pins.run(lambda: run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=causal,
+                                               scale=float(softmax_scale)))
 
 
 def _seq_dim(x: torch.Tensor, dim: int) -> int:

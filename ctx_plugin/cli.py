@@ -1,12 +1,16 @@
 """The ``ctx-plugin`` command.
 
 ``ctx-plugin demo [--nproc N] [demo options]`` starts N local processes with torchrun and runs
-:mod:`ctx_plugin.demo` on them (the README's main job).
+:mod:`ctx_plugin.demo` on them (the README's main job). ``ctx-plugin memory`` prints the memory model's table
+for every recompute preset.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+
+from .memory.report import add_arguments as add_memory_arguments
+from .memory.report import run as memory_report
 
 
 def _demo(args: argparse.Namespace, rest: list[str]) -> int:
@@ -28,9 +32,18 @@ def main(argv: list[str] | None = None) -> int:
                                        "its loss against the single-process run (other options: see "
                                        "python -m ctx_plugin.demo --help)")
     demo.add_argument("--nproc", type=int, default=4, help="number of local processes (ranks), default 4")
+    memory = sub.add_parser("memory", help="memory per GPU for every recompute preset (and a plot vs. sequence length)")
+    add_memory_arguments(memory)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         return _demo(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "memory":
+        try:
+            return memory_report(args)
+        except (ValueError, TypeError) as e:
+            parser.error(str(e))
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -13,70 +13,16 @@ import json
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 import ctx_plugin
+from ctx_plugin import recompute
+from ctx_plugin.models import DecoderConfig, DecoderLM
 from ctx_plugin.names import Backend, Kernel
-
-
-@dataclass(frozen=True)
-class TinyModelConfig:
-    vocab: int = 128
-    hidden: int = 64
-    heads: int = 4
-    kv_heads: int = 2
-    layers: int = 2
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding of ``x`` ``[B, S, H, D]`` at the given global ``positions`` ``[S]``."""
-    half = x.shape[-1] // 2
-    freqs = base ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
-    angles = positions.to(torch.float32).unsqueeze(-1) * freqs                   # [S, D/2]
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
-
-
-class Block(nn.Module):
-    def __init__(self, c: TinyModelConfig) -> None:
-        super().__init__()
-        self.c, self.head_dim = c, c.hidden // c.heads
-        self.norm1, self.norm2 = nn.LayerNorm(c.hidden), nn.LayerNorm(c.hidden)
-        self.qkv = nn.Linear(c.hidden, (c.heads + 2 * c.kv_heads) * self.head_dim, bias=False)
-        self.proj = nn.Linear(c.hidden, c.hidden, bias=False)
-        self.mlp = nn.Sequential(nn.Linear(c.hidden, 4 * c.hidden), nn.GELU(), nn.Linear(4 * c.hidden, c.hidden))
-
-    def forward(self, x, positions, cp_config, groups):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(
-            [self.c.heads * self.head_dim, self.c.kv_heads * self.head_dim, self.c.kv_heads * self.head_dim], -1)
-        q = rope(q.view(b, s, self.c.heads, self.head_dim), positions)
-        k = rope(k.view(b, s, self.c.kv_heads, self.head_dim), positions)
-        v = v.view(b, s, self.c.kv_heads, self.head_dim)
-        attn = ctx_plugin.cp_attention(q, k, v, config=cp_config, groups=groups, causal=True)
-        x = x + self.proj(attn.reshape(b, s, -1))
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, c: TinyModelConfig) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(c.vocab, c.hidden)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
-        self.norm = nn.LayerNorm(c.hidden)
-        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
-
-    def forward(self, tokens, positions, cp_config, groups):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, positions, cp_config, groups)
-        return self.head(self.norm(x))
 
 
 def sample_batch(generator: torch.Generator, batch: int, seq_len: int, vocab: int) -> torch.Tensor:
@@ -98,7 +44,7 @@ def train(model, cp_config, groups, steps: int, batch: int, seq_len: int, vocab:
     for _ in range(steps):
         tokens = sample_batch(data, batch, seq_len, vocab)
         inputs, labels = shard(tokens[:, :-1]).to(device), shard(tokens[:, 1:]).to(device)  # labels pre-shifted
-        logits = model(inputs, positions, cp_config, groups)
+        logits = model(inputs, positions)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / (batch * seq_len)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -125,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", default=Backend.ZIGZAG.value, choices=[b.value for b in Backend])
     p.add_argument("--ulysses-size", type=int, default=1, help="Ulysses group size for --backend ulysses_ring")
     p.add_argument("--kernel", default=Kernel.AUTO.value, choices=[k.value for k in Kernel])
+    p.add_argument("--recompute", default="none", help="recompute preset for the context-parallel run (e.g. "
+                                                         "selective, full, sqrt; see ctx_plugin.recompute)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: CUDA when every rank can have its own GPU, else CPU with gloo")
     p.add_argument("--steps", type=int, default=10)
@@ -153,11 +101,13 @@ def main(argv=None) -> int:
     alone, _ = dist.new_subgroups(group_size=1)                         # a group of one for the reference run
     ref_config = ctx_plugin.CPConfig(kernel=args.kernel)                # on one rank every backend is plain attention
     ref_groups = ctx_plugin.build_cp_groups(ref_config, group=alone)
-    model_cfg = TinyModelConfig()
+    model_cfg = DecoderConfig(vocab=128, hidden=64, heads=4, kv_heads=2, ffn=256, layers=2)
     runs = {}
     for name, config, groups in (("reference", ref_config, ref_groups), ("context_parallel", cp_config, cp_groups)):
         torch.manual_seed(args.seed)
-        model = TinyLM(model_cfg).to(device)
+        model = DecoderLM(model_cfg, config, groups).to(device)
+        if name == "context_parallel":
+            recompute.apply(model.blocks, args.recompute, groups=groups)
         runs[name] = train(model, config, groups, args.steps, args.batch, args.seq_len, model_cfg.vocab, args.lr,
                            args.seed)
     (ref_losses, _), (cp_losses, tokens_per_s) = runs["reference"], runs["context_parallel"]
@@ -169,6 +119,7 @@ def main(argv=None) -> int:
     if rank == 0:
         hybrid = f" (ulysses_size={cp_config.ulysses_size})" if cp_config.backend == Backend.ULYSSES_RING else ""
         print(f"ctx_plugin demo: {model_cfg.layers}-layer GQA model, backend={cp_config.backend}{hybrid}, "
+              f"recompute={args.recompute}, "
               f"{world} {device.type} ranks, {args.seq_len} tokens per sequence ({args.seq_len // world} per rank)")
         print(f"{'step':>4}  {'loss (CP)':>12}  {'loss (1 process)':>16}  {'rel. diff':>9}")
         for i, (a, b) in enumerate(zip(cp_losses, ref_losses)):

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from .config import CPConfig
 from .names import Backend
+from .pinning import AttentionPins
 
 
 @dataclass(eq=False)
@@ -58,6 +59,8 @@ class CPGroups:
     """Device types (``"cpu"``, ``"cuda"``, ...) whose tensors the groups' backend can send."""
     counter: CommCounter = field(default_factory=CommCounter)
     """Communication counts, for tests and diagnostics."""
+    pins: AttentionPins = field(default_factory=AttentionPins)
+    """Keeps the attention out of recomputation (driven by :func:`ctx_plugin.recompute.apply`)."""
 
     @property
     def group(self) -> dist.ProcessGroup | None:

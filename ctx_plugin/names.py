@@ -41,6 +41,27 @@ class Kernel(StrEnum):
     """The flash-attn library, 3.x (Hopper) or 2.x (CUDA, fp16/bf16)."""
 
 
+class Recompute(StrEnum):
+    """Recompute presets (see :mod:`ctx_plugin.recompute`); ``full``, ``budget`` take parameters after ``:``."""
+
+    NONE = "none"
+    """Save everything; nothing is recomputed."""
+    ATTN_OUT = "attn_out"
+    """The CP attention keeps q, k, v, its output and LSE and is never re-run; everything else saved."""
+    SELECTIVE = "selective"
+    """Op-level: keep matmul outputs, attention outputs and communication results; recompute the rest."""
+    CORE_ATTN = "core_attn"
+    """Megatron's selective recompute of the attention core: re-runs attention and its communication."""
+    MLP = "mlp"
+    """Recompute the MLP sub-block in backward (Megatron's recompute_modules=["mlp"])."""
+    FULL = "full"
+    """Recompute whole layers (``full``, ``full:uniform:N``, ``full:block:N``), attention pinned."""
+    SQRT = "sqrt"
+    """Chen et al. 2016: checkpoint every ⌈√L⌉ layers (groups of ⌈√L⌉ layers), attention pinned."""
+    BUDGET = "budget"
+    """``budget:<GiB>``: the least-recompute preset whose estimate fits the budget."""
+
+
 def parse_enum(enum_cls: type[StrEnum], value: object, what: str) -> StrEnum:
     """``value`` as a member of ``enum_cls``; a clear TypeError/ValueError listing the valid names otherwise."""
     if isinstance(value, enum_cls):

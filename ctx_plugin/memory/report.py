@@ -1,0 +1,105 @@
+"""``ctx-plugin memory``: the memory table for every recompute preset, and a plot against sequence length."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ..names import Backend
+from ..recompute.presets import RecomputeConfig
+from .model import GiB, MemoryEstimate, estimate, resolve
+from .specs import MODEL_PRESETS, ModelSpec, ParallelSpec
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def table_presets(layers: int) -> list[RecomputeConfig]:
+    names = ["none", "attn_out", "selective", "core_attn", "mlp"]
+    if layers > 2:
+        names.append(f"full:block:{layers // 2}")
+    return [RecomputeConfig.parse(p) for p in (*names, "full", "sqrt")]
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().lower()
+    scale = {"k": 1024, "m": 1024 ** 2}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help=f"a model preset ({', '.join(MODEL_PRESETS)}) or the path of a Hugging Face config.json")
+    p.add_argument("--seq-len", type=_parse_size, required=True, help="tokens per sequence, e.g. 131072 or 128k")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--backend", default=Backend.ZIGZAG.value, choices=[b.value for b in Backend])
+    p.add_argument("--ulysses-size", type=int, default=1, help="Ulysses group size for --backend ulysses_ring")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (tp > 1)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage (distributed optimizer = 1)")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--budget", type=float, default=None, help="GiB per GPU: also report the preset budget:<GiB> picks")
+    p.add_argument("--plot", default=None, help="write a PNG of peak memory vs. sequence length per preset")
+
+
+def model_from(text: str) -> ModelSpec:
+    return ModelSpec.preset(text) if text in MODEL_PRESETS else ModelSpec.from_hf_config(Path(text))
+
+
+def _row(name: str, est: MemoryEstimate) -> str:
+    static = (est.params + est.grads + est.optimizer) / GiB
+    return (f"{name:<16} {est.activations / GiB:>11.1f} {est.recompute_peak / GiB:>10.1f} {est.cp_buffers / GiB:>8.2f} "
+            f"{est.logits_peak / GiB:>8.1f} {static:>14.1f} {est.peak / GiB:>9.1f} {100 * est.recompute_fraction:>9.1f}%")
+
+
+def run(args: argparse.Namespace) -> int:
+    model = model_from(args.model)
+    parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
+                            sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero)
+    dtype = DTYPES[args.dtype]
+    kw = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=dtype)
+    gpus = parallel.cp * parallel.tp * parallel.dp
+    print(f"{model.name}: {model.layers} layers, hidden {model.hidden}, {model.heads} heads ({model.kv_heads} K/V), "
+          f"ffn {model.ffn}, vocab {model.vocab}; {args.seq_len:,} tokens × {args.micro_batch}, {args.dtype}")
+    print(f"parallel: cp={parallel.cp} ({parallel.backend}), tp={parallel.tp}, dp={parallel.dp} = {gpus} GPUs, "
+          f"ZeRO-{parallel.zero_stage}; GiB per GPU")
+    print(f"{'preset':<16} {'activations':>11} {'recompute':>10} {'cp bufs':>8} {'logits':>8} "
+          f"{'params+grad+opt':>14} {'peak':>9} {'extra FLOPs':>10}")
+    for preset in table_presets(model.layers):
+        print(_row(str(preset), estimate(model, parallel, preset, **kw)))
+    if args.budget is not None:
+        chosen = resolve(f"budget:{args.budget}", model, parallel, **kw)
+        print(f"budget:{args.budget:g} → {chosen} (least recompute that fits)")
+    if args.plot:
+        plot(model, parallel, args, dtype, Path(args.plot))
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def plot(model: ModelSpec, parallel: ParallelSpec, args: argparse.Namespace, dtype: torch.dtype, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'ctx-plugin[plot]'") from None
+    unit = 2 * parallel.cp * parallel.ulysses
+    lens = sorted({max(unit, int(args.seq_len * 2.0 ** k) // unit * unit) for k in range(-6, 3)})
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for preset in table_presets(model.layers):
+        peaks = [estimate(model, parallel, preset, seq_len=s, micro_batch=args.micro_batch, dtype=dtype).peak / GiB
+                 for s in lens]
+        ax.plot(lens, peaks, marker="o", label=str(preset))
+    if args.budget is not None:
+        ax.axhline(args.budget, color="k", linestyle="--", label=f"budget {args.budget:g} GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("peak memory per GPU (GiB)")
+    ax.set_title(f"{model.name}, cp={parallel.cp} {parallel.backend}, tp={parallel.tp}, ZeRO-{parallel.zero_stage}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

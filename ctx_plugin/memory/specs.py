@@ -1,0 +1,139 @@
+"""What the memory model is asked about: the model's shape and how it is parallelised."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..names import Backend, parse_enum
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer (Llama-style: pre-norm, RoPE, GQA, gated or plain MLP)."""
+
+    layers: int
+    """Decoder blocks L."""
+    hidden: int
+    """Width h."""
+    heads: int
+    """Query heads a."""
+    kv_heads: int
+    """K/V heads (GQA when fewer than heads)."""
+    ffn: int
+    """MLP inner width f."""
+    vocab: int
+    """Vocabulary size V."""
+    gated: bool = True
+    """SwiGLU MLP (three projections) when True, else a plain two-projection MLP with biases."""
+    norm: str = "rms"
+    """``"rms"`` or ``"layer"``."""
+    tied_embeddings: bool = False
+    """Input embedding and LM head share one matrix."""
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        _positive(self, "layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"hidden ({self.hidden}) must divide into heads ({self.heads}), which must divide into "
+                             f"kv_heads ({self.kv_heads})")
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def from_hf_config(cls, config: dict | str | Path) -> ModelSpec:
+        """From a Hugging Face ``config.json`` (a path or its parsed dict): Llama, Mistral, Qwen2 and the like."""
+        if not isinstance(config, dict):
+            config = json.loads(Path(config).read_text())
+        try:
+            heads = config["num_attention_heads"]
+            spec = dict(layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
+                        kv_heads=config.get("num_key_value_heads") or heads, ffn=config["intermediate_size"],
+                        vocab=config["vocab_size"])
+        except KeyError as e:
+            raise ValueError(f"the config has no {e.args[0]!r}: not a decoder-only transformer config") from None
+        act = config.get("hidden_act", "silu")
+        return cls(**spec, gated=act in ("silu", "swiglu", "gelu_pytorch_tanh") or "glu" in str(act),
+                   norm="rms" if "rms_norm_eps" in config else "layer",
+                   tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   name=str(config.get("_name_or_path") or config.get("model_type", "hf-config")))
+
+    @classmethod
+    def preset(cls, name: str) -> ModelSpec:
+        """A named model shape (``ctx-plugin memory --model NAME``); see :data:`MODEL_PRESETS`."""
+        if name not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(MODEL_PRESETS)} or give a "
+                             f"Hugging Face config.json")
+        return cls(name=name, **MODEL_PRESETS[name])
+
+
+MODEL_PRESETS: dict[str, dict] = {
+    "llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256),
+    "llama3-70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256),
+    "llama2-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
+    "mistral-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000),
+    "qwen2-7b": dict(layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSpec:
+    """How one training step is spread over GPUs."""
+
+    cp: int = 1
+    """Context-parallel size (ranks sharing one sequence)."""
+    backend: Backend = Backend.ZIGZAG
+    """Context-parallel backend (decides which tensors attention keeps and its communication buffers)."""
+    ulysses_size: int = 1
+    """Ulysses group size of ``ulysses_ring`` (the whole CP group for ``ulysses``)."""
+    tp: int = 1
+    """Tensor-parallel size t (heads and MLP width split t ways)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms/residuals split t ways too (needs tp > 1)."""
+    dp: int = 1
+    """Data-parallel size."""
+    zero_stage: int = 0
+    """0 (replicated), 1 (optimizer state sharded over dp×cp), 2 (+ gradients), 3 (+ parameters)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", parse_enum(Backend, self.backend, "backend"))
+        _positive(self, "cp", "ulysses_size", "tp", "dp")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+        if self.backend == Backend.ULYSSES_RING:
+            if self.cp % self.ulysses_size:
+                raise ValueError(f"ulysses_size ({self.ulysses_size}) must divide cp ({self.cp})")
+        elif self.ulysses_size != 1:
+            raise ValueError("ulysses_size applies to backend='ulysses_ring' only")
+
+    @property
+    def ulysses(self) -> int:
+        """Ranks of the all-to-all axis."""
+        return self.cp if self.backend == Backend.ULYSSES else self.ulysses_size
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks over which ZeRO shards (data × context parallel)."""
+        return self.dp * self.cp
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sqrt_group(layers: int) -> int:
+    return math.ceil(math.sqrt(layers))

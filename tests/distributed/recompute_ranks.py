@@ -1,0 +1,18 @@
+"""Recompute work inside spawned ranks: memory model vs. measurement, and communication per preset."""
+from __future__ import annotations
+
+import ctx_plugin
+from tests.recompute_cases import PRESETS, measured_vs_model, train_step
+
+
+def memory_and_comm(rank: int, world: int, payload: dict) -> dict:
+    out = {}
+    for backend, u, shape in payload["configs"]:
+        cfg = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
+        groups = ctx_plugin.build_cp_groups(cfg)
+        for preset in PRESETS:
+            measured, model = measured_vs_model(shape, preset, cfg, groups, payload["seq"])
+            step = train_step(shape, preset, cfg, groups, payload["seq"])
+            out[f"{backend}-u{u}-{shape}-{preset}"] = {"measured": measured, "model": model, "comm": step["comm"],
+                                                       "attention_runs": step["attention_runs"]}
+    return out

@@ -1,0 +1,53 @@
+"""Recompute presets on real decoder stacks (one process): gradients, attention runs, FLOPs, memory model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ctx_plugin
+from tests.recompute_cases import LAYERS, PRESETS, SHAPES, measured_vs_model, train_step
+
+CFG = ctx_plugin.CPConfig(kernel="torch")
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def steps():
+    groups = ctx_plugin.build_cp_groups(CFG)
+    return {p: train_step("gqa-gated", p, CFG, groups, SEQ) for p in PRESETS}
+
+
+@pytest.mark.parametrize("preset", PRESETS[1:])
+def test_gradients_equal_no_recompute(steps, preset):
+    for name, grad in steps[preset]["grads"].items():
+        torch.testing.assert_close(grad, steps["none"]["grads"][name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_attention_runs_once_per_layer_except_core_attn(steps, preset):
+    want = 2 * LAYERS if preset == "core_attn" else LAYERS
+    assert steps[preset]["attention_runs"] == want
+
+
+def test_backward_flops_order_the_presets(steps):
+    flops = {p: steps[p]["flops"] for p in PRESETS}
+    assert flops["none"] <= flops["attn_out"] <= flops["selective"] <= flops["full"]
+    assert flops["none"] < flops["full"]
+    assert flops["core_attn"] > flops["none"] and flops["mlp"] > flops["none"]
+
+
+def test_sqrt_recomputes_about_one_forward(steps):
+    """Chen's √n checkpointing re-runs each layer once (all but the pinned attention and the last matmul that
+    nothing saved depends on): between 60% and 100% of a forward pass."""
+    extra = steps["sqrt"]["flops"] - steps["none"]["flops"]
+    forward = steps["none"]["forward_flops"]
+    assert 0.6 * forward <= extra <= forward, f"extra {extra / forward:.2f} forwards"
+
+
+@pytest.mark.parametrize("seq", [32, 96])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_memory_model_matches_saved_bytes(preset, shape, seq):
+    """The activation estimate against the bytes a real stack keeps for backward: within 5%."""
+    measured, model = measured_vs_model(shape, preset, CFG, ctx_plugin.build_cp_groups(CFG), seq)
+    assert abs(model - measured) <= 0.05 * measured, f"model {model} vs measured {measured}"

@@ -1,0 +1,144 @@
+"""Recompute presets: parsing, regions, framework mappings, application errors and budget resolution."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ctx_plugin
+from ctx_plugin import recompute
+from ctx_plugin.memory import GiB, ModelSpec, ParallelSpec, estimate, resolve
+from ctx_plugin.names import Recompute
+from ctx_plugin.recompute import RecomputeConfig
+
+ROUND_TRIP = ["none", "attn_out", "selective", "core_attn", "mlp", "full", "full:uniform:2", "full:block:3", "sqrt",
+              "budget:40"]
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_parse_round_trips(text):
+    cfg = RecomputeConfig.parse(text)
+    assert str(cfg) == text and RecomputeConfig.parse(str(cfg)) == cfg
+
+
+def test_every_preset_name_parses():
+    for name in Recompute:
+        text = "budget:8" if name == Recompute.BUDGET else name.value
+        assert RecomputeConfig.parse(text).preset == name
+
+
+def test_parsed_fields():
+    assert RecomputeConfig.parse("full") == RecomputeConfig(preset="full", method="uniform", num_layers=1)
+    assert RecomputeConfig.parse("full:block:4") == RecomputeConfig(preset="full", method="block", num_layers=4)
+    assert RecomputeConfig.parse("budget:12.5").budget_gib == 12.5
+
+
+@pytest.mark.parametrize("text,message", [
+    ("nothing", "unknown recompute preset 'nothing'"),
+    ("full:diagonal:2", "method must be one of"),
+    ("full:uniform:0", "positive integer"),
+    ("full:uniform", "bad recompute preset"),
+    ("selective:2", "bad recompute preset"),
+    ("budget:lots", "bad recompute preset"),
+    ("budget:-3", "positive number of GiB"),
+    ("budget", "bad recompute preset"),
+])
+def test_bad_presets(text, message):
+    with pytest.raises(ValueError, match=message):
+        RecomputeConfig.parse(text)
+
+
+def test_bad_types_and_fields():
+    with pytest.raises(TypeError, match="must be a string"):
+        RecomputeConfig.parse(3)
+    with pytest.raises(ValueError, match="apply to the 'full' preset only"):
+        RecomputeConfig(preset="mlp", num_layers=2)
+
+
+def test_regions():
+    assert recompute.regions(RecomputeConfig.parse("full"), 3) == [(0, 1), (1, 2), (2, 3)]
+    assert recompute.regions(RecomputeConfig.parse("full:uniform:2"), 5) == [(0, 2), (2, 4), (4, 5)]
+    assert recompute.regions(RecomputeConfig.parse("full:block:2"), 5) == [(0, 1), (1, 2)]
+    assert recompute.regions(RecomputeConfig.parse("sqrt"), 10) == [(0, 4), (4, 8), (8, 10)]
+    assert recompute.regions(RecomputeConfig.parse("selective"), 4) == []
+
+
+def test_megatron_mapping():
+    assert recompute.to_megatron("none", 8)["recompute_granularity"] is None
+    assert recompute.to_megatron("attn_out", 8)["recompute_granularity"] is None
+    assert recompute.to_megatron("mlp", 8) == {"recompute_granularity": "selective", "recompute_method": None,
+                                              "recompute_num_layers": None, "recompute_modules": ["mlp"]}
+    assert recompute.to_megatron("core_attn", 8)["recompute_modules"] == ["core_attn"]
+    for text in ("selective", "full", "full:block:2", "sqrt"):
+        with pytest.raises(ValueError, match="Megatron cannot express"):
+            recompute.to_megatron(text, 8)
+
+
+def test_deepspeed_mapping():
+    assert recompute.to_deepspeed("none", 8) is None
+    assert recompute.to_deepspeed("sqrt", 9)["number_checkpoints"] == 3
+    assert recompute.to_deepspeed("full:uniform:2", 8)["number_checkpoints"] == 4
+    for text in ("selective", "mlp", "core_attn", "full:block:2"):
+        with pytest.raises(ValueError, match="DeepSpeed cannot express"):
+            recompute.to_deepspeed(text, 8)
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_apply_errors_and_remove():
+    layers = nn.ModuleList(_Layer() for _ in range(3))
+    groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig())
+    with pytest.raises(ValueError, match="must be resolved"):
+        recompute.apply(layers, "budget:10", groups=groups)
+    with pytest.raises(ValueError, match="pass groups="):
+        recompute.apply(layers, "full", groups=None)
+    with pytest.raises(ValueError, match=r"needs layers with an `.mlp` submodule; layers \[0, 1, 2\]"):
+        recompute.apply(layers, "mlp", groups=groups)
+    with pytest.raises(TypeError, match="build_cp_groups"):
+        recompute.apply(layers, "full", groups="world")
+    recompute.apply(layers, "full:uniform:3", groups=groups)
+    assert all("forward" in vars(layer) for layer in layers)
+    with pytest.raises(ValueError, match="already applied"):
+        recompute.apply(layers, "full", groups=groups)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = x
+    for layer in layers:
+        y = layer(y)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="called with something other than the previous layer's output"):
+        layers[1](torch.randn(2, 4))
+    recompute.remove(layers)
+    assert all("forward" not in vars(layer) for layer in layers)
+    assert list(layers.state_dict()) == [f"{i}.lin.{p}" for i in range(3) for p in ("weight", "bias")]
+
+
+def test_core_attn_warns():
+    layers = nn.ModuleList([_Layer()])
+    with pytest.warns(UserWarning, match="repeating its ring/all-to-all communication"):
+        recompute.apply(layers, "core_attn", groups=ctx_plugin.build_cp_groups(ctx_plugin.CPConfig()))
+
+
+LLAMA = ModelSpec.preset("llama3-8b")
+PAR = ParallelSpec(cp=8, zero_stage=1)
+
+
+def test_budget_picks_least_recompute_that_fits():
+    kw = dict(seq_len=131072)
+    peaks = {p: estimate(LLAMA, PAR, p, **kw).peak / GiB for p in ("none", "selective", "mlp", "full", "sqrt")}
+    assert peaks["none"] > peaks["selective"] > peaks["mlp"] > peaks["full"] > peaks["sqrt"]
+    assert str(resolve(f"budget:{peaks['none'] + 1}", LLAMA, PAR, **kw)) == "none"
+    assert str(resolve(f"budget:{peaks['mlp'] + 0.01}", LLAMA, PAR, **kw)) == "mlp"
+    assert str(resolve(f"budget:{peaks['sqrt'] + 0.01}", LLAMA, PAR, **kw)) == "sqrt"
+    assert str(resolve("full:block:3", LLAMA, PAR, **kw)) == "full:block:3"
+
+
+def test_impossible_budget_says_what_to_change():
+    with pytest.raises(ValueError, match=r"no recompute preset fits 20 GiB per GPU: the smallest estimate is .* \(sqrt\)"):
+        resolve("budget:20", LLAMA, PAR, seq_len=131072)
