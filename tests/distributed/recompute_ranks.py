@@ -10,9 +10,13 @@ def memory_and_comm(rank: int, world: int, payload: dict) -> dict:
     for backend, u, shape in payload["configs"]:
         cfg = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
         groups = ctx_plugin.build_cp_groups(cfg)
+        reference = None
         for preset in PRESETS:
             measured, model = measured_vs_model(shape, preset, cfg, groups, payload["seq"])
             step = train_step(shape, preset, cfg, groups, payload["seq"])
+            reference = reference or step["grads"]
+            grad_err = max(((g - reference[name]).abs().max() / reference[name].abs().max()).item()
+                           for name, g in step["grads"].items())
             out[f"{backend}-u{u}-{shape}-{preset}"] = {"measured": measured, "model": model, "comm": step["comm"],
-                                                       "attention_runs": step["attention_runs"]}
+                                                       "attention_runs": step["attention_runs"], "grad_err": grad_err}
     return out
