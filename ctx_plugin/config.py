@@ -32,4 +32,5 @@ class CPConfig:
             raise ValueError(f"ulysses_size must be at least 1, got {self.ulysses_size}")
         if self.ulysses_size != 1 and self.backend != Backend.ULYSSES_RING:
             raise ValueError(f"ulysses_size={self.ulysses_size} applies to backend='ulysses_ring' only; use that "
-                             f"backend for the 2-D hybrid, or leave ulysses_size at 1 for backend={self.backend.value!r}")
+                             f"backend for the 2-D hybrid, or leave ulysses_size at 1 for "
+                             f"backend={self.backend.value!r}")

@@ -55,7 +55,7 @@ def train(model, cp_config, groups, steps: int, batch: int, seq_len: int, vocab:
             dist.all_reduce(report, group=groups.group)
         opt.step()
         losses.append(report.item())
-    if device.type == "cuda":
+    if device.type == "cuda":   # once, after training: the throughput must include all queued GPU work
         torch.cuda.synchronize(device)
     return losses, steps * batch * seq_len / (time.perf_counter() - start)
 

@@ -14,7 +14,8 @@ class Backend(StrEnum):
     RING = "ring"
     """Ring attention over contiguous shards (rank r holds tokens [r·S/P, (r+1)·S/P)). Unbalanced when causal."""
     ZIGZAG = "zigzag"
-    """Ring attention over 2·P chunks, rank r holding chunks r and 2P−1−r: balanced causal work (Megatron's layout)."""
+    """Ring attention over 2·P chunks, rank r holding chunks r and 2P−1−r: balanced causal work (Megatron's
+    layout)."""
     STRIPED = "striped"
     """Ring attention with token t on rank t mod P: balanced causal work, finest interleave."""
     ULYSSES = "ulysses"

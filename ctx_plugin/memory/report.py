@@ -50,8 +50,9 @@ def model_from(text: str) -> ModelSpec:
 
 def _row(name: str, est: MemoryEstimate) -> str:
     static = (est.params + est.grads + est.optimizer) / GiB
-    return (f"{name:<16} {est.activations / GiB:>11.1f} {est.recompute_peak / GiB:>10.1f} {est.cp_buffers / GiB:>8.2f} "
-            f"{est.logits_peak / GiB:>8.1f} {static:>14.1f} {est.peak / GiB:>9.1f} {100 * est.recompute_fraction:>9.1f}%")
+    return (f"{name:<16} {est.activations / GiB:>11.1f} {est.recompute_peak / GiB:>10.1f} "
+            f"{est.cp_buffers / GiB:>8.2f} {est.logits_peak / GiB:>8.1f} {static:>14.1f} {est.peak / GiB:>9.1f} "
+            f"{100 * est.recompute_fraction:>9.1f}%")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -87,7 +87,8 @@ def test_backend_layouts():
     assert isinstance(layout(Backend.STRIPED), Striped)
     assert isinstance(layout(Backend.ULYSSES), Contiguous)
     assert isinstance(layout(Backend.ALLGATHER), Zigzag)
-    assert isinstance(layout(Backend.ULYSSES_RING, 2), UlyssesRing) and layout(Backend.ULYSSES_RING, 2).ulysses_size == 2
+    hybrid = layout(Backend.ULYSSES_RING, 2)
+    assert isinstance(hybrid, UlyssesRing) and hybrid.ulysses_size == 2
     assert isinstance(ring_layout(ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=2)), Zigzag)
     assert all(shard_layout(ctx_plugin.CPConfig(backend=b)) is not None for b in Backend)
 

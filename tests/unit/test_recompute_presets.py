@@ -140,5 +140,6 @@ def test_budget_picks_least_recompute_that_fits():
 
 
 def test_impossible_budget_says_what_to_change():
-    with pytest.raises(ValueError, match=r"no recompute preset fits 20 GiB per GPU: the smallest estimate is .* \(sqrt\)"):
+    with pytest.raises(ValueError, match=r"no recompute preset fits 20 GiB per GPU: the smallest estimate is "
+                                         r".* \(sqrt\)"):
         resolve("budget:20", LLAMA, PAR, seq_len=131072)
