@@ -53,6 +53,18 @@ def _hidden(out):
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
+def _input(args: tuple, kwargs: dict):
+    """The hidden states a layer is called with: the first positional argument, or ``hidden_states=``
+    (Megatron's TransformerBlock passes it by keyword)."""
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _with_input(hidden, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
 class _Region:
     """Layers ``forwards`` checkpointed as one region: only the region's input is stored (plus the pinned
     attention); in backward the region's forward runs again with attention replayed."""
@@ -68,25 +80,25 @@ class _Region:
         sac_fwd, sac_recompute = create_selective_checkpoint_contexts(partial(_selective_policy, self.pins))
         return _entered(sac_fwd, record), _entered(sac_recompute, replay)
 
-    def _body(self, hidden, *args, **kwargs):
+    def _body(self, *args, **kwargs):
         out = None
         for fwd in self.forwards:
-            out = fwd(hidden, *args, **kwargs)
-            hidden = _hidden(out)
+            out = fwd(*args, **kwargs)
+            args, kwargs = _with_input(_hidden(out), args, kwargs)
         return out
 
-    def run(self, hidden, *args, **kwargs):
+    def run(self, *args, **kwargs):
         if torch.is_grad_enabled():
-            out = checkpoint(self._body, hidden, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
+            out = checkpoint(self._body, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
         else:
-            out = self._body(hidden, *args, **kwargs)
+            out = self._body(*args, **kwargs)
         self.last = out if len(self.forwards) > 1 else None
         return out
 
-    def pass_through(self, position: int, hidden, *args, **kwargs):
+    def pass_through(self, position: int, *args, **kwargs):
         """A later layer of the region: its work is already done; hand on the region's output."""
         out = self.last
-        if out is None or _hidden(out) is not hidden:
+        if out is None or _hidden(out) is not _input(args, kwargs):
             raise RuntimeError("a layer inside a multi-layer recompute region was called with something other than "
                                "the previous layer's output; apply full:uniform:N / sqrt only to layers the model "
                                "calls one after another")

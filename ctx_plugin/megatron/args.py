@@ -1,0 +1,135 @@
+"""``--cp-*`` flags for Megatron's argument parser, and their validation against Megatron's own settings.
+
+Pass :func:`add_arguments` as ``extra_args_provider`` to ``parse_and_validate_args`` (or call it on any
+``argparse`` parser), then :func:`settings_from_args` turns the parsed namespace into ctx_plugin settings or
+raises a ``ValueError`` naming the flags to change.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from ..config import CPConfig
+from ..layouts import shard_layout
+from ..names import Backend, Kernel, Recompute
+from ..recompute import RecomputeConfig, to_megatron
+
+_USAGE = {
+    Backend.RING: "contiguous shards; non-causal",
+    Backend.ZIGZAG: "balanced causal ring, Megatron's own layout (default)",
+    Backend.STRIPED: "balanced causal ring, token t on rank t mod P",
+    Backend.ULYSSES: "all-to-all over heads; needs heads divisible by the CP size",
+    Backend.ULYSSES_RING: "Ulysses inside --cp-ulysses-size ranks, zigzag ring across them",
+    Backend.ALLGATHER: "all-gather K/V, one softmax per query chunk (GQA)",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds ctx_plugin's flags (a Megatron ``extra_args_provider``)."""
+    g = parser.add_argument_group("ctx_plugin", "context-parallel attention backends and recompute presets")
+    g.add_argument("--cp-backend", default=Backend.ZIGZAG.value, choices=[b.value for b in Backend],
+                   help="context-parallel attention over --context-parallel-size ranks: "
+                        + "; ".join(f"{b.value}: {text}" for b, text in _USAGE.items()))
+    g.add_argument("--cp-ulysses-size", type=int, default=1,
+                   help="ranks per Ulysses group for --cp-backend ulysses_ring (put them inside one node)")
+    g.add_argument("--cp-kernel", default=Kernel.AUTO.value, choices=[k.value for k in Kernel],
+                   help="local attention kernel; auto picks the fastest for the GPU and dtype")
+    g.add_argument("--cp-recompute", default=Recompute.NONE.value,
+                   help="recompute preset: none, attn_out, selective, core_attn, mlp, full, full:uniform:N, "
+                        "full:block:N, sqrt or budget:<GiB>; replaces --recompute-granularity/-method/-num-layers/"
+                        "-modules")
+    return parser
+
+
+@dataclass(frozen=True)
+class MegatronCPSettings:
+    """What the ``--cp-*`` flags ask for."""
+
+    cp_config: CPConfig
+    recompute: RecomputeConfig
+    """The preset (a ``budget:`` preset is resolved against the model's memory estimate)."""
+    megatron_recompute: dict | None
+    """TransformerConfig recompute fields when Megatron itself can apply the preset; None when ctx_plugin
+    applies it to the decoder layers (selective, full, sqrt: the attention stays pinned)."""
+
+
+def _value(x) -> str:
+    return str(getattr(x, "name", x))
+
+
+def settings_from_args(args: argparse.Namespace) -> MegatronCPSettings:
+    """Validates the ``--cp-*`` flags against Megatron's and returns the settings (ValueError otherwise)."""
+    try:
+        cp_config = CPConfig(backend=args.cp_backend, kernel=args.cp_kernel, ulysses_size=args.cp_ulysses_size)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--cp-backend/--cp-ulysses-size/--cp-kernel: {e}") from None
+    cp = args.context_parallel_size
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    if cp % cp_config.ulysses_size:
+        raise ValueError(f"--cp-ulysses-size {cp_config.ulysses_size} must divide --context-parallel-size {cp}")
+    backend = _value(getattr(args, "attention_backend", "auto"))
+    if backend != "auto":
+        raise ValueError(f"--attention-backend {backend} would replace ctx_plugin's core attention with Megatron's; "
+                         f"drop --attention-backend (ctx_plugin picks the kernel: --cp-kernel)")
+    comm = getattr(args, "cp_comm_type", None)
+    comm = [comm] if isinstance(comm, str) else list(comm or [])
+    if any(c != "p2p" for c in comm):
+        raise ValueError(f"--cp-comm-type {' '.join(comm)} conflicts with --cp-backend {cp_config.backend}: "
+                         f"ctx_plugin's backend replaces Megatron's context-parallel communication; drop "
+                         f"--cp-comm-type (for all-to-all use --cp-backend ulysses or ulysses_ring)")
+    if getattr(args, "hierarchical_context_parallel_sizes", None):
+        raise ValueError("--hierarchical-context-parallel-sizes is Megatron's own hierarchy; with ctx_plugin use "
+                         "--cp-backend ulysses_ring --cp-ulysses-size N instead")
+    heads = args.num_attention_heads // tp
+    kv_heads = (args.num_query_groups if getattr(args, "group_query_attention", False) and args.num_query_groups
+                else args.num_attention_heads) // tp
+    u = cp if cp_config.backend == Backend.ULYSSES else cp_config.ulysses_size
+    if u > 1 and heads % u:
+        raise ValueError(f"Ulysses over {u} ranks needs the attention heads per tensor-parallel rank ({heads}) to be "
+                         f"divisible by {u}; change --context-parallel-size/--cp-ulysses-size or "
+                         f"--tensor-model-parallel-size")
+    if u > 1 and kv_heads % u and u % kv_heads:
+        raise ValueError(f"Ulysses over {u} ranks needs the query groups per tensor-parallel rank ({kv_heads}) to "
+                         f"divide {u} or be divisible by it; change --num-query-groups or the Ulysses size")
+    unit = shard_layout(cp_config).unit(cp)
+    if args.seq_length % unit:
+        raise ValueError(f"--seq-length {args.seq_length} must be a multiple of {unit} for --cp-backend "
+                         f"{cp_config.backend} over --context-parallel-size {cp}")
+    if getattr(args, "attention_dropout", 0.0):
+        raise ValueError(f"ctx_plugin's attention has no dropout; set --attention-dropout 0 "
+                         f"(got {args.attention_dropout})")
+    recompute = _recompute(args)
+    megatron_fields = None
+    if recompute.preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN):
+        megatron_fields = to_megatron(recompute, args.num_layers)
+    return MegatronCPSettings(cp_config=cp_config, recompute=recompute, megatron_recompute=megatron_fields)
+
+
+def _recompute(args: argparse.Namespace) -> RecomputeConfig:
+    recompute = RecomputeConfig.parse(args.cp_recompute)
+    own = [f"--{name.replace('_', '-')}" for name in ("recompute_granularity", "recompute_method",
+                                                       "recompute_num_layers") if getattr(args, name, None)]
+    if own and recompute.preset != Recompute.NONE:
+        raise ValueError(f"--cp-recompute {recompute} and {', '.join(own)} both set what to recompute; keep one "
+                         f"(--cp-recompute maps onto Megatron's fields where Megatron can express it)")
+    if recompute.preset != Recompute.BUDGET:
+        return recompute
+    from ..memory import ModelSpec, ParallelSpec, resolve
+
+    model = ModelSpec(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
+                      kv_heads=(args.num_query_groups if getattr(args, "group_query_attention", False)
+                                and args.num_query_groups else args.num_attention_heads),
+                      ffn=args.ffn_hidden_size or 4 * args.hidden_size, vocab=getattr(args, "padded_vocab_size", None)
+                      or getattr(args, "vocab_size", None) or 32000, gated=bool(getattr(args, "swiglu", False)),
+                      norm="rms" if getattr(args, "normalization", "LayerNorm") == "RMSNorm" else "layer")
+    parallel = ParallelSpec(cp=args.context_parallel_size, backend=args.cp_backend,
+                            ulysses_size=args.cp_ulysses_size, tp=getattr(args, "tensor_model_parallel_size", 1),
+                            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                            dp=getattr(args, "data_parallel_size", None) or 1,
+                            zero_stage=1 if getattr(args, "use_distributed_optimizer", False) else 0)
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
+        else torch.float32
+    return resolve(recompute, model, parallel, seq_len=args.seq_length, micro_batch=args.micro_batch_size,
+                   dtype=dtype)
