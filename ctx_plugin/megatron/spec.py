@@ -18,11 +18,17 @@ from .core_attention import CPCoreAttention, GroupsProvider, context_parallel_gr
 
 def gpt_layer_spec(cp_config: CPConfig, *, base: ModuleSpec | None = None,
                    groups_provider: GroupsProvider | None = None) -> ModuleSpec:
-    """``base`` (default: Megatron's local GPT layer spec) with only its core attention replaced."""
+    """``base`` (default: Megatron's local GPT layer spec; a per-layer ``TransformerBlockSubmodules`` too)
+    with only its core attention replaced."""
     spec = copy.deepcopy(base if base is not None else get_gpt_layer_local_spec())
     provider = groups_provider if groups_provider is not None else GroupsProvider(cp_config)
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=CPCoreAttention, params={"cp_config": cp_config, "groups_provider": provider})
+    core = ModuleSpec(module=CPCoreAttention, params={"cp_config": cp_config, "groups_provider": provider})
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        attention = getattr(getattr(layer, "submodules", None), "self_attention", None)
+        if attention is None or not hasattr(attention.submodules, "core_attention"):
+            raise ValueError("this layer spec has no self_attention.submodules.core_attention to replace; "
+                             "ctx_plugin supports GPT layer specs with self-attention")
+        attention.submodules.core_attention = core
     return spec
 
 

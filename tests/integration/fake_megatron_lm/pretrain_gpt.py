@@ -1,0 +1,74 @@
+"""A stand-in for Megatron-LM's pretrain_gpt.py that runs on CPU.
+
+Megatron's own ``pretrain`` asserts CUDA, so this script keeps the parts of pretrain_gpt.py that ctx_plugin's
+entry point hooks into — ``parse_args`` with the script's own ``extra_args_provider``, ``GPTModel`` built from a
+layer spec by name, and ``get_batch_on_this_cp_rank`` imported by name — and replaces Megatron's training loop
+with a small CPU one (SGD; gradients all-reduced over data × context ranks, as Megatron's DDP does).
+"""
+import json
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.training.arguments import parse_args
+from megatron.training.global_vars import set_args
+
+
+def extra_args(parser):
+    parser.add_argument("--fake-report", default=None, help="write rank 0's losses here (JSON)")
+    parser.add_argument("--fake-steps", type=int, default=3)
+    return parser
+
+
+def model_provider(args):
+    config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                               num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                               ffn_hidden_size=args.ffn_hidden_size, use_cpu_initialization=True,
+                               context_parallel_size=args.context_parallel_size, attention_dropout=0.0,
+                               hidden_dropout=0.0, recompute_granularity=args.recompute_granularity,
+                               recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+                               recompute_modules=args.recompute_modules)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab_size,
+                    max_sequence_length=args.seq_length, position_embedding_type=args.position_embedding_type)
+
+
+def get_batch(step, args):
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(tokens[:, 1:].shape),
+             "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1).contiguous()}
+    return get_batch_on_this_cp_rank(batch)
+
+
+if __name__ == "__main__":
+    args = parse_args(extra_args_provider=extra_args)
+    set_args(args)
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
+    torch.manual_seed(1234)
+    model = model_provider(args)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    losses = []
+    for step in range(args.fake_steps):
+        batch = get_batch(step, args)
+        per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        stats = torch.stack([(per_token * batch["loss_mask"]).sum().detach(), batch["loss_mask"].sum()])
+        dist.all_reduce(stats, group=dp_cp)
+        opt.zero_grad()
+        ((per_token * batch["loss_mask"]).sum() / stats[1]).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=dp_cp)
+        opt.step()
+        losses.append((stats[0] / stats[1]).item())
+    if dist.get_rank() == 0 and args.fake_report:
+        with open(args.fake_report, "w") as f:
+            json.dump({"losses": losses, "rope_class": type(getattr(model, "rotary_pos_emb", None)).__name__,
+                       "model_class": type(model).__name__,
+                       "core_attention": type(model.decoder.layers[0].self_attention.core_attention).__name__}, f)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
