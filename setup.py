@@ -18,5 +18,10 @@ setup(
         "plot": ["matplotlib"],
         "test": ["pytest>=8", "matplotlib"],
     },
-    entry_points={"console_scripts": ["ctx-plugin = ctx_plugin.cli:main"]},
+    entry_points={
+        "console_scripts": ["ctx-plugin = ctx_plugin.cli:main"],
+        # Seams that a Megatron fork patched with patches/ looks up (see patches/README.md).
+        "megatron.extra_args_providers": ["ctx_plugin = ctx_plugin.megatron.args:add_arguments"],
+        "megatron.context_parallel_layout": ["ctx_plugin = ctx_plugin.megatron.hooks:local_positions"],
+    },
 )

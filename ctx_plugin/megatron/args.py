@@ -27,7 +27,10 @@ _USAGE = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds ctx_plugin's flags (a Megatron ``extra_args_provider``)."""
+    """Adds ctx_plugin's flags (a Megatron ``extra_args_provider``; also registered as the entry point a fork
+    patched with ``patches/`` loads, so it returns the parser unchanged when the flags are already there)."""
+    if "--cp-backend" in parser._option_string_actions:
+        return parser
     g = parser.add_argument_group("ctx_plugin", "context-parallel attention backends and recompute presets")
     g.add_argument("--cp-backend", default=Backend.ZIGZAG.value, choices=[b.value for b in Backend],
                    help="context-parallel attention over --context-parallel-size ranks: "

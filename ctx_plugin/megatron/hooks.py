@@ -1,0 +1,27 @@
+"""Functions that a Megatron fork patched with ``patches/`` finds through entry points (see setup.py).
+
+``local_positions`` is the ``megatron.context_parallel_layout`` hook: the global positions this rank holds in
+the layout of ``--cp-backend`` (Megatron then shards batches and slices RoPE by them instead of zigzag).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import CPConfig
+from ..layouts import shard_layout
+
+
+def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor | None:
+    """Positions of rank ``cp_rank``'s tokens; None (Megatron's own zigzag) when ctx_plugin's flags are absent."""
+    from megatron.training.global_vars import get_args
+
+    try:
+        args = get_args()
+    except AssertionError:          # Megatron's args are not initialised: not a ctx_plugin run
+        return None
+    if getattr(args, "cp_backend", None) is None:
+        return None
+    config = CPConfig(backend=args.cp_backend, ulysses_size=args.cp_ulysses_size)
+    layout = shard_layout(config)
+    layout.check_seq_len(seq_len, cp_size)
+    return layout.local_indices(seq_len, cp_rank, cp_size)
