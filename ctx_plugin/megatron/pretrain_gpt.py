@@ -73,6 +73,10 @@ def _install_seams() -> None:
         group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
         return shard_batch(batch, config=settings.cp_config, groups=provider_for(settings).get(group))
 
+    try:   # Megatron-LM's pretrain_gpt.py imports the sharder from here; load it so the rebinding reaches it
+        import megatron.training.utils  # noqa: F401
+    except ImportError:
+        pass
     for name, old, new in (("parse_args", original_parse, parse_args), ("GPTModel", base, CPGPTModel),
                            ("get_batch_on_this_cp_rank", core_utils.get_batch_on_this_cp_rank,
                             get_batch_on_this_cp_rank)):

@@ -109,3 +109,18 @@ def test_bad_flag_combinations(monkeypatch, flags, error, message):
         return
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         settings_from_args(args)
+
+
+def test_spec_from_megatron_args(monkeypatch):
+    """``--spec ctx_plugin.megatron.spec layer_spec``: Megatron calls it; core attention is ctx_plugin's."""
+    from megatron.training import global_vars
+
+    from ctx_plugin.megatron.core_attention import CPCoreAttention
+    from ctx_plugin.megatron.spec import layer_spec
+
+    args = _parse(monkeypatch, "--transformer-impl", "local", "--context-parallel-size", "2", "--cp-backend",
+                  "striped")
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    spec = layer_spec(None)
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert core.module is CPCoreAttention and core.params["cp_config"].backend == "striped"
