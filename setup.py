@@ -13,7 +13,7 @@ setup(
     extras_require={
         "megatron": ["megatron-core>=0.16", "triton"],
         "deepspeed": ["deepspeed>=0.19"],
-        "hf": ["transformers>=5.0"],
+        "hf": ["transformers>=5.0,<6"],
         "flash": ["flash-attn>=2.0"],
         "plot": ["matplotlib"],
         "test": ["pytest>=8", "matplotlib"],
