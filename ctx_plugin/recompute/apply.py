@@ -129,7 +129,7 @@ def _core_recompute(forward, pins: AttentionPins):
     return patched
 
 
-def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups: CPGroups | None) -> None:
+def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups: CPGroups | None = None) -> None:
     """Applies ``config`` to ``layers`` (in the order the model calls them), in place.
 
     ``groups`` are the :class:`CPGroups` the layers' attention runs with (``None`` only for models without
