@@ -27,7 +27,7 @@ import torch
 from ..config import CPConfig
 from ..layouts import shard_layout
 from ..names import Backend, Recompute
-from ..recompute.presets import RecomputeConfig, regions
+from ..recompute.presets import RecomputeConfig, candidates, regions
 from .specs import ModelSpec, ParallelSpec, ceil_div
 
 GiB = 2**30
@@ -104,7 +104,7 @@ def layer_activations(m: ModelSpec, p: ParallelSpec, recompute: RecomputeConfig,
 
 def param_count(m: ModelSpec, tp: int = 1) -> int:
     """Parameters held by one tensor-parallel rank (norms replicated)."""
-    d, kv_w = m.head_dim, max(m.kv_heads // tp, 1) * m.head_dim
+    kv_w = max(m.kv_heads // tp, 1) * m.head_dim
     q_w, f = m.hidden // tp, ceil_div(m.ffn, tp)
     norm = (1 if m.norm == "rms" else 2) * m.hidden
     mlp = 3 * m.hidden * f if m.gated else 2 * m.hidden * f + f + m.hidden
@@ -213,8 +213,6 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
 def resolve(recompute: RecomputeConfig | str, model: ModelSpec, parallel: ParallelSpec, *, seq_len: int,
             micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> RecomputeConfig:
     """``budget:<GiB>`` → the least-recompute preset whose peak fits; other presets are returned unchanged."""
-    from ..recompute.presets import candidates
-
     recompute = RecomputeConfig.parse(recompute)
     if recompute.preset != Recompute.BUDGET:
         return recompute
