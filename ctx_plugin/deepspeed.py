@@ -1,0 +1,216 @@
+"""DeepSpeed integration: a ``"context_parallel"`` section in the DeepSpeed config switches ctx_plugin on.
+
+    engine, optimizer, loader, scheduler = ctx_plugin.deepspeed.initialize(model=model,
+        model_parameters=model.parameters(), training_data=dataset, config="ds_config.json")
+    for batch in loader:                                   # this rank's shards, labels pre-shifted
+        logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss, report = ctx_plugin.deepspeed.causal_lm_loss(logits, batch["labels"], engine)
+        engine.backward(loss); engine.step()
+
+The section is ``{"backend", "size", "ulysses_size", "kernel", "recompute"}``. The world is split into groups of
+``size`` consecutive ranks sharing each sequence; DeepSpeed's data-parallel group (ZeRO partitioning, gradient
+averaging) is all data × context ranks, handed to it as ``mpu``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import hf
+from .api import shard_sequence
+from .config import CPConfig
+from .groups import CPGroups, build_cp_groups
+from .recompute import RecomputeConfig, apply
+
+SECTION = "context_parallel"
+_KEYS = {"backend": str, "size": int, "ulysses_size": int, "kernel": str, "recompute": str}
+
+
+@dataclass(frozen=True)
+class ContextParallelSection:
+    """The validated ``"context_parallel"`` section."""
+
+    cp_config: CPConfig
+    size: int
+    recompute: RecomputeConfig
+
+
+def parse_section(section: dict) -> ContextParallelSection:
+    """Validates a ``"context_parallel"`` section (a ValueError/TypeError naming the key otherwise)."""
+    if not isinstance(section, dict):
+        raise TypeError(f'"{SECTION}" must be a JSON object, got {type(section).__name__}')
+    unknown = sorted(set(section) - set(_KEYS))
+    if unknown:
+        raise ValueError(f'unknown key(s) {unknown} in "{SECTION}"; allowed: {sorted(_KEYS)}')
+    for key, kind in _KEYS.items():
+        if key in section and (not isinstance(section[key], kind) or isinstance(section[key], bool)):
+            raise TypeError(f'"{SECTION}.{key}" must be a {kind.__name__}, got {section[key]!r}')
+    size = section.get("size")
+    if size is None or size < 1:
+        raise ValueError(f'"{SECTION}.size" (ranks sharing each sequence) must be a positive int, got {size!r}')
+    try:
+        cp_config = CPConfig(backend=section.get("backend", "zigzag"), kernel=section.get("kernel", "auto"),
+                             ulysses_size=section.get("ulysses_size", 1))
+        recompute = RecomputeConfig.parse(section.get("recompute", "none"))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f'"{SECTION}": {e}') from None
+    if size % cp_config.ulysses_size:
+        raise ValueError(f'"{SECTION}.ulysses_size" ({cp_config.ulysses_size}) must divide "{SECTION}.size" ({size})')
+    return ContextParallelSection(cp_config=cp_config, size=size, recompute=recompute)
+
+
+class ContextParallelMPU:
+    """The ``mpu`` DeepSpeed gets: no model parallelism; data parallelism over every data × context rank."""
+
+    def __init__(self, alone: dist.ProcessGroup) -> None:
+        self._alone = alone
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self._alone
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return dist.get_rank()
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size()
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
+
+def _load_config(config, args) -> dict:
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if isinstance(config, (str, Path)):
+        config = json.loads(Path(config).read_text())
+    if not isinstance(config, dict):
+        raise TypeError("ctx_plugin.deepspeed.initialize needs config= as a dict or a JSON path (or "
+                        "args.deepspeed_config)")
+    return dict(config)
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):
+            return module
+    raise ValueError("cannot find the model's decoder layers (a ModuleList named '...layers') to apply the "
+                     "recompute preset to")
+
+
+def _cp_group(size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's context-parallel group of ``size`` consecutive ranks, a group of this rank alone)."""
+    cp, _ = dist.new_subgroups(group_size=size)
+    alone, _ = dist.new_subgroups(group_size=1)
+    return cp, alone
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               config_params=None):
+    """``deepspeed.initialize`` with the ``"context_parallel"`` section applied; same arguments and returns."""
+    import deepspeed
+
+    config = _load_config(config if config is not None else config_params, args)
+    if SECTION not in config:
+        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                    training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                                    dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
+    section = parse_section(config.pop(SECTION))
+    if mpu is not None:
+        raise ValueError(f'"{SECTION}" builds the process groups itself; do not pass mpu=')
+    own_sp = config.get("sequence_parallel_size", 1)
+    if own_sp not in (1, section.size):
+        raise ValueError(f'"sequence_parallel_size" ({own_sp}) disagrees with "{SECTION}.size" ({section.size}); '
+                         f'drop "sequence_parallel_size": the "{SECTION}" section is the one switch')
+    config.pop("sequence_parallel_size", None)
+    deepspeed.init_distributed()        # wraps an already initialised torch.distributed; else starts it
+    world = dist.get_world_size()
+    if world % section.size:
+        raise ValueError(f'"{SECTION}.size" ({section.size}) must divide the number of ranks ({world})')
+    cp, alone = _cp_group(section.size)
+    groups = build_cp_groups(section.cp_config, group=cp)
+    if hasattr(model, "set_attn_implementation"):
+        hf.enable(model, section.cp_config, groups)
+    apply(_decoder_layers(model), section.recompute, groups=groups)
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+        mpu=ContextParallelMPU(alone), dist_init_required=False, config=config)
+    engine.ctx_plugin_groups = groups
+    loader = None
+    if training_data is not None:
+        loader = ShardedLoader(training_data, engine.train_micro_batch_size_per_gpu(), groups,
+                               replicas=world // section.size, replica=dist.get_rank() // section.size,
+                               collate_fn=collate_fn)
+    return engine, optimizer, loader, lr_scheduler
+
+
+def shard_batch(batch: dict, groups: CPGroups) -> dict:
+    """This rank's part of a causal-LM batch: ``input_ids``, ``position_ids`` (made when absent), ``labels``
+    shifted one token left (the last target ignored) *before* sharding, and an all-ones ``attention_mask``
+    dropped (padding is refused)."""
+    cfg = groups.config
+    input_ids = batch["input_ids"]
+    out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids", "attention_mask")}
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(torch.all(mask != 0)):
+        raise ValueError("padded batches are not supported under context parallelism: pack or trim sequences and "
+                         "give padding labels -100 instead of an attention_mask")
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    out["input_ids"] = shard_sequence(input_ids, config=cfg, groups=groups, dim=1)
+    out["position_ids"] = shard_sequence(positions, config=cfg, groups=groups, dim=1)
+    if "labels" in batch:
+        labels = batch["labels"]
+        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+        out["labels"] = shard_sequence(shifted, config=cfg, groups=groups, dim=1)
+    return out
+
+
+class ShardedLoader:
+    """Batches of ``dataset`` for this data-parallel replica (every rank of a context-parallel group gets the
+    same samples), sharded with :func:`shard_batch`."""
+
+    def __init__(self, dataset, batch_size: int, groups: CPGroups, *, replicas: int, replica: int,
+                 collate_fn=None) -> None:
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=False)
+        self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                                                  collate_fn=collate_fn)
+        self.groups = groups
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield shard_batch(batch, self.groups)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, engine) -> tuple[torch.Tensor, float]:
+    """(loss to backpropagate, global token-mean loss to report) for pre-shifted, sharded ``labels``.
+
+    DeepSpeed averages gradients over all data × context ranks, so each rank backpropagates its token sum over
+    the global token count times that rank count; the result is the gradient of the global token mean."""
+    local = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    stats = torch.stack([local.detach(), (labels != -100).sum().to(local.dtype)])
+    dist.all_reduce(stats)
+    world = dist.get_world_size()
+    return local * world / stats[1], (stats[0] / stats[1]).item()

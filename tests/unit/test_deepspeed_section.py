@@ -1,0 +1,57 @@
+"""The "context_parallel" DeepSpeed section: validation messages, batch sharding, early errors of initialize."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ctx_plugin
+from ctx_plugin.deepspeed import parse_section, shard_batch
+
+
+def test_valid_section():
+    s = parse_section({"backend": "ulysses_ring", "size": 4, "ulysses_size": 2, "kernel": "torch",
+                       "recompute": "selective"})
+    assert (s.cp_config.backend, s.size, s.cp_config.ulysses_size, str(s.recompute)) == \
+        ("ulysses_ring", 4, 2, "selective")
+    assert parse_section({"size": 2}).cp_config.backend == "zigzag"
+
+
+@pytest.mark.parametrize("section,error,message", [
+    ({"size": 2, "backnd": "ring"}, ValueError, r"unknown key\(s\) \['backnd'\] in \"context_parallel\""),
+    ({"size": "2"}, TypeError, r"\"context_parallel.size\" must be a int"),
+    ({"size": True}, TypeError, r"\"context_parallel.size\" must be a int"),
+    ({}, ValueError, r"\"context_parallel.size\" \(ranks sharing each sequence\) must be a positive int"),
+    ({"size": 0}, ValueError, "must be a positive int"),
+    ({"size": 2, "backend": "rng"}, ValueError, r"\"context_parallel\": unknown backend 'rng'"),
+    ({"size": 2, "recompute": "fulll"}, ValueError, r"\"context_parallel\": unknown recompute preset"),
+    ({"size": 6, "backend": "ulysses_ring", "ulysses_size": 4}, ValueError, r"must divide \"context_parallel.size\""),
+    ({"size": 2, "ulysses_size": 2}, ValueError, "applies to backend='ulysses_ring' only"),
+    ([2], TypeError, "must be a JSON object"),
+])
+def test_malformed_sections(section, error, message):
+    with pytest.raises(error, match=message):
+        parse_section(section)
+
+
+def test_shard_batch_shifts_labels_before_sharding():
+    groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig())
+    ids = torch.arange(8).view(1, 8)
+    out = shard_batch({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones(1, 8)}, groups)
+    assert out["labels"].tolist() == [[1, 2, 3, 4, 5, 6, 7, -100]]
+    assert out["position_ids"].tolist() == [list(range(8))] and "attention_mask" not in out
+    with pytest.raises(ValueError, match="padded batches are not supported"):
+        shard_batch({"input_ids": ids, "attention_mask": torch.tensor([[1] * 6 + [0] * 2])}, groups)
+
+
+def test_initialize_rejects_conflicts_before_starting_anything():
+    pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed import initialize
+
+    model = torch.nn.Linear(2, 2)
+    base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
+    with pytest.raises(ValueError, match="disagrees with \"context_parallel.size\""):
+        initialize(model=model, config={**base, "sequence_parallel_size": 4})
+    with pytest.raises(ValueError, match="do not pass mpu="):
+        initialize(model=model, config=base, mpu=object())
+    with pytest.raises(TypeError, match="config= as a dict or a JSON path"):
+        initialize(model=model, config=3)
