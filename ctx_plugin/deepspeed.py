@@ -164,11 +164,18 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 def shard_batch(batch: dict, groups: CPGroups) -> dict:
     """This rank's part of a causal-LM batch: ``input_ids``, ``position_ids`` (made when absent), ``labels``
-    shifted one token left (the last target ignored) *before* sharding, and an all-ones ``attention_mask``
-    dropped (padding is refused)."""
+    shifted one token left (the last target ignored) *before* sharding, every other per-token tensor (e.g. a
+    loss mask, ``[batch, seq, ...]``) sharded as it is, and an all-ones ``attention_mask`` dropped (padding is
+    refused). Per-sample values pass through."""
     cfg = groups.config
     input_ids = batch["input_ids"]
-    out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids", "attention_mask")}
+    seq = input_ids.shape[1]
+    out = {}
+    for key, value in batch.items():
+        if key in ("input_ids", "labels", "position_ids", "attention_mask"):
+            continue
+        per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq
+        out[key] = shard_sequence(value, config=cfg, groups=groups, dim=1) if per_token else value
     mask = batch.get("attention_mask")
     if mask is not None and not bool(torch.all(mask != 0)):
         raise ValueError("padded batches are not supported under context parallelism: pack or trim sequences and "

@@ -35,13 +35,14 @@ def ds_train(rank: int, world: int, payload: dict) -> dict:
     import ctx_plugin.deepspeed as cpds
 
     out = {}
-    for backend, u, size, zero, micro in payload["cases"]:
+    for backend, u, size, zero, micro, *recompute in payload["cases"]:
+        recompute = recompute[0] if recompute else "none"
         model = _model()
         config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
                   "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "eps": 1e-6, "torch_adam": True}},
                   "zero_optimization": {"stage": zero}, "steps_per_print": 1000,
                   "context_parallel": {"backend": backend, "size": size, "ulysses_size": u, "kernel": "torch",
-                                       "recompute": payload.get("recompute", "none")}}
+                                       "recompute": recompute}}
         engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
                                                training_data=_dataset(), config=config)
         losses = []
@@ -54,7 +55,8 @@ def ds_train(rank: int, world: int, payload: dict) -> dict:
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=zero == 3):
             flat = torch.cat([p.detach().flatten().clone() for p in params])
-        out[f"{backend}-u{u}-cp{size}-z{zero}-mb{micro}"] = {"losses": losses,
+        suffix = "" if recompute == "none" else f"-{recompute}"
+        out[f"{backend}-u{u}-cp{size}-z{zero}-mb{micro}{suffix}"] = {"losses": losses,
                                                             "params": flat.tolist() if rank == 0 else None}
         engine.destroy()
     return out
@@ -70,8 +72,8 @@ def loader_shards(rank: int, world: int, payload) -> dict:
     cp, _ = dist.new_subgroups(group_size=2)
     cfg = ctx_plugin.CPConfig(backend="zigzag")
     groups = ctx_plugin.build_cp_groups(cfg, group=cp)
-    data = [{"input_ids": torch.arange(i * 100, i * 100 + 8), "labels": torch.arange(i * 100, i * 100 + 8)}
-            for i in range(4)]
+    data = [{"input_ids": torch.arange(i * 100, i * 100 + 8), "labels": torch.arange(i * 100, i * 100 + 8),
+             "loss_mask": torch.arange(i * 100, i * 100 + 8) % 3} for i in range(4)]
     loader = ShardedLoader(data, 2, groups, replicas=world // 2, replica=rank // 2)
     batch = next(iter(loader))
     full = {k: ctx_plugin.gather_sequence(v, config=cfg, groups=groups, dim=1).tolist() for k, v in batch.items()}

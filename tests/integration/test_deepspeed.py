@@ -20,26 +20,27 @@ PLAIN = [b.value for b in Backend if b != Backend.ULYSSES_RING]
 # (world, backend, ulysses_size, cp size, micro batch per rank): dp = world / cp replicas of micro batches.
 RUNS = ([(2, b, 1, 2, 2) for b in PLAIN] + [(4, b, 1, 4, 2) for b in PLAIN] + [(4, "ulysses_ring", 2, 4, 2)]
         + [(4, b, 1, 2, 2) for b in PLAIN])
-CASES = [(*run, zero) for run in RUNS for zero in (1, 3)]
+CASES = [(*run, zero, "none") for run in RUNS for zero in (1, 3)]
+CASES += [(2, "zigzag", 1, 2, 2, 1, "selective"), (2, "ulysses", 1, 2, 2, 3, "full")]   # presets on HF layers
 _results: dict[int, list] = {}
 
 
 def results(world: int):
     if world not in _results:
         cases = ([("zigzag", 1, 1, z, mb) for z in (1, 3) for mb in (2, 4)] if world == 1
-                 else [(b, u, cp, z, mb) for w, b, u, cp, mb, z in CASES if w == world])
+                 else [(b, u, cp, z, mb, r) for w, b, u, cp, mb, z, r in CASES if w == world])
         _results[world] = run_spawned("tests.integration.deepspeed_ranks:ds_train", world, {"cases": cases},
                                       timeout_s=900)
     return _results[world]
 
 
-@pytest.mark.parametrize("world,backend,u,cp,micro,zero", CASES,
-                         ids=[f"W{w}-{b}-u{u}-cp{cp}-zero{z}" for w, b, u, cp, mb, z in CASES])
-def test_two_steps_match_one_process(world, backend, u, cp, micro, zero):
+@pytest.mark.parametrize("world,backend,u,cp,micro,zero,recompute", CASES,
+                         ids=[f"W{w}-{b}-u{u}-cp{cp}-zero{z}-{r}" for w, b, u, cp, mb, z, r in CASES])
+def test_two_steps_match_one_process(world, backend, u, cp, micro, zero, recompute):
     dp = world // cp
     reference = results(1)[0][f"zigzag-u1-cp1-z{zero}-mb{micro * dp}"]
     got = results(world)
-    key = f"{backend}-u{u}-cp{cp}-z{zero}-mb{micro}"
+    key = f"{backend}-u{u}-cp{cp}-z{zero}-mb{micro}" + ("" if recompute == "none" else f"-{recompute}")
     for rank in range(world):
         for a, b in zip(got[rank][key]["losses"], reference["losses"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (rank, got[rank][key]["losses"], reference["losses"])
@@ -55,3 +56,4 @@ def test_loader_gives_each_context_group_the_same_samples_sharded():
         want_ids = [list(range(first + s * 200, first + s * 200 + 8)) for s in (0, 1)]
         assert r["full"]["input_ids"] == want_ids and r["local_len"] == 4 and r["batches"] == 1
         assert r["full"]["labels"] == [ids[1:] + [-100] for ids in want_ids]
+        assert r["full"]["loss_mask"] == [[i % 3 for i in ids] for ids in want_ids]

@@ -36,8 +36,10 @@ def test_malformed_sections(section, error, message):
 def test_shard_batch_shifts_labels_before_sharding():
     groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig())
     ids = torch.arange(8).view(1, 8)
-    out = shard_batch({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones(1, 8)}, groups)
+    out = shard_batch({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones(1, 8),
+                       "loss_mask": torch.arange(8.0).view(1, 8), "weight": torch.ones(1)}, groups)
     assert out["labels"].tolist() == [[1, 2, 3, 4, 5, 6, 7, -100]]
+    assert out["loss_mask"].tolist() == [list(map(float, range(8)))] and out["weight"].tolist() == [1.0]
     assert out["position_ids"].tolist() == [list(range(8))] and "attention_mask" not in out
     with pytest.raises(ValueError, match="padded batches are not supported"):
         shard_batch({"input_ids": ids, "attention_mask": torch.tensor([[1] * 6 + [0] * 2])}, groups)
