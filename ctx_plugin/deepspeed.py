@@ -149,7 +149,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     groups = build_cp_groups(section.cp_config, group=cp)
     if hasattr(model, "set_attn_implementation"):
         hf.enable(model, section.cp_config, groups)
-    apply(_decoder_layers(model), section.recompute, groups=groups)
+    if str(section.recompute) != "none":
+        apply(_decoder_layers(model), section.recompute, groups=groups)
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
         mpu=ContextParallelMPU(alone), dist_init_required=False, config=config)
