@@ -9,6 +9,7 @@ attention is called with (no module-level state); :mod:`ctx_plugin.recompute` dr
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -20,13 +21,19 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class Recording:
+    """One forward run of a checkpointed region (regions may run several forwards before their backwards, as in
+    pipeline schedules): the key of its remembered attention outputs, alive while its recomputation may run."""
+
+
 class AttentionPins:
     """Record/replay state of one :class:`CPGroups` (one model's attention calls)."""
 
     def __init__(self) -> None:
         self._mode: str | None = None
-        self._region: object = None
-        self._cache: dict[int, list[torch.Tensor]] = {}
+        self._region: Recording | None = None
+        # Entries vanish with their Recording (held by the checkpoint until backward), even without a backward.
+        self._cache: weakref.WeakKeyDictionary[Recording, list[torch.Tensor]] = weakref.WeakKeyDictionary()
         self._in_attention = False
         self._recompute_core = False
 
@@ -36,7 +43,7 @@ class AttentionPins:
         return self._in_attention
 
     @contextmanager
-    def _set(self, mode: str | None, region: object) -> Iterator[None]:
+    def _set(self, mode: str | None, region: Recording | None) -> Iterator[None]:
         saved = self._mode, self._region
         self._mode, self._region = mode, region
         try:
@@ -45,18 +52,18 @@ class AttentionPins:
             self._mode, self._region = saved
 
     @contextmanager
-    def recording(self, region: object) -> Iterator[None]:
+    def recording(self, region: Recording) -> Iterator[None]:
         """Forward of a checkpointed region: attention outputs are remembered for its replay."""
-        self._cache[id(region)] = []
+        self._cache[region] = []
         with self._set("record", region):
             yield
 
     @contextmanager
-    def replaying(self, region: object) -> Iterator[None]:
+    def replaying(self, region: Recording) -> Iterator[None]:
         """Recomputation of a region in backward: attention calls return the remembered outputs."""
         with self._set("replay", region):
             yield
-        self._cache.pop(id(region), None)
+        self._cache.pop(region, None)
 
     @contextmanager
     def recomputing_core(self) -> Iterator[None]:
@@ -70,7 +77,7 @@ class AttentionPins:
     def run(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Runs one attention call (``compute``) according to the current mode."""
         if self._mode == "replay":
-            remembered = self._cache.get(id(self._region))
+            remembered = self._cache.get(self._region)
             if not remembered:
                 raise RuntimeError("a recomputed region called cp_attention more often than its forward did; "
                                    "the layer's forward must call attention the same way every time")
@@ -82,7 +89,7 @@ class AttentionPins:
                     out = compute()
                 finally:
                     self._in_attention = False
-            self._cache[id(self._region)].append(out)
+            self._cache[self._region].append(out)
             return out
         if self._recompute_core and torch.is_grad_enabled():
             return checkpoint(compute, use_reentrant=False)

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..groups import CPGroups
 from ..names import Recompute
-from ..pinning import AttentionPins
+from ..pinning import AttentionPins, Recording
 from .presets import RecomputeConfig, regions
 
 _ORIGINAL = "_ctx_plugin_original_forward"
@@ -74,7 +74,8 @@ class _Region:
         self.last = None
 
     def _contexts(self):
-        record, replay = self.pins.recording(self), self.pins.replaying(self)
+        run = Recording()            # one per forward run: several may be in flight before their backwards
+        record, replay = self.pins.recording(run), self.pins.replaying(run)
         if not self.selective:
             return record, replay
         sac_fwd, sac_recompute = create_selective_checkpoint_contexts(partial(_selective_policy, self.pins))
