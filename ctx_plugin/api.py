@@ -83,7 +83,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     layout.check_seq_len(q.shape[1] * groups.size, groups.size)
     check_heads(q.shape[2], k.shape[2], groups)
     _check_device(q, groups)
-    kernel = select_kernel(config.kernel, q.device, q.dtype, q.shape[-1])
+    key = (q.device, q.dtype, q.shape[-1])
+    if key not in groups.kernels:
+        groups.kernels[key] = select_kernel(config.kernel, *key)
+    kernel = groups.kernels[key]
     return groups.pins.run(lambda: run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=causal,
                                                scale=float(softmax_scale)))
 

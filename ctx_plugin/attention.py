@@ -16,7 +16,7 @@ from .kernels import AttentionKernel
 from .layouts import ring_layout
 from .names import Backend
 from .ring import RingAttention
-from .ulysses import HeadsToSeq, SeqToHeads, kv_replicas
+from .ulysses import AllToAll, kv_replicas
 
 
 def check_heads(heads: int, kv_heads: int, groups: CPGroups) -> None:
@@ -43,6 +43,6 @@ def run_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CP
         copies = kv_replicas(k.shape[2], ulysses.size)
         if copies > 1:   # more Ulysses ranks than K/V heads: replicate; autograd sums the copies' gradients
             k, v = (t.unsqueeze(3).expand(*t.shape[:3], copies, t.shape[3]).flatten(2, 3) for t in (k, v))
-        q, k, v = (SeqToHeads.apply(t, ulysses, groups.counter) for t in (q, k, v))
+        q, k, v = (AllToAll.apply(t, ulysses, groups.counter, True) for t in (q, k, v))
     out = RingAttention.apply(q, k, v, kernel, ring_layout(config), groups.ring, groups.counter, causal, scale)
-    return HeadsToSeq.apply(out, ulysses, groups.counter) if ulysses.size > 1 else out
+    return AllToAll.apply(out, ulysses, groups.counter, False) if ulysses.size > 1 else out

@@ -61,6 +61,9 @@ class CPGroups:
     """Communication counts, for tests and diagnostics."""
     pins: AttentionPins = field(default_factory=AttentionPins)
     """Keeps the attention out of recomputation (driven by :func:`ctx_plugin.recompute.apply`)."""
+    kernels: dict = field(default_factory=dict)
+    """The local kernel chosen per (device, dtype, head_dim): selection probes imports (flash-attn) and
+    device capabilities, which is done once, not on every attention call."""
 
     @property
     def group(self) -> dist.ProcessGroup | None:

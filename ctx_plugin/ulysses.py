@@ -1,7 +1,8 @@
 """DeepSpeed-Ulysses all-to-alls: sequence-sharded ``[B, n, H, D]`` ↔ head-sharded ``[B, P·n, H/P, D]``.
 
-After :class:`SeqToHeads` rank j holds heads ``[j·H/P, (j+1)·H/P)`` of the whole (group's) sequence, its
-tokens in rank order; :class:`HeadsToSeq` is the exact inverse. Each is the other's backward.
+After :func:`seq_to_heads` rank j holds heads ``[j·H/P, (j+1)·H/P)`` of the whole (group's) sequence, its
+tokens in rank order; :func:`heads_to_seq` is the exact inverse. :class:`AllToAll` makes either differentiable,
+with the other as its backward.
 """
 from __future__ import annotations
 
@@ -27,26 +28,18 @@ def heads_to_seq(y: torch.Tensor, group: RankGroup, counter: CommCounter) -> tor
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s // p, p * hp, d)
 
 
-class SeqToHeads(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
+    """``seq_to_heads`` (``to_heads=True``) or ``heads_to_seq``; the backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, group: RankGroup, counter: CommCounter):
-        ctx.args = (group, counter)
-        return seq_to_heads(x, group, counter)
+    def forward(ctx, x, group: RankGroup, counter: CommCounter, to_heads: bool):
+        ctx.args = (group, counter, to_heads)
+        return (seq_to_heads if to_heads else heads_to_seq)(x, group, counter)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_seq(grad, *ctx.args), None, None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group: RankGroup, counter: CommCounter):
-        ctx.args = (group, counter)
-        return heads_to_seq(y, group, counter)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad, *ctx.args), None, None
+        group, counter, to_heads = ctx.args
+        return (heads_to_seq if to_heads else seq_to_heads)(grad, group, counter), None, None, None
 
 
 def kv_replicas(kv_heads: int, ulysses_size: int) -> int:
