@@ -35,7 +35,7 @@ fi
 stamp="$CTX_VENV/.ctx_plugin-installed-$(echo "$CTX_EXTRAS" | tr ',' '-')"
 if [ ! -f "$stamp" ] || [ "$CTX_ROOT/setup.py" -nt "$stamp" ] || [ "$CTX_ROOT/constraints.txt" -nt "$stamp" ]; then
   echo "[ctx_plugin] installing ctx_plugin[$CTX_EXTRAS] (torch pinned by constraints.txt)" >&2
-  "$CTX_VENV/bin/python" -m pip install -q -c "$CTX_ROOT/constraints.txt" -e "$CTX_ROOT[$CTX_EXTRAS]"
+  "$CTX_VENV/bin/python" -m pip install -q -c "$CTX_ROOT/constraints.txt" -e "${CTX_ROOT}[$CTX_EXTRAS]"
   touch "$stamp"
 fi
 CTX_PY="$CTX_VENV/bin/python"

@@ -1,0 +1,160 @@
+"""What makes a Megatron or DeepSpeed job fail late, checked before it is submitted (and again when it starts).
+
+Each check takes the framework's own arguments and the job's shape (nodes × processes per node, device) and
+returns a one-line summary of the parallel layout, or raises ``ValueError`` naming the input to change.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+from ..megatron.args import add_arguments, settings_from_args
+
+
+def _file(path: str, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"{what} {path}: no such file")
+    return p
+
+
+def _megatron_parser() -> argparse.ArgumentParser:
+    """The Megatron flags the checks read, with Megatron's defaults (everything else passes through)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag, kind, default in (("--tensor-model-parallel-size", int, 1), ("--pipeline-model-parallel-size", int, 1),
+                                ("--context-parallel-size", int, 1), ("--num-layers", int, None),
+                                ("--hidden-size", int, None), ("--ffn-hidden-size", int, None),
+                                ("--num-attention-heads", int, None), ("--num-query-groups", int, None),
+                                ("--seq-length", int, None), ("--micro-batch-size", int, 1),
+                                ("--global-batch-size", int, None), ("--attention-dropout", float, 0.1),
+                                ("--vocab-size", int, None), ("--normalization", str, "LayerNorm"),
+                                ("--attention-backend", str, "auto"), ("--recompute-granularity", str, None),
+                                ("--recompute-method", str, None), ("--recompute-num-layers", int, None),
+                                ("--load", str, None), ("--data-args-path", str, None),
+                                ("--tokenizer-model", str, None), ("--vocab-file", str, None),
+                                ("--merge-file", str, None)):
+        p.add_argument(flag, type=kind, default=default)
+    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--cp-comm-type",
+                 "--hierarchical-context-parallel-sizes"):
+        p.add_argument(flag, nargs="*", default=None)
+    for flag in ("--group-query-attention", "--swiglu", "--bf16", "--fp16", "--sequence-parallel",
+                 "--use-distributed-optimizer", "--mock-data"):
+        p.add_argument(flag, action="store_true")
+    return add_arguments(p)
+
+
+def _data_prefixes(values: list[str] | None) -> list[str]:
+    """Megatron's ``--data-path [weight] prefix ...``: the prefixes (weights are numbers)."""
+    prefixes = []
+    for v in values or []:
+        try:
+            float(v)
+        except ValueError:
+            prefixes.append(v)
+    return prefixes
+
+
+def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str) -> str:
+    """Checks a ``pretrain_gpt.py`` command line for ``world`` ranks; returns the parallel layout."""
+    script = Path(megatron_lm).expanduser() / "pretrain_gpt.py"
+    if not script.is_file():
+        raise ValueError(f"--megatron-lm {megatron_lm}: no pretrain_gpt.py there; give the root of a Megatron-LM "
+                         f"checkout")
+    if device == "cpu" and re.search(r"from megatron\.training import[^\n]*\bpretrain\b", script.read_text()):
+        raise ValueError(f"{script} trains with Megatron-LM's pretrain(), which needs CUDA, and this job has no GPU: "
+                         f"request GPUs (sbatch --gpus-per-node N) or use a CPU-capable training script")
+    args, _ = _megatron_parser().parse_known_args(argv)
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--{flag.replace('_', '-')} is required")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world % (tp * pp * cp):
+        raise ValueError(f"{world} ranks (nodes × processes per node) are not a multiple of TP × PP × CP = "
+                         f"{tp} × {pp} × {cp} = {tp * pp * cp}: change the node count, the processes per node or "
+                         f"--tensor-model-parallel-size/--pipeline-model-parallel-size/--context-parallel-size")
+    dp = world // (tp * pp * cp)
+    if args.num_attention_heads % tp:
+        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    gbs = args.global_batch_size
+    if gbs is not None and gbs % (args.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size × DP = "
+                         f"{args.micro_batch_size} × {dp}")
+    args.data_parallel_size = dp
+    settings = settings_from_args(args)           # the --cp-* checks the job itself makes at start
+    for prefix in _data_prefixes(args.data_path) + _data_prefixes(args.train_data_path) + \
+            _data_prefixes(args.valid_data_path) + _data_prefixes(args.test_data_path):
+        for suffix in (".bin", ".idx"):
+            _file(prefix + suffix, "--data-path prefix: indexed dataset file")
+    for flag in ("data_args_path", "tokenizer_model", "vocab_file", "merge_file"):
+        if getattr(args, flag):
+            _file(getattr(args, flag), f"--{flag.replace('_', '-')}")
+    if args.load and not Path(args.load).expanduser().is_dir():
+        raise ValueError(f"--load {args.load}: no such checkpoint directory")
+    return (f"Megatron: {world} ranks = TP {tp} × PP {pp} × CP {cp} ({settings.cp_config.backend}) × DP {dp}, "
+            f"sequence {args.seq_length}, recompute {settings.recompute}")
+
+
+def _batch_check(config: dict, world: int) -> None:
+    """DeepSpeed's own batch rule, checked early: ``train_batch_size = micro × accumulation × ranks``, where its
+    data-parallel size is every rank (ctx_plugin hands it data × context ranks)."""
+    tb, micro = config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu")
+    gas = config.get("gradient_accumulation_steps")
+    if tb is None:
+        if micro is None:
+            raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu")
+        return
+    per_rank = tb / world
+    if micro is not None and gas is not None:
+        ok = tb == micro * gas * world
+    else:
+        ok = per_rank == int(per_rank) and (micro is None or per_rank % micro == 0) and \
+            (gas is None or per_rank % gas == 0)
+    if not ok:
+        raise ValueError(f"train_batch_size {tb} must equal train_micro_batch_size_per_gpu × "
+                         f"gradient_accumulation_steps × {world} ranks (DeepSpeed counts every data × context rank; "
+                         f"the ranks of one context-parallel group share each sample), got micro={micro}, "
+                         f"accumulation={gas}")
+
+
+def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: str) -> str:
+    """Checks a DeepSpeed job: the config file and its ``"context_parallel"`` section for ``world`` ranks, and
+    the program (``script.py ...`` or ``-m module ...``) that ``torchrun`` starts; returns the layout."""
+    from ..deepspeed import SECTION, parse_section
+
+    path = _file(ds_config, "--ds-config")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--ds-config {ds_config}: not valid JSON ({e})") from None
+    if SECTION not in config:
+        raise ValueError(f'--ds-config {ds_config} has no "{SECTION}" section: add one to switch context '
+                         f'parallelism on (see README, DeepSpeed)')
+    section = parse_section(config[SECTION])
+    if world % section.size:
+        raise ValueError(f'{world} ranks (nodes × processes per node) are not a multiple of "{SECTION}.size" '
+                         f"{section.size}")
+    _batch_check(config, world)
+    if not program:
+        raise ValueError("give the training program after '--': a script (train.py ...) or a module (-m name ...)")
+    if "--deepspeed_config" in program or "--deepspeed-config" in program:
+        raise ValueError("the launcher passes --deepspeed_config from --ds-config; drop it from the program's "
+                         "arguments")
+    if program[0] == "-m":
+        if len(program) < 2 or importlib.util.find_spec(program[1]) is None:
+            raise ValueError(f"-m {program[1] if len(program) > 1 else ''}: no such module in this Python")
+        if program[1] == "ctx_plugin.train_hf":
+            from ..train_hf import parse_args
+            parse_args(program[2:])
+    else:
+        _file(program[0], "training script")
+    return (f"DeepSpeed: {world} ranks = CP {section.size} ({section.cp_config.backend}) × DP {world // section.size}, "
+            f"ZeRO {config.get('zero_optimization', {}).get('stage', 0)}, recompute {section.recompute}, "
+            f"{device}")
+
+
+CHECKS = {"megatron": check_megatron, "deepspeed": check_deepspeed}
+"""The frameworks the job scripts launch, with their checks (one source of truth for the names)."""

@@ -1,0 +1,188 @@
+"""Renders and checks one SLURM job of ``launch/megatron.sbatch`` or ``launch/deepspeed.sbatch``.
+
+``python -m ctx_plugin.slurm.job FRAMEWORK [job options] -- <framework arguments>`` runs inside the batch script
+(or outside SLURM with ``--dry-run``): it checks the job (:mod:`ctx_plugin.slurm.checks`), makes the run
+directory and writes ``command.sh`` there — one ``srun`` task per node, each starting ``torchrun`` with a static
+rendezvous on the job's first node — which the batch script then runs, recording the final status.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checks import CHECKS
+
+_PROGRAM_HELP = {"megatron": "pretrain_gpt.py's arguments (Megatron's flags and ctx_plugin's --cp-* flags)",
+                 "deepspeed": "the training program and its arguments: train.py ... or -m module ... (the launcher "
+                              "appends --deepspeed_config <--ds-config>)"}
+
+
+def job_parser(framework: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"launch/{framework}.sbatch", exit_on_error=False,
+                                usage=f"%(prog)s [job options] -- {_PROGRAM_HELP[framework]}")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="nodes (default: the job's allocation; outside SLURM, for --dry-run: 1)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes per node (default: the GPUs SLURM gives each node; required on CPU nodes)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: cuda when the node has GPUs, else CPU processes with gloo")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default 20000 + job id mod 20000)")
+    p.add_argument("--run-dir", default=None, help="default: $CTX_RUNS_DIR (else <submit dir>/runs)/<framework>-<job id>")
+    p.add_argument("--dry-run", action="store_true", help="check the job and print what would run; run nothing")
+    p.add_argument("--handoff-fd", type=int, default=None, help=argparse.SUPPRESS)
+    if framework == "megatron":
+        p.add_argument("--megatron-lm", required=True, help="the Megatron-LM checkout whose pretrain_gpt.py runs")
+    else:
+        p.add_argument("--ds-config", required=True, help='the DeepSpeed config (with a "context_parallel" section)')
+    return p
+
+
+@dataclass(frozen=True)
+class Job:
+    framework: str
+    nodes: int
+    nproc_per_node: int
+    device: str
+    threads: int
+    port: int
+    run_dir: Path
+    program: list[str]
+    summary: str
+    dry_run: bool
+
+
+def _gpus_on_node(env) -> int:
+    if env.get("SLURM_GPUS_ON_NODE"):
+        return int(env["SLURM_GPUS_ON_NODE"])
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+        return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+    return 0
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def run_dir(framework: str, given: str | None, env=os.environ) -> Path:
+    """``--run-dir``, else ``$CTX_RUNS_DIR`` (default ``<submit dir>/runs``) / ``<framework>-<job id>``."""
+    if given:
+        return Path(given).expanduser().resolve()
+    runs = Path(env.get("CTX_RUNS_DIR") or Path(env.get("SLURM_SUBMIT_DIR", ".")) / "runs")
+    return (runs / f"{framework}-{env.get('SLURM_JOB_ID') or 'dryrun'}").expanduser().resolve()
+
+
+def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
+    """Parses and checks the job (``ValueError`` naming what to change); reads the allocation from ``env``."""
+    if framework not in CHECKS:
+        raise ValueError(f"unknown framework {framework!r}; one of {sorted(CHECKS)}")
+    ours, rest = _split(argv)
+    try:
+        args = job_parser(framework).parse_args(ours)
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
+    in_job = bool(env.get("SLURM_JOB_ID"))
+    if not in_job and not args.dry_run:
+        raise ValueError(f"launch/{framework}.sbatch runs inside a SLURM job: submit it with sbatch (or use "
+                         f"ctx-plugin launch), or add --dry-run to see what would run")
+    allocated = int(env["SLURM_JOB_NUM_NODES"]) if in_job else None
+    nodes = args.nodes or allocated or 1
+    if allocated is not None and nodes != allocated:
+        raise ValueError(f"--nodes {nodes} but the job has {allocated} nodes (sbatch -N)")
+    gpus = _gpus_on_node(env)
+    device = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
+    if device == "cuda" and in_job and not gpus:
+        raise ValueError("--device cuda but the job's nodes have no GPU: request them (sbatch --gpus-per-node N)")
+    nproc = args.nproc_per_node or (gpus if device == "cuda" else None)
+    if not nproc or nproc < 1:
+        raise ValueError("no GPU on the node: give --nproc-per-node N to run N CPU processes per node (gloo), or "
+                         "request GPUs (sbatch --gpus-per-node N)")
+    if device == "cuda" and gpus and nproc > gpus:
+        raise ValueError(f"--nproc-per-node {nproc} is more than the {gpus} GPUs of each node")
+    extra = {"megatron_lm": args.megatron_lm} if framework == "megatron" else {"ds_config": args.ds_config}
+    summary = CHECKS[framework](rest, world=nodes * nproc, device=device, **extra)
+    if framework == "megatron":
+        program = ["-m", "ctx_plugin.megatron.pretrain_gpt", "--megatron-lm",
+                   str(Path(args.megatron_lm).expanduser().resolve()), *rest]
+    else:
+        script = rest if rest[0] == "-m" else [str(Path(rest[0]).resolve()), *rest[1:]]
+        program = [*script, "--deepspeed_config", str(Path(args.ds_config).expanduser().resolve())]
+    job_id = env.get("SLURM_JOB_ID", "")
+    cpus = int(env.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
+    return Job(framework=framework, nodes=nodes, nproc_per_node=nproc, device=device,
+               threads=max(1, cpus // nproc), port=args.master_port or 20000 + int(job_id or 0) % 20000,
+               run_dir=run_dir(framework, args.run_dir, env), program=program, summary=summary, dry_run=args.dry_run)
+
+
+def render(job: Job, env=os.environ) -> str:
+    """The job's ``command.sh``: site file, environment defaults, then one ``srun`` task per node."""
+    py = env.get("CTX_PY") or sys.executable
+    prefix = shlex.split(env.get("CTX_EXEC_PREFIX", ""))
+    torchrun = [*prefix, py, "-m", "torch.distributed.run", f"--nnodes={job.nodes}",
+                f"--nproc-per-node={job.nproc_per_node}"]
+    inner = ("exec " + shlex.join(torchrun) + ' --node-rank="$SLURM_NODEID" --master-addr="$CTX_MASTER_ADDR" '
+             f"--master-port={job.port} " + shlex.join(job.program))
+    srun = ["srun", f"--nodes={job.nodes}", f"--ntasks={job.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            f"--output={job.run_dir}/logs/node-%n-%N.log", *shlex.split(env.get("CTX_SRUN_ARGS", ""))]
+    site = env.get("CTX_SITE")
+    defaults = [("OMP_NUM_THREADS", str(job.threads), "CPU cores per process")]
+    if job.device == "cuda" and job.framework == "megatron":
+        defaults.append(("CUDA_DEVICE_MAX_CONNECTIONS", "1", "one GPU work queue: Megatron's TP/SP communication "
+                                                             "overlaps GEMMs in the order it issues them"))
+    if job.device == "cpu" and job.framework == "deepspeed":
+        defaults.append(("DS_ACCELERATOR", "cpu", "DeepSpeed on CPU processes (gloo)"))
+    lines = ["#!/usr/bin/env bash",
+             f"# ctx_plugin {job.framework} job: {job.nodes} node(s) × {job.nproc_per_node} {job.device} processes",
+             f"# {job.summary}",
+             "# Runs inside the SLURM allocation (launch/*.sbatch runs it and records the status).",
+             "set -euo pipefail",
+             f"source {shlex.quote(site)}   # site settings (CTX_SITE)" if site else "# no site file (CTX_SITE)"]
+    lines += [f"export {name}=${{{name}:-{value}}}   # default: {why}" for name, value, why in defaults]
+    lines += ["export PYTHONUNBUFFERED=1",
+              'CTX_MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)   # rendezvous host',
+              "export CTX_MASTER_ADDR",
+              f"mkdir -p {shlex.quote(str(job.run_dir / 'logs'))}",
+              "exec " + shlex.join(srun) + " \\\n    bash -c " + shlex.quote(inner), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in CHECKS:
+        print(f"usage: python -m ctx_plugin.slurm.job {{{','.join(CHECKS)}}} [job options] -- ...", file=sys.stderr)
+        return 2
+    framework, argv = argv[0], argv[1:]
+    given = dict(zip(argv, argv[1:]))
+    handoff = int(given["--handoff-fd"]) if "--handoff-fd" in given else None
+    try:
+        job = plan_job(framework, argv)
+    except (ValueError, TypeError) as e:
+        print(f"ctx_plugin launch: {e}", file=sys.stderr)
+        if os.environ.get("SLURM_JOB_ID") and "--dry-run" not in argv:   # a started job still leaves its status
+            where = run_dir(framework, given.get("--run-dir"))
+            where.mkdir(parents=True, exist_ok=True)
+            (where / "status").write_text(f"failed\nreason={e}\n")
+        return 2
+    text = render(job)
+    if job.dry_run:
+        print(f"[dry run] {job.summary}\n[dry run] run directory: {job.run_dir}\n[dry run] command.sh:\n{text}")
+        return 0
+    (job.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (job.run_dir / "command.sh").write_text(text)
+    print(f"ctx_plugin: {job.summary}\nctx_plugin: run directory {job.run_dir}", flush=True)
+    if handoff is not None:
+        os.write(handoff, f"{job.run_dir}\n".encode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

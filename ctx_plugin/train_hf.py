@@ -1,0 +1,131 @@
+"""``python -m ctx_plugin.train_hf --deepspeed_config ds.json --model config.json [...]`` (under torchrun)
+
+Trains a Hugging Face causal LM with DeepSpeed and the config's ``"context_parallel"`` section: the program
+``launch/deepspeed.sbatch`` runs unless given another. The model is built from a ``config.json`` (random
+weights, seeded) or loaded with ``--pretrained``; the data is a ``.npy`` array of token ids, ``[samples,
+seq_len]`` (or 1-D, a whole number of ``seq_len`` windows), or, without ``--data``, seeded synthetic sequences a
+model can learn only by attending across the whole context. Rank 0 prints the loss of every optimizer step and
+writes a JSON report.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The program's arguments, checked (``ValueError`` for bad input, also when called by the launcher)."""
+    p = argparse.ArgumentParser(prog="python -m ctx_plugin.train_hf", description=__doc__.split("\n\n")[1],
+                                exit_on_error=False)
+    p.add_argument("--deepspeed_config", default=None, help="DeepSpeed config with a context_parallel section "
+                                                           "(the launcher passes its --ds-config)")
+    p.add_argument("--model", required=True, help="a model's config.json, or a directory holding one")
+    p.add_argument("--pretrained", action="store_true", help="load the weights saved in the --model directory")
+    p.add_argument("--data", default=None, help=".npy token ids [samples, seq_len] or 1-D; default: synthetic")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (synthetic data; checked for --data)")
+    p.add_argument("--samples", type=int, default=64, help="synthetic samples")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--report", default=None, help="rank 0 writes its losses and throughput here (JSON)")
+    try:
+        args = p.parse_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(f"ctx_plugin.train_hf: {e}") from None
+    model = Path(args.model).expanduser()
+    if not (model / "config.json").is_file() and not (model.is_file() and model.suffix == ".json"):
+        raise ValueError(f"--model {args.model}: neither a config.json nor a directory holding one")
+    if args.pretrained and not model.is_dir():
+        raise ValueError("--pretrained loads weights from a directory: give --model the saved model's directory")
+    if args.data is not None and not Path(args.data).expanduser().is_file():
+        raise ValueError(f"--data {args.data}: no such file")
+    for name in ("seq_len", "samples", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    return args
+
+
+def load_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = Path(args.model).expanduser()
+    if args.pretrained:
+        return AutoModelForCausalLM.from_pretrained(model)
+    config = AutoConfig.from_pretrained(model) if model.is_dir() else \
+        AutoConfig.for_model(**json.loads(model.read_text()))
+    torch.manual_seed(args.seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def load_data(args: argparse.Namespace) -> list[dict]:
+    if args.data is None:
+        from .demo import sample_batch
+
+        vocab = json.loads((Path(args.model) / "config.json" if Path(args.model).is_dir()
+                            else Path(args.model)).read_text())["vocab_size"]
+        tokens = sample_batch(torch.Generator().manual_seed(args.seed), args.samples, args.seq_len - 1, vocab)
+    else:
+        import numpy as np
+
+        tokens = torch.from_numpy(np.load(args.data).astype("int64"))
+        if tokens.dim() == 1:
+            if tokens.numel() % args.seq_len:
+                raise ValueError(f"--data {args.data}: {tokens.numel()} tokens are not a whole number of "
+                                 f"--seq-len {args.seq_len} windows (nothing is dropped silently)")
+            tokens = tokens.view(-1, args.seq_len)
+        if tokens.dim() != 2 or tokens.shape[1] != args.seq_len:
+            raise ValueError(f"--data {args.data}: shape {tuple(tokens.shape)}, expected [samples, {args.seq_len}]")
+    return [{"input_ids": t, "labels": t.clone()} for t in tokens]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.deepspeed_config is None:
+        raise SystemExit("--deepspeed_config is required (launch/deepspeed.sbatch passes its --ds-config)")
+    import torch.distributed as dist
+
+    from . import deepspeed as cpds
+
+    model, data = load_model(args), load_data(args)
+    engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(), training_data=data,
+                                           config=args.deepspeed_config)
+    if len(loader) == 0:
+        raise ValueError(f"{len(data)} samples make no micro-batch of {engine.train_micro_batch_size_per_gpu()} per "
+                         f"data-parallel replica: give more samples")
+    rank, accumulation = dist.get_rank(), engine.gradient_accumulation_steps()
+    losses, micro_losses, tokens, start = [], [], 0, time.perf_counter()
+    while len(losses) < args.steps:
+        for batch in loader:
+            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            loss, report = cpds.causal_lm_loss(logits, batch["labels"], engine)
+            engine.backward(loss)
+            engine.step()
+            micro_losses.append(report)
+            tokens += batch["input_ids"].numel()
+            if len(micro_losses) == accumulation:
+                losses.append(sum(micro_losses) / accumulation)
+                micro_losses = []
+                if rank == 0:
+                    print(f"step {len(losses) - 1:>5}  loss {losses[-1]:.6f}", flush=True)
+                if len(losses) == args.steps:
+                    break
+    elapsed = time.perf_counter() - start
+    total = torch.tensor([float(tokens)], device=engine.device)
+    dist.all_reduce(total)
+    if rank == 0:
+        per_s = total.item() / elapsed
+        print(f"done: {args.steps} steps, {per_s:,.0f} tokens/s over {dist.get_world_size()} ranks", flush=True)
+        if args.report:
+            Path(args.report).write_text(json.dumps({"losses": losses, "tokens_per_s": per_s,
+                                                     "world_size": dist.get_world_size()}, indent=2))
+    engine.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
