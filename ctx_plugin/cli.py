@@ -2,7 +2,8 @@
 
 ``ctx-plugin demo [--nproc N] [demo options]`` starts N local processes with torchrun and runs
 :mod:`ctx_plugin.demo` on them (the README's main job). ``ctx-plugin memory`` prints the memory model's table
-for every recompute preset.
+for every recompute preset. ``ctx-plugin launch [--dry-run] sbatch ... launch/<framework>.sbatch ...`` checks a
+job before submitting it.
 """
 from __future__ import annotations
 
@@ -34,9 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--nproc", type=int, default=4, help="number of local processes (ranks), default 4")
     memory = sub.add_parser("memory", help="memory per GPU for every recompute preset (and a plot vs. sequence length)")
     add_memory_arguments(memory)
+    launch = sub.add_parser("launch", help="check a launch/*.sbatch job line (node × GPU count against the "
+                                           "parallel layout, paths, backend) and submit it",
+                            usage="ctx-plugin launch [--dry-run] sbatch <sbatch options> launch/megatron.sbatch "
+                                  "<job options> -- <arguments>")
+    launch.add_argument("--dry-run", action="store_true", help="check and print; submit nothing")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         return _demo(args, rest)
+    if args.command == "launch":
+        from .slurm.submit import launch as submit
+        try:
+            return submit(rest, dry_run=args.dry_run)
+        except (ValueError, TypeError) as e:
+            parser.error(str(e))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "memory":
