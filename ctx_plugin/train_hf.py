@@ -17,14 +17,15 @@ from pathlib import Path
 
 import torch
 
+from .cliargs import parse_strict
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The program's arguments, checked (``ValueError`` for bad input, also when called by the launcher)."""
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ctx_plugin.train_hf", description=__doc__.split("\n\n")[1],
                                 exit_on_error=False)
     p.add_argument("--deepspeed_config", default=None, help="DeepSpeed config with a context_parallel section "
                                                            "(the launcher passes its --ds-config)")
-    p.add_argument("--model", required=True, help="a model's config.json, or a directory holding one")
+    p.add_argument("--model", help="a model's config.json, or a directory holding one (required)")
     p.add_argument("--pretrained", action="store_true", help="load the weights saved in the --model directory")
     p.add_argument("--data", default=None, help=".npy token ids [samples, seq_len] or 1-D; default: synthetic")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (synthetic data; checked for --data)")
@@ -32,10 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--report", default=None, help="rank 0 writes its losses and throughput here (JSON)")
-    try:
-        args = p.parse_args(argv)
-    except argparse.ArgumentError as e:
-        raise ValueError(f"ctx_plugin.train_hf: {e}") from None
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The program's arguments, checked (``ValueError`` for bad input, also when called by the launcher)."""
+    args = parse_strict(build_parser(), argv, required=("model",), what="ctx_plugin.train_hf")
     model = Path(args.model).expanduser()
     if not (model / "config.json").is_file() and not (model.is_file() and model.suffix == ".json"):
         raise ValueError(f"--model {args.model}: neither a config.json nor a directory holding one")
@@ -83,7 +86,14 @@ def load_data(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        build_parser().print_help()
+        return 0
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if args.deepspeed_config is None:
         raise SystemExit("--deepspeed_config is required (launch/deepspeed.sbatch passes its --ds-config)")
     import torch.distributed as dist

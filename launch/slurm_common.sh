@@ -50,10 +50,10 @@ ctx_run() {       # ctx_run RUN_DIR: runs RUN_DIR/command.sh, records the status
   _ctx_started=$(date -u +%FT%TZ) _ctx_reason="" _ctx_deadline=""
   left=$(ctx_seconds "$(squeue -h -j "${SLURM_JOB_ID:-0}" -o %L 2>/dev/null || true)")
   [ -z "$left" ] || _ctx_deadline=$(($(date +%s) + left))
-  ctx_status "$run" running
   _ctx_pid=""
   trap '_ctx_on_signal timeout' USR1
   trap '_ctx_on_signal term' TERM INT
+  ctx_status "$run" running
   bash "$run/command.sh" &
   _ctx_pid=$!
   while :; do

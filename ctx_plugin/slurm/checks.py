@@ -21,9 +21,16 @@ def _file(path: str, what: str) -> Path:
     return p
 
 
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):             # a missing parent package of a dotted name
+        return False
+
+
 def _megatron_parser() -> argparse.ArgumentParser:
     """The Megatron flags the checks read, with Megatron's defaults (everything else passes through)."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     for flag, kind, default in (("--tensor-model-parallel-size", int, 1), ("--pipeline-model-parallel-size", int, 1),
                                 ("--context-parallel-size", int, 1), ("--num-layers", int, None),
                                 ("--hidden-size", int, None), ("--ffn-hidden-size", int, None),
@@ -66,7 +73,10 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
     if device == "cpu" and re.search(r"from megatron\.training import[^\n]*\bpretrain\b", script.read_text()):
         raise ValueError(f"{script} trains with Megatron-LM's pretrain(), which needs CUDA, and this job has no GPU: "
                          f"request GPUs (sbatch --gpus-per-node N) or use a CPU-capable training script")
-    args, _ = _megatron_parser().parse_known_args(argv)
+    try:
+        args, _ = _megatron_parser().parse_known_args(argv)      # Megatron's other flags pass through
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(args, flag) is None:
             raise ValueError(f"--{flag.replace('_', '-')} is required")
@@ -130,6 +140,8 @@ def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: s
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"--ds-config {ds_config}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--ds-config {ds_config}: a DeepSpeed config is a JSON object, got {type(config).__name__}")
     if SECTION not in config:
         raise ValueError(f'--ds-config {ds_config} has no "{SECTION}" section: add one to switch context '
                          f'parallelism on (see README, DeepSpeed)')
@@ -144,7 +156,7 @@ def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: s
         raise ValueError("the launcher passes --deepspeed_config from --ds-config; drop it from the program's "
                          "arguments")
     if program[0] == "-m":
-        if len(program) < 2 or importlib.util.find_spec(program[1]) is None:
+        if len(program) < 2 or not _module_exists(program[1]):
             raise ValueError(f"-m {program[1] if len(program) > 1 else ''}: no such module in this Python")
         if program[1] == "ctx_plugin.train_hf":
             from ..train_hf import parse_args

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cliargs import option_value, parse_strict
 from .checks import CHECKS
 
 _PROGRAM_HELP = {"megatron": "pretrain_gpt.py's arguments (Megatron's flags and ctx_plugin's --cp-* flags)",
@@ -37,10 +38,13 @@ def job_parser(framework: str) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="check the job and print what would run; run nothing")
     p.add_argument("--handoff-fd", type=int, default=None, help=argparse.SUPPRESS)
     if framework == "megatron":
-        p.add_argument("--megatron-lm", required=True, help="the Megatron-LM checkout whose pretrain_gpt.py runs")
+        p.add_argument("--megatron-lm", help="the Megatron-LM checkout whose pretrain_gpt.py runs (required)")
     else:
-        p.add_argument("--ds-config", required=True, help='the DeepSpeed config (with a "context_parallel" section)')
+        p.add_argument("--ds-config", help='the DeepSpeed config (with a "context_parallel" section; required)')
     return p
+
+
+_REQUIRED = {"megatron": ("megatron_lm",), "deepspeed": ("ds_config",)}
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,8 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
     if framework not in CHECKS:
         raise ValueError(f"unknown framework {framework!r}; one of {sorted(CHECKS)}")
     ours, rest = _split(argv)
-    try:
-        args = job_parser(framework).parse_args(ours)
-    except argparse.ArgumentError as e:
-        raise ValueError(str(e)) from None
+    args = parse_strict(job_parser(framework), ours, required=_REQUIRED[framework],
+                        what=f"launch/{framework}.sbatch (framework arguments go after --)")
     in_job = bool(env.get("SLURM_JOB_ID"))
     if not in_job and not args.dry_run:
         raise ValueError(f"launch/{framework}.sbatch runs inside a SLURM job: submit it with sbatch (or use "
@@ -114,7 +116,7 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
         program = ["-m", "ctx_plugin.megatron.pretrain_gpt", "--megatron-lm",
                    str(Path(args.megatron_lm).expanduser().resolve()), *rest]
     else:
-        script = rest if rest[0] == "-m" else [str(Path(rest[0]).resolve()), *rest[1:]]
+        script = rest if rest[0] == "-m" else [str(Path(rest[0]).expanduser().resolve()), *rest[1:]]
         program = [*script, "--deepspeed_config", str(Path(args.ds_config).expanduser().resolve())]
     job_id = env.get("SLURM_JOB_ID", "")
     cpus = int(env.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
@@ -161,14 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: python -m ctx_plugin.slurm.job {{{','.join(CHECKS)}}} [job options] -- ...", file=sys.stderr)
         return 2
     framework, argv = argv[0], argv[1:]
-    given = dict(zip(argv, argv[1:]))
-    handoff = int(given["--handoff-fd"]) if "--handoff-fd" in given else None
+    handoff = option_value(argv, "--handoff-fd")
     try:
         job = plan_job(framework, argv)
     except (ValueError, TypeError) as e:
         print(f"ctx_plugin launch: {e}", file=sys.stderr)
         if os.environ.get("SLURM_JOB_ID") and "--dry-run" not in argv:   # a started job still leaves its status
-            where = run_dir(framework, given.get("--run-dir"))
+            where = run_dir(framework, option_value(argv, "--run-dir"))
             where.mkdir(parents=True, exist_ok=True)
             (where / "status").write_text(f"failed\nreason={e}\n")
         return 2
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     (job.run_dir / "command.sh").write_text(text)
     print(f"ctx_plugin: {job.summary}\nctx_plugin: run directory {job.run_dir}", flush=True)
     if handoff is not None:
-        os.write(handoff, f"{job.run_dir}\n".encode())
+        os.write(int(handoff), f"{job.run_dir}\n".encode())
     return 0
 
 

@@ -12,6 +12,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+from ..cliargs import option_value
 from .checks import CHECKS
 from .job import plan_job, render
 
@@ -54,8 +55,10 @@ def parse_sbatch_line(line: list[str]) -> tuple[int, int, Path, str, list[str]]:
             nodes = int(value)
         elif m := _GPUS.match(opts[i]):
             value, i = _value(opts, i, m.group(2))
-            if m.group(1) == "gres" and not value.startswith("gpu"):
-                continue                                    # another generic resource
+            if m.group(1) == "gres":                        # a list of resources: name[:type]:count,...
+                value = next((r for r in value.split(",") if r.split(":")[0] == "gpu"), None)
+                if value is None:
+                    continue
             count = value.rsplit(":", 1)[-1]
             if not count.isdigit():
                 raise ValueError(f"cannot read a GPU count per node from {value!r}: use --gpus-per-node N")
@@ -71,7 +74,7 @@ def launch(line: list[str], *, dry_run: bool) -> int:
     job_args, rest = (args[:args.index("--")], args[args.index("--"):]) if "--" in args else (args, [])
     if "--dry-run" not in job_args:
         job_args = [*job_args, "--dry-run"]       # check the job as it would start, without being inside SLURM
-    if "--nodes" not in job_args:
+    if option_value(job_args, "--nodes") is None:
         job_args = [*job_args, "--nodes", str(nodes)]
     job = plan_job(framework, [*job_args, *rest], env=env)
     if job.nodes != nodes:

@@ -1,0 +1,719 @@
+"""SLURM launch: the checks before a job runs (Megatron, DeepSpeed), the job plan and its command.sh, the sbatch
+line parser and ``ctx-plugin launch``, and the job scripts themselves (syntax, shellcheck, dry runs outside SLURM).
+
+Nothing here submits anything: ``ctx-plugin launch`` runs only with ``--dry-run`` or on error paths, and its
+``subprocess`` is replaced by one that fails the test if called.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from ctx_plugin import cli
+from ctx_plugin.slurm import job as slurm_job
+from ctx_plugin.slurm import submit
+from ctx_plugin.slurm.checks import check_deepspeed, check_megatron
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = REPO / "launch"
+FAKE_MEGATRON = REPO / "tests" / "integration" / "fake_megatron_lm"
+PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+
+# Model arguments that pass every check with 2 ranks (CP 2, zigzag: the sequence must be a multiple of 4).
+GOOD = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+        "--ffn-hidden-size 128 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 --vocab-size 128 "
+        "--attention-dropout 0 --context-parallel-size 2").split()
+
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64}
+GOOD_DS = {"train_micro_batch_size_per_gpu": 2, "context_parallel": {"backend": "zigzag", "size": 2}}
+
+
+def good(**replace: str | None) -> list[str]:
+    """GOOD with some flags' values replaced (None drops the flag and its value)."""
+    out, i = [], 0
+    while i < len(GOOD):
+        flag = GOOD[i]
+        has_value = i + 1 < len(GOOD) and not GOOD[i + 1].startswith("--")
+        key = flag[2:].replace("-", "_")
+        if key in replace:
+            if replace[key] is not None:
+                out += [flag, replace[key]]
+        else:
+            out += GOOD[i:i + 1 + has_value]
+        i += 1 + has_value
+    return out
+
+
+def megatron(argv, world=2, device="cpu", megatron_lm=FAKE_MEGATRON):
+    return check_megatron(list(argv), world=world, device=device, megatron_lm=str(megatron_lm))
+
+
+@pytest.fixture
+def model_json(tmp_path) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return path
+
+
+@pytest.fixture
+def ds_config(tmp_path):
+    def write(config, name="ds.json") -> Path:
+        path = tmp_path / name
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
+        return path
+    return write
+
+
+def deepspeed(program, ds, world=2, device="cpu"):
+    return check_deepspeed(list(program), world=world, device=device, ds_config=str(ds))
+
+
+# --- check_megatron ------------------------------------------------------------------------------------------
+
+def test_megatron_good_layout():
+    summary = megatron(GOOD)
+    assert "TP 1 × PP 1 × CP 2" in summary and "DP 1" in summary and "zigzag" in summary
+    assert "DP 2" in megatron(GOOD, world=4)
+
+
+def test_megatron_world_not_a_multiple_of_tp_pp_cp():
+    with pytest.raises(ValueError, match=r"3 ranks .* TP × PP × CP = 1 × 1 × 2 = 2"):
+        megatron(GOOD, world=3)
+    with pytest.raises(ValueError, match=r"4 ranks .* = 1 × 1 × 8 = 8"):
+        megatron(good(context_parallel_size="8"), world=4)
+
+
+def test_megatron_missing_pretrain_gpt(tmp_path):
+    with pytest.raises(ValueError, match=r"no pretrain_gpt\.py there"):
+        megatron(GOOD, megatron_lm=tmp_path)
+
+
+def test_megatron_cuda_only_pretrain_rejected_on_cpu(tmp_path):
+    (tmp_path / "pretrain_gpt.py").write_text("from megatron.training import get_args, pretrain\n")
+    with pytest.raises(ValueError, match=r"pretrain\(\), which needs CUDA"):
+        megatron(GOOD, device="cpu", megatron_lm=tmp_path)
+    assert "CP 2" in megatron(GOOD, device="cuda", megatron_lm=tmp_path)
+
+
+@pytest.mark.parametrize("flag", ["seq_length", "num_layers", "hidden_size", "num_attention_heads"])
+def test_megatron_required_flags(flag):
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} is required"):
+        megatron(good(**{flag: None}))
+
+
+def test_megatron_global_batch_size():
+    with pytest.raises(ValueError, match=r"--global-batch-size 6 must be a multiple of --micro-batch-size × DP = 2 × 2"):
+        megatron(GOOD + ["--global-batch-size", "6"], world=4)
+    assert "DP 2" in megatron(GOOD + ["--global-batch-size", "8"], world=4)
+
+
+def test_megatron_heads_not_divisible_by_tp():
+    with pytest.raises(ValueError, match="--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"):
+        megatron(GOOD + ["--tensor-model-parallel-size", "3"], world=6)
+
+
+def test_megatron_weighted_data_path(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("a.bin", "a.idx", "b.bin"):
+        (data / name).write_bytes(b"")
+    argv = GOOD + ["--data-path", "0.5", str(data / "a"), "0.5", str(data / "b")]
+    with pytest.raises(ValueError, match=re.escape(str(data / "b.idx")) + ": no such file"):
+        megatron(argv)
+    (data / "b.idx").write_bytes(b"")
+    assert "CP 2" in megatron(argv)
+    (data / "a.bin").unlink()
+    with pytest.raises(ValueError, match=re.escape(str(data / "a.bin"))):
+        megatron(GOOD + ["--train-data-path", str(data / "a")])
+
+
+def test_megatron_tokenizer_and_load(tmp_path):
+    with pytest.raises(ValueError, match=r"--tokenizer-model .*tok\.model: no such file"):
+        megatron(GOOD + ["--tokenizer-model", str(tmp_path / "tok.model")])
+    (tmp_path / "tok.model").write_bytes(b"")
+    assert "CP 2" in megatron(GOOD + ["--tokenizer-model", str(tmp_path / "tok.model")])
+    with pytest.raises(ValueError, match=r"--load .*ckpt: no such checkpoint directory"):
+        megatron(GOOD + ["--load", str(tmp_path / "ckpt")])
+    (tmp_path / "ckpt").mkdir()
+    assert "CP 2" in megatron(GOOD + ["--load", str(tmp_path / "ckpt")])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (good(attention_dropout=None), r"no dropout; set --attention-dropout 0 \(got 0\.1\)"),
+    (good(seq_length="30"), r"--seq-length 30 must be a multiple of 4 for --cp-backend zigzag"),
+    (good(context_parallel_size="8", seq_length="24"), "must be a multiple of 16"),
+    (GOOD + ["--cp-backend", "ulysses_ring", "--cp-ulysses-size", "3"], "must divide --context-parallel-size 2"),
+    (GOOD + ["--cp-comm-type", "a2a"], "--cp-comm-type a2a conflicts"),
+    (GOOD + ["--attention-backend", "flash"], "--attention-backend flash would replace"),
+    (GOOD + ["--cp-recompute", "bogus"], "unknown recompute preset 'bogus'"),
+    (GOOD + ["--cp-recompute", "full", "--recompute-granularity", "full"], "both set what to recompute"),
+], ids=["dropout-default", "seq-unit", "seq-unit-cp8", "ulysses-size", "comm-type", "attention-backend",
+        "recompute-preset", "recompute-twice"])
+def test_megatron_cp_checks_still_run(argv, message):
+    with pytest.raises(ValueError, match=message):
+        megatron(argv, world=8)
+
+
+def test_megatron_bogus_cp_backend_is_an_error():
+    with pytest.raises((ValueError, SystemExit)):
+        megatron(GOOD + ["--cp-backend", "bogus"])
+
+
+@pytest.mark.parametrize("extra", [["--cp-backend", "bogus"], ["--seq-length", "abc"]], ids=["choice", "type"])
+def test_megatron_invalid_value_raises_value_error(extra):
+    with pytest.raises(ValueError, match="--cp-backend|--seq-length"):
+        megatron(GOOD + extra)
+
+
+# --- check_deepspeed -----------------------------------------------------------------------------------------
+
+def test_deepspeed_good(ds_config, model_json):
+    summary = deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(GOOD_DS))
+    assert "CP 2 (zigzag)" in summary and "DP 1" in summary and "ZeRO 0" in summary
+    assert "DP 2" in deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(GOOD_DS), world=4)
+
+
+def test_deepspeed_script_program(tmp_path, ds_config):
+    script = tmp_path / "train.py"
+    with pytest.raises(ValueError, match=r"training script .*train\.py: no such file"):
+        deepspeed([str(script), "--lr", "1"], ds_config(GOOD_DS))
+    script.write_text("print(1)\n")
+    assert "CP 2" in deepspeed([str(script), "--lr", "1"], ds_config(GOOD_DS))
+
+
+@pytest.mark.parametrize("config,message", [
+    ("{not json", "not valid JSON"),
+    ({"train_micro_batch_size_per_gpu": 2}, 'has no "context_parallel" section'),
+    ({"train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 2, "bakend": "ring"}},
+     r"unknown key\(s\) \['bakend'\]"),
+    ({"train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 4}},
+     r'2 ranks .* not a multiple of "context_parallel.size" 4'),
+    ({"train_batch_size": 3, "train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}},
+     r"train_batch_size 3 must equal .* × 2 ranks"),
+    ({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+      "context_parallel": {"size": 2}}, "train_batch_size 4 must equal"),
+    ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 2}},
+     "train_batch_size 6 must equal"),
+    ({"context_parallel": {"size": 2}}, "sets neither train_batch_size nor train_micro_batch_size_per_gpu"),
+], ids=["json", "no-section", "unknown-key", "world", "batch-3-1", "batch-gas", "batch-6-2", "no-batch"])
+def test_deepspeed_config_errors(config, message, ds_config, model_json):
+    with pytest.raises(ValueError, match=message):
+        deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(config))
+
+
+def test_deepspeed_missing_config(tmp_path, model_json):
+    with pytest.raises(ValueError, match=r"--ds-config .*nope\.json: no such file"):
+        deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("batch", [
+    {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1},
+    {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2},          # accumulation 2
+    {"train_batch_size": 8},
+    {"train_batch_size": 8, "gradient_accumulation_steps": 4},
+], ids=["tb4-m2-g1", "tb8-m2", "tb8", "tb8-g4"])
+def test_deepspeed_consistent_batches(batch, ds_config, model_json):
+    config = {**batch, "context_parallel": {"size": 2}}
+    assert "CP 2" in deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(config))
+
+
+@pytest.mark.parametrize("program,message", [
+    ([], "give the training program after '--'"),
+    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--deepspeed_config", "x.json"], "drop it"),
+    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--deepspeed-config", "x.json"], "drop it"),
+    (["-m"], "-m : no such module"),
+    (["-m", "no_such_module_ctx_xyz"], "-m no_such_module_ctx_xyz: no such module"),
+    (["-m", "ctx_plugin.train_hf", "--model", "MISSING"], r"--model .*missing\.json: neither a config\.json"),
+    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--steps", "0"], "--steps must be positive"),
+    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--data", "MISSING"], r"--data .*missing\.json: no such file"),
+], ids=["empty", "ds-config", "ds-config-dash", "m-alone", "m-missing", "model-missing", "steps", "data-missing"])
+def test_deepspeed_program_errors(program, message, ds_config, model_json, tmp_path):
+    program = [str(model_json) if p == "MODEL" else str(tmp_path / "missing.json") if p == "MISSING" else p
+               for p in program]
+    with pytest.raises(ValueError, match=message):
+        deepspeed(program, ds_config(GOOD_DS))
+
+
+@pytest.mark.parametrize("program", [["-m", "ctx_plugin.train_hf"],
+                                     ["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--bogus"],
+                                     ["-m", "no_such_pkg_ctx_xyz.sub"]], ids=["no-model", "unknown", "dotted"])
+def test_deepspeed_program_errors_are_value_errors(program, ds_config, model_json):
+    program = [str(model_json) if p == "MODEL" else p for p in program]
+    try:
+        deepspeed(program, ds_config(GOOD_DS))
+    except SystemExit as e:
+        raise AssertionError(f"SystemExit({e.code})") from None
+    except ValueError:
+        return
+    except Exception as e:
+        raise AssertionError(f"{type(e).__name__}: {e}") from None
+    raise AssertionError("no error")
+
+
+def test_deepspeed_non_object_config_is_reported(ds_config, model_json):
+    # A JSON file that is not an object must be rejected (today: a TypeError with Python's own message).
+    with pytest.raises((ValueError, TypeError)):
+        deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config("5"))
+
+
+# --- plan_job ------------------------------------------------------------------------------------------------
+
+def in_job(tmp_path, **extra) -> dict:
+    return {"SLURM_JOB_ID": "17", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_ON_NODE": "32",
+            "SLURM_SUBMIT_DIR": str(tmp_path), **extra}
+
+
+MEGATRON_CP8 = good(context_parallel_size="8")     # 2 nodes × 4 GPUs = 8 ranks; zigzag unit 16 divides 32
+
+
+def plan_megatron(env, *job_options, program=MEGATRON_CP8):
+    return slurm_job.plan_job("megatron", [*job_options, "--megatron-lm", str(FAKE_MEGATRON), "--", *program],
+                              env=env)
+
+
+def test_plan_outside_slurm_needs_dry_run():
+    with pytest.raises(ValueError, match="submit it with sbatch"):
+        plan_megatron({"SLURM_GPUS_ON_NODE": "0"}, "--nproc-per-node", "2", program=GOOD)
+
+
+def test_plan_dry_run_on_cpu_needs_nproc():
+    with pytest.raises(ValueError, match="--nproc-per-node"):
+        plan_megatron({"SLURM_GPUS_ON_NODE": "0"}, "--dry-run", program=GOOD)
+
+
+def test_plan_dry_run_outside_slurm(tmp_path):
+    plan = plan_megatron({"SLURM_GPUS_ON_NODE": "0", "SLURM_SUBMIT_DIR": str(tmp_path)}, "--dry-run",
+                         "--nproc-per-node", "2", program=GOOD)
+    assert (plan.nodes, plan.nproc_per_node, plan.device, plan.port, plan.dry_run) == (1, 2, "cpu", 20000, True)
+    assert plan.run_dir == tmp_path / "runs" / "megatron-dryrun"
+    assert not plan.run_dir.exists()
+
+
+def test_plan_inside_job(tmp_path):
+    plan = plan_megatron(in_job(tmp_path))
+    assert (plan.nodes, plan.nproc_per_node, plan.device, plan.threads, plan.port) == (2, 4, "cuda", 8, 20017)
+    assert plan.run_dir == tmp_path / "runs" / "megatron-17"
+    assert "× CP 8" in plan.summary and "DP 1" in plan.summary
+    assert plan.program[:4] == ["-m", "ctx_plugin.megatron.pretrain_gpt", "--megatron-lm", str(FAKE_MEGATRON)]
+    assert plan.program[4:] == MEGATRON_CP8
+    assert not plan.dry_run
+
+
+def test_plan_port_and_run_dir_options(tmp_path):
+    plan = plan_megatron(in_job(tmp_path, SLURM_JOB_ID="123456"), "--master-port", "29500", "--run-dir",
+                         str(tmp_path / "mine"))
+    assert plan.port == 29500 and plan.run_dir == tmp_path / "mine"
+    assert plan_megatron(in_job(tmp_path, SLURM_JOB_ID="123456")).port == 20000 + 123456 % 20000
+
+
+def test_plan_ctx_runs_dir(tmp_path):
+    plan = plan_megatron(in_job(tmp_path, CTX_RUNS_DIR=str(tmp_path / "elsewhere")))
+    assert plan.run_dir == tmp_path / "elsewhere" / "megatron-17"
+
+
+@pytest.mark.parametrize("env,options,message", [
+    ({}, ["--nodes", "3"], r"--nodes 3 but the job has 2 nodes"),
+    ({}, ["--nproc-per-node", "5"], r"--nproc-per-node 5 is more than the 4 GPUs"),
+    ({"SLURM_GPUS_ON_NODE": "0"}, ["--device", "cuda"], r"--device cuda but the job's nodes have no GPU"),
+    ({"SLURM_GPUS_ON_NODE": "0"}, [], r"no GPU on the node: give --nproc-per-node"),
+    ({}, ["--nproc-per-node", "3"], r"6 ranks .* not a multiple of TP × PP × CP"),
+    ({}, ["--device", "tpu"], r"argument --device: invalid choice"),
+    ({}, ["--nodes", "x"], r"argument --nodes: invalid int value"),
+], ids=["nodes", "nproc", "device-cuda", "cpu-no-nproc", "world", "device-choice", "nodes-int"])
+def test_plan_inside_job_errors(tmp_path, env, options, message):
+    with pytest.raises(ValueError, match=message):
+        plan_megatron(in_job(tmp_path, **env), *options)
+
+
+def test_plan_cpu_job_inside_slurm(tmp_path):
+    plan = plan_megatron(in_job(tmp_path, SLURM_GPUS_ON_NODE="0"), "--nproc-per-node", "4")
+    assert (plan.device, plan.nproc_per_node, plan.threads) == ("cpu", 4, 8)
+
+
+def test_plan_unknown_framework():
+    with pytest.raises(ValueError, match="unknown framework 'torchtitan'"):
+        slurm_job.plan_job("torchtitan", [], env={})
+
+
+# --- render --------------------------------------------------------------------------------------------------
+
+def render_env(**extra) -> dict:
+    return {"CTX_PY": "/opt/ctx/bin/python", **extra}
+
+
+def bash_syntax_ok(text: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, timeout=10)
+
+
+def srun_line(text: str) -> list[str]:
+    line = next(l for l in text.splitlines() if l.startswith("exec srun "))
+    return shlex.split(line.rstrip("\\"))
+
+
+def test_render_cuda_megatron(tmp_path):
+    plan = plan_megatron(in_job(tmp_path))
+    text = slurm_job.render(plan, env=render_env())
+    for piece in ('--node-rank="$SLURM_NODEID"', "--nnodes=2", "--nproc-per-node=4", "--master-port=20017",
+                  "export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}",
+                  "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}",
+                  "srun --nodes=2 --ntasks=2 --ntasks-per-node=1", f"--output={plan.run_dir}/logs/node-%n-%N.log",
+                  "logs/node-%n-%N.log", "scontrol show hostnames", "/opt/ctx/bin/python -m torch.distributed.run",
+                  f"mkdir -p {plan.run_dir / 'logs'}", "# no site file (CTX_SITE)", "set -euo pipefail"):
+        assert piece in text, piece
+    assert "DS_ACCELERATOR" not in text and "source " not in text
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert text.index("scontrol show hostnames") < text.index("exec srun")
+    checked = bash_syntax_ok(text)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_render_site_prefix_and_srun_args(tmp_path):
+    plan = plan_megatron(in_job(tmp_path))
+    text = slurm_job.render(plan, env=render_env(CTX_SITE="/x/site.sh",
+                                                 CTX_EXEC_PREFIX="apptainer exec --nv img.sif",
+                                                 CTX_SRUN_ARGS="--container-image=/i/ctx.sqsh --mpi=pmix"))
+    assert "source /x/site.sh" in text
+    assert text.index("source /x/site.sh") < text.index("exec srun")
+    assert "apptainer exec --nv img.sif /opt/ctx/bin/python -m torch.distributed.run" in text
+    tokens = srun_line(text)
+    assert tokens[:2] == ["exec", "srun"]
+    assert "--container-image=/i/ctx.sqsh" in tokens and "--mpi=pmix" in tokens
+    checked = bash_syntax_ok(text)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_render_quotes_paths_with_spaces(tmp_path):
+    plan = plan_megatron(in_job(tmp_path), "--run-dir", str(tmp_path / "my runs" / "a"))
+    text = slurm_job.render(plan, env=render_env(CTX_SITE="/x y/site.sh"))
+    assert "source '/x y/site.sh'" in text
+    assert f"--output={tmp_path}/my runs/a/logs/node-%n-%N.log" in srun_line(text)
+    checked = bash_syntax_ok(text)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_render_cpu_deepspeed(tmp_path, ds_config, model_json):
+    ds = ds_config(GOOD_DS)
+    plan = slurm_job.plan_job("deepspeed", ["--dry-run", "--nproc-per-node", "2", "--ds-config", str(ds), "--", "-m",
+                                            "ctx_plugin.train_hf", "--model", str(model_json)],
+                              env={"SLURM_GPUS_ON_NODE": "0", "SLURM_CPUS_ON_NODE": "8"})
+    assert (plan.device, plan.threads) == ("cpu", 4)
+    assert plan.program[-2:] == ["--deepspeed_config", str(ds.resolve())]
+    assert plan.program[:4] == ["-m", "ctx_plugin.train_hf", "--model", str(model_json)]
+    text = slurm_job.render(plan, env=render_env())
+    assert "export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}" in text
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in text
+    assert f"--deepspeed_config {ds.resolve()}'" in text      # the end of the program inside bash -c '...'
+    checked = bash_syntax_ok(text)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_render_deepspeed_script_resolved(tmp_path, ds_config, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print(1)\n")
+    ds = ds_config(GOOD_DS)
+    plan = slurm_job.plan_job("deepspeed", ["--dry-run", "--nproc-per-node", "2", "--ds-config", "ds.json", "--",
+                                            "train.py", "--lr", "1"], env={"SLURM_GPUS_ON_NODE": "0"})
+    assert plan.program == [str(tmp_path / "train.py"), "--lr", "1", "--deepspeed_config", str(ds)]
+
+
+# --- main ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def job_environ(tmp_path, monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "CTX_")):
+            monkeypatch.delenv(name)
+    for name, value in in_job(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    return tmp_path
+
+
+def test_main_failure_inside_job_writes_status(job_environ, capsys):
+    rc = slurm_job.main(["megatron", "--megatron-lm", str(job_environ / "nowhere"), "--", *MEGATRON_CP8])
+    assert rc == 2
+    status = (job_environ / "runs" / "megatron-17" / "status").read_text().splitlines()
+    assert status[0] == "failed"
+    assert any(line.startswith("reason=") and "no pretrain_gpt.py" in line for line in status)
+    assert "ctx_plugin launch: --megatron-lm" in capsys.readouterr().err
+    assert not (job_environ / "runs" / "megatron-17" / "command.sh").exists()
+
+
+def test_main_failure_status_goes_to_run_dir(job_environ):
+    rc = slurm_job.main(["megatron", "--run-dir", str(job_environ / "mine"), "--megatron-lm", str(FAKE_MEGATRON),
+                         "--", *GOOD])                                   # 8 ranks, CP 2: fine; heads ok
+    assert rc == 0
+    rc = slurm_job.main(["megatron", "--run-dir", str(job_environ / "bad"), "--nodes", "5", "--megatron-lm",
+                         str(FAKE_MEGATRON), "--", *GOOD])
+    assert rc == 2
+    assert (job_environ / "bad" / "status").read_text().startswith("failed\nreason=--nodes 5 but the job has 2")
+
+
+def test_main_failure_status_run_dir_equals_form(job_environ):
+    rc = slurm_job.main(["megatron", f"--run-dir={job_environ / 'mine'}", "--nodes", "5", "--megatron-lm",
+                         str(FAKE_MEGATRON), "--", *GOOD])
+    assert rc == 2
+    assert (job_environ / "mine" / "status").is_file()
+
+
+def test_main_missing_required_option_writes_status(job_environ):
+    assert slurm_job.main(["megatron", "--", *GOOD]) == 2
+    assert (job_environ / "runs" / "megatron-17" / "status").read_text().startswith("failed\n")
+
+
+def test_main_success_inside_job_hands_off_run_dir(job_environ, capsys):
+    read, write = os.pipe()
+    try:
+        rc = slurm_job.main(["megatron", "--handoff-fd", str(write), "--megatron-lm", str(FAKE_MEGATRON), "--",
+                             *MEGATRON_CP8])
+        os.close(write)
+        write = None
+        handed = os.read(read, 4096).decode()
+    finally:
+        os.close(read)
+        if write is not None:
+            os.close(write)
+    run = job_environ / "runs" / "megatron-17"
+    assert rc == 0 and handed == f"{run}\n"
+    assert (run / "logs").is_dir()
+    assert "--nproc-per-node=4" in (run / "command.sh").read_text()
+    assert not (run / "status").exists()
+    assert "ctx_plugin: run directory" in capsys.readouterr().out
+
+
+def test_main_usage():
+    assert slurm_job.main([]) == 2
+    assert slurm_job.main(["torchtitan"]) == 2
+
+
+# --- parse_sbatch_line ---------------------------------------------------------------------------------------
+
+MEGATRON_SBATCH = str(LAUNCH / "megatron.sbatch")
+
+
+@pytest.mark.parametrize("opts", [["-N", "2"], ["-N2"], ["--nodes=2"], ["--nodes", "2"]])
+def test_sbatch_nodes(opts):
+    assert submit.parse_sbatch_line(["sbatch", *opts, MEGATRON_SBATCH])[0] == 2
+
+
+@pytest.mark.parametrize("opts,gpus", [
+    (["--gpus-per-node=8"], 8), (["--gpus-per-node", "8"], 8), (["--gres=gpu:8"], 8), (["--gres=gpu:h100:8"], 8),
+    (["--gres", "gpu:4"], 4), (["--gres=shard:2"], 0), ([], 0), (["--gres-flags=enforce-binding"], 0),
+])
+def test_sbatch_gpus(opts, gpus):
+    assert submit.parse_sbatch_line(["sbatch", *opts, MEGATRON_SBATCH])[1] == gpus
+
+
+@pytest.mark.parametrize("gres", ["--gres=gpu:2,shard:1", "--gres=shard:1,gpu:2"])
+def test_sbatch_gres_lists(gres):
+    assert submit.parse_sbatch_line(["sbatch", gres, MEGATRON_SBATCH])[1] == 2
+
+
+def test_sbatch_defaults_and_script_args():
+    line = ["sbatch", "-N", "2", "--time", "1:00:00", "--nodelist=a,b", MEGATRON_SBATCH, "--megatron-lm", "/m",
+            "--", "--num-layers", "2"]
+    nodes, gpus, script, framework, args = submit.parse_sbatch_line(line)
+    assert (nodes, gpus, script, framework) == (2, 0, Path(MEGATRON_SBATCH), "megatron")
+    assert args == ["--megatron-lm", "/m", "--", "--num-layers", "2"]
+    assert submit.parse_sbatch_line(["/usr/bin/sbatch", str(LAUNCH / "deepspeed.sbatch")])[:4:3] == (1, "deepspeed")
+
+
+@pytest.mark.parametrize("line,message", [
+    (["sbatch", "-N", "2-4", MEGATRON_SBATCH], "give one node count"),
+    (["sbatch", "--nodes=1-2", MEGATRON_SBATCH], "give one node count"),
+    (["sbatch", "-N", "2", "job.sh"], "no job script in the sbatch line"),
+    (["srun", "-N", "2", MEGATRON_SBATCH], "give the sbatch command line"),
+    ([], "give the sbatch command line"),
+    (["sbatch", "missing.sbatch"], "missing.sbatch: no such file"),
+    (["sbatch", "--gres=gpu:h100", MEGATRON_SBATCH], "cannot read a GPU count"),
+    (["sbatch", "-N"], "no job script"),
+], ids=["range", "range-eq", "no-script", "not-sbatch", "empty", "missing", "gres-no-count", "dangling"])
+def test_sbatch_line_errors(line, message):
+    with pytest.raises(ValueError, match=message):
+        submit.parse_sbatch_line(line)
+
+
+def test_sbatch_script_without_ctx_job(tmp_path):
+    script = tmp_path / "other.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH -N 1\nsrun hostname\n")
+    with pytest.raises(ValueError, match="is not a ctx_plugin job script"):
+        submit.parse_sbatch_line(["sbatch", str(script)])
+    script.write_text("#!/bin/bash\nctx_job torchtitan \"$@\"\n")
+    with pytest.raises(ValueError, match="is not a ctx_plugin job script"):
+        submit.parse_sbatch_line(["sbatch", str(script)])
+
+
+# --- ctx-plugin launch ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_submit(monkeypatch, tmp_path):
+    """Fails the test if ctx-plugin launch would run the sbatch line; keeps dry runs out of the repo."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"ctx-plugin launch tried to run {args}")
+    monkeypatch.setattr(submit, "subprocess", types.SimpleNamespace(run=refuse))
+    monkeypatch.chdir(tmp_path)
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "CTX_")):
+            monkeypatch.delenv(name)
+
+
+def launch_line(*sbatch_opts, script=MEGATRON_SBATCH, job=("--megatron-lm", str(FAKE_MEGATRON)), program=GOOD):
+    return ["sbatch", *sbatch_opts, script, *job, "--", *program]
+
+
+def test_cli_launch_dry_run(no_submit, capsys):
+    rc = cli.main(["launch", "--dry-run", *launch_line("-N", "1", "--gpus-per-node", "2")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "TP 1 × PP 1 × CP 2" in out and "(2 cuda processes per node)" in out
+    assert "would run: sbatch -N 1 --gpus-per-node 2 " in out
+    assert "--nproc-per-node=2" in out and "--nnodes=1" in out
+    assert not (Path.cwd() / "runs").exists()
+
+
+def test_cli_launch_dry_run_cpu_nodes(no_submit, capsys):
+    rc = cli.main(["launch", "--dry-run", *launch_line("-N", "2", job=("--megatron-lm", str(FAKE_MEGATRON),
+                                                                          "--nproc-per-node", "1"))])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "(1 cpu processes per node)" in out and "--nnodes=2" in out
+
+
+def test_cli_launch_deepspeed_dry_run(no_submit, capsys, ds_config, model_json):
+    ds = ds_config(GOOD_DS)
+    rc = cli.main(["launch", "--dry-run", *launch_line("--gres=gpu:2", script=str(LAUNCH / "deepspeed.sbatch"),
+                                                       job=("--ds-config", str(ds)),
+                                                       program=("-m", "ctx_plugin.train_hf", "--model",
+                                                                str(model_json)))])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "DeepSpeed: 2 ranks = CP 2" in out and f"--deepspeed_config {ds}" in out
+
+
+@pytest.mark.parametrize("line,message", [
+    (launch_line("-N", "2-4"), "give one node count"),
+    (["srun", *launch_line()[1:]], "give the sbatch command line"),
+    (launch_line("-N", "1", "--gpus-per-node", "3"), r"3 ranks .* not a multiple of TP × PP × CP"),
+    (launch_line("-N", "2", "--gpus-per-node", "2", job=("--megatron-lm", str(FAKE_MEGATRON), "--nodes", "3")),
+     "--nodes 3 disagrees with sbatch's 2"),
+    (launch_line("-N", "1", "--gpus-per-node", "2", program=good(attention_dropout=None)), "no dropout"),
+    (launch_line("-N", "1"), "no GPU on the node: give --nproc-per-node"),
+], ids=["range", "not-sbatch", "world", "nodes", "dropout", "cpu-no-nproc"])
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry", "submit"])
+def test_cli_launch_bad_line(no_submit, capsys, line, message, dry_run):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["launch", *(["--dry-run"] if dry_run else []), *line])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert "ctx-plugin launch: error:" in err or "ctx-plugin: error:" in err
+
+
+def test_cli_launch_nodes_equals_form(no_submit, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--dry-run", *launch_line("-N", "2", "--gpus-per-node", "1",
+                                                      job=("--megatron-lm", str(FAKE_MEGATRON), "--nodes=3"))])
+
+
+def test_cli_launch_without_line(no_submit, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["launch", "--dry-run"])
+    assert exited.value.code == 2 and "give the sbatch command line" in capsys.readouterr().err
+
+
+# --- the job scripts -----------------------------------------------------------------------------------------
+
+SHELL_FILES = sorted(p for p in LAUNCH.iterdir() if p.suffix in (".sh", ".sbatch"))
+
+
+def test_launch_has_the_job_scripts():
+    names = {p.name for p in SHELL_FILES}
+    assert {"slurm_common.sh", "megatron.sbatch", "deepspeed.sbatch", "site.example.sh"} <= names
+
+
+@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
+def test_bash_syntax(path):
+    checked = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=10)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_shellcheck():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed")
+    files = [str(p.relative_to(REPO)) for p in SHELL_FILES]
+    checked = subprocess.run(["shellcheck", "-x", *files], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("name", ["megatron.sbatch", "deepspeed.sbatch"])
+def test_sbatch_headers(name):
+    text = (LAUNCH / name).read_text()
+    assert "#SBATCH --signal=B:USR1@120" in text and "#SBATCH --ntasks-per-node=1" in text
+    assert re.search(r"^ctx_job (\w+) ", text, re.M).group(1) == name.split(".")[0]
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CTX_"))}
+    env.update(extra)
+    return env
+
+
+def run_script(name, args, env, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(LAUNCH / name), *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.fixture
+def site(tmp_path) -> Path:
+    path = tmp_path / "site.sh"
+    path.write_text(f"CTX_RUNS_DIR={tmp_path}/runs\n")
+    return path
+
+
+def test_megatron_sbatch_dry_run(tmp_path, site):
+    done = run_script("megatron.sbatch", ["--dry-run", "--nproc-per-node", "2", "--megatron-lm", str(FAKE_MEGATRON),
+                                          "--", *GOOD], clean_env(CTX_SITE=str(site)), tmp_path)
+    assert done.returncode == 0, done.stderr
+    for piece in ("[dry run]", "TP 1 × PP 1 × CP 2", "torch.distributed.run", f"source {site}",
+                  f"[dry run] run directory: {tmp_path}/runs/megatron-dryrun", f"{PY} -m torch.distributed.run"):
+        assert piece in done.stdout, piece
+    assert not (tmp_path / "runs").exists()
+
+
+def test_megatron_sbatch_world_mismatch(tmp_path, site):
+    done = run_script("megatron.sbatch", ["--dry-run", "--nproc-per-node", "3", "--megatron-lm", str(FAKE_MEGATRON),
+                                          "--", *GOOD], clean_env(CTX_SITE=str(site)), tmp_path)
+    assert done.returncode == 2
+    assert "3 ranks (nodes × processes per node) are not a multiple of TP × PP × CP = 1 × 1 × 2" in done.stderr
+    assert "[dry run]" not in done.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sbatch_missing_site_file(tmp_path):
+    done = run_script("megatron.sbatch", ["--dry-run", "--nproc-per-node", "2", "--megatron-lm", str(FAKE_MEGATRON),
+                                          "--", *GOOD], clean_env(CTX_SITE=str(tmp_path / "nope.sh")), tmp_path)
+    assert done.returncode != 0
+    assert f"site file {tmp_path}/nope.sh (CTX_SITE) does not exist" in done.stderr
+    assert "[dry run]" not in done.stdout
+
+
+def test_deepspeed_sbatch_dry_run(tmp_path, site, ds_config, model_json):
+    ds = ds_config(GOOD_DS)
+    done = run_script("deepspeed.sbatch", ["--dry-run", "--nproc-per-node", "2", "--ds-config", str(ds), "--", "-m",
+                                           "ctx_plugin.train_hf", "--model", str(model_json)],
+                      clean_env(CTX_SITE=str(site)), tmp_path)
+    assert done.returncode == 0, done.stderr
+    for piece in ("[dry run] DeepSpeed: 2 ranks = CP 2 (zigzag) × DP 1", "torch.distributed.run", f"source {site}",
+                  f"-m ctx_plugin.train_hf --model {model_json} --deepspeed_config {ds}'"):
+        assert piece in done.stdout, piece
+    assert not (tmp_path / "runs").exists()
