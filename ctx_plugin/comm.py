@@ -1,4 +1,6 @@
-"""Communication primitives, each on an explicit :class:`RankGroup` and counted in a :class:`CommCounter`."""
+"""Communication primitives, each on an explicit :class:`RankGroup` and counted in a :class:`CommCounter`.
+
+torch.distributed moves the data, unless the group has a ``transport`` (the benchmark's simulated ranks)."""
 from __future__ import annotations
 
 import torch
@@ -35,10 +37,13 @@ class RingComm:
         """Posts ``send`` → next rank and ``recv`` ← previous rank as one batch; returns without waiting.
 
         ``tag`` keeps different streams of messages apart on backends that match by tag (gloo)."""
-        pg = self.group.group
-        ops = [dist.P2POp(dist.isend, send, group=pg, tag=tag, group_peer=self.send_to),
-               dist.P2POp(dist.irecv, recv, group=pg, tag=tag, group_peer=self.recv_from)]
-        exchange = Exchange(dist.batch_isend_irecv(ops))
+        pg, transport = self.group.group, self.group.transport
+        if transport is not None:
+            exchange = Exchange([transport.exchange(self.group, send, recv, self.send_to, self.recv_from, tag)])
+        else:
+            ops = [dist.P2POp(dist.isend, send, group=pg, tag=tag, group_peer=self.send_to),
+                   dist.P2POp(dist.irecv, recv, group=pg, tag=tag, group_peer=self.recv_from)]
+            exchange = Exchange(dist.batch_isend_irecv(ops))
         self.counter.record(kind)
         self._pending.append(exchange)
         return exchange
@@ -54,7 +59,10 @@ class RingComm:
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: RankGroup, counter: CommCounter) -> torch.Tensor:
     """``out[i]`` ← rank i's ``inp[this rank]`` (first dimension = group size); returns ``out``."""
-    dist.all_to_all_single(out, inp, group=group.group)
+    if group.transport is not None:
+        group.transport.all_to_all(group, out, inp)
+    else:
+        dist.all_to_all_single(out, inp, group=group.group)
     counter.record("a2a")
     return out
 
@@ -63,8 +71,11 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: RankGroup, counter: 
                kind: str) -> torch.Tensor:
     """``out`` (contiguous, first dimension = group size) ← every rank's ``inp``, in rank order; returns ``out``."""
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); 2.11 has only the old.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out.view(-1), inp.contiguous().view(-1), group=group.group)
+    if group.transport is not None:
+        group.transport.all_gather(group, out, inp)
+    else:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out.view(-1), inp.contiguous().view(-1), group=group.group)
     counter.record(kind)
     return out
 
@@ -72,7 +83,10 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: RankGroup, counter: 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: RankGroup, counter: CommCounter,
                    kind: str) -> torch.Tensor:
     """``out`` (contiguous) ← the sum over ranks of ``inp[this rank]`` (first dimension of ``inp`` = group size)."""
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor   # renamed in 2.13
-    scatter(out.view(-1), inp.contiguous().view(-1), group=group.group)
+    if group.transport is not None:
+        group.transport.reduce_scatter(group, out, inp)
+    else:
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor   # renamed in 2.13
+        scatter(out.view(-1), inp.contiguous().view(-1), group=group.group)
     counter.record(kind)
     return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -27,14 +28,31 @@ class CommCounter:
         self.counts.clear()
 
 
+class Transport(Protocol):
+    """What :mod:`ctx_plugin.comm` asks of a group's data mover when it is not torch.distributed."""
+
+    def exchange(self, group: RankGroup, send, recv, send_to: int, recv_from: int, tag: int):
+        """Posts ``send`` → ``send_to`` and ``recv`` ← ``recv_from``; returns an object whose ``wait()`` completes."""
+        ...
+
+    def all_to_all(self, group: RankGroup, out, inp) -> None: ...
+
+    def all_gather(self, group: RankGroup, out, inp) -> None: ...
+
+    def reduce_scatter(self, group: RankGroup, out, inp) -> None: ...
+
+
 @dataclass(frozen=True, eq=False)
 class RankGroup:
     """One process group as the collectives see it: the group, this process's rank in it, its size."""
 
     group: dist.ProcessGroup | None
-    """``None`` only for a group of one process that never communicates."""
+    """``None`` for a group of one process that never communicates, or a group served by ``transport``."""
     rank: int
     size: int
+    transport: Transport | None = None
+    """Moves the data instead of torch.distributed: the benchmark's simulated ranks (``ctx_plugin.bench``), which
+    run a group's ranks in one process. ``None`` (always, outside benchmarks and tests): torch.distributed."""
 
 
 ALONE = RankGroup(group=None, rank=0, size=1)

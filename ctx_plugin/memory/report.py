@@ -21,7 +21,7 @@ def table_presets(layers: int) -> list[RecomputeConfig]:
     return [RecomputeConfig.parse(p) for p in (*names, "full", "sqrt")]
 
 
-def _parse_size(text: str) -> int:
+def parse_tokens(text: str) -> int:
     text = text.strip().lower()
     scale = {"k": 1024, "m": 1024 ** 2}.get(text[-1:], 1)
     return int(float(text[:-1] if scale > 1 else text) * scale)
@@ -30,7 +30,7 @@ def _parse_size(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help=f"a model preset ({', '.join(MODEL_PRESETS)}) or the path of a Hugging Face config.json")
-    p.add_argument("--seq-len", type=_parse_size, required=True, help="tokens per sequence, e.g. 131072 or 128k")
+    p.add_argument("--seq-len", type=parse_tokens, required=True, help="tokens per sequence, e.g. 131072 or 128k")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--backend", default=Backend.ZIGZAG.value, choices=[b.value for b in Backend])

@@ -1,0 +1,109 @@
+"""The real-process benchmark, run on every rank under torchrun (``ctx-plugin bench --distributed`` starts it).
+
+For each backend the world is one context-parallel group of N = world size ranks. Per rank it measures
+(medians over ``--reps``, each repetition started together behind a barrier):
+
+- *real*: ``cp_attention`` with its communication (NCCL on GPUs, gloo on CPU);
+- *compute*: the same rank's work with the communication taken out (the simulated-rank transport that moves
+  nothing, :data:`ctx_plugin.bench.simulated.SILENT`);
+- *comm*: the communication alone (the real groups with a local kernel that does nothing).
+
+The hidden share of the communication is ``(compute + comm − real) ÷ comm`` (clipped to [0, 1]): 1 when the
+transfers cost nothing beyond the compute, 0 when they add fully. The table reports the slowest rank's real
+time against the one-kernel ideal, as the simulated mode does.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ..api import cp_attention
+from ..groups import build_cp_groups
+from ..kernels import accum_dtype
+from ..names import Kernel
+from .harness import Shape, ideal_time, median_time
+from .report import add_arguments, configs, row, shape_from_args, write_outputs
+from .simulated import SILENT, simulated_groups
+
+
+class NullKernel:
+    """A local kernel that computes nothing (outputs of the right shape, uninitialised): times communication."""
+
+    name = "none"
+
+    def forward(self, q, k, v, *, causal, scale):
+        return torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=accum_dtype(q.dtype),
+                                                 device=q.device)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _timed(shape: Shape, config, groups, tensors, backward: bool, reps: int) -> float:
+    q, k, v, dout = tensors
+
+    def go():
+        out = cp_attention(q, k, v, config=config, groups=groups, causal=shape.causal)
+        if backward:
+            out.backward(dout)
+    together = dist.barrier if groups.cp.transport is None else None     # real communication: start together
+    return median_time(go, shape.device, reps, before=together)
+
+
+def _max(x: float, device: torch.device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _gather(x: float, device: torch.device) -> list[float]:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.item() for o in out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ctx-plugin bench --distributed")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    dist.init_process_group()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    use_cuda = args.device != "cpu" and torch.cuda.device_count() >= size and not args.smoke
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    shape = shape_from_args(args, device)
+    args.ranks = [size]
+    rows = []
+    for pass_ in args.passes:
+        backward = pass_ == "fwd+bwd"
+        ideal, kernel = ideal_time(shape, Kernel(args.kernel), backward, args.reps) if rank == 0 else (0.0, "")
+        ideal = _max(ideal, device)
+        for label, config in configs(args, size):
+            if isinstance(config, str):
+                rows.append({"backend": label, "ranks": size, "pass": pass_, "skipped": config})
+                continue
+            tensors = shape.tensors(shape.seq_len // size, torch.Generator().manual_seed(rank), grad=backward)
+            real_groups = build_cp_groups(config)
+            null_groups = build_cp_groups(config)
+            null_groups.kernels[(device, shape.dtype, shape.head_dim)] = NullKernel()
+            silent = simulated_groups(config, rank, size, SILENT, device.type)
+            real = _timed(shape, config, real_groups, tensors, backward, args.reps)
+            comm = _timed(shape, config, null_groups, tensors, backward, args.reps)
+            compute = _timed(shape, config, silent, tensors, backward, args.reps)
+            hidden = min(1.0, max(0.0, (compute + comm - real) / comm)) if comm > 0 else 1.0
+            times, comms, hiddens = _gather(real, device), _gather(comm, device), _gather(hidden, device)
+            rows.append(row(shape, label, size, pass_, kernel, times, ideal, comm_ms=max(comms) * 1e3,
+                            hidden_comm=min(hiddens)))
+    if rank == 0:
+        write_outputs(args, shape, rows, f"{size} processes, {dist.get_backend_config()}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

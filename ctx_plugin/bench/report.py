@@ -1,0 +1,180 @@
+"""``ctx-plugin bench``: times every backend's forward and forward+backward, prints a table, writes JSON/PNG.
+
+Simulated mode (default) runs each rank of an N-rank group in turn on one device (see
+:mod:`ctx_plugin.bench.simulated`); ``--distributed --nproc N`` starts N local processes with torchrun and times
+the real distributed path (NCCL on GPUs, gloo on CPU) with its communication (:mod:`ctx_plugin.bench.distributed`).
+``--smoke`` is a tiny CPU case (CI runs it; its times mean nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import CPConfig
+from ..memory.report import parse_tokens
+from ..names import Backend, Kernel
+from .harness import PASSES, Shape, ideal_time, rank_times
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", nargs="+", default=[b.value for b in Backend], choices=[b.value for b in Backend])
+    p.add_argument("--ranks", nargs="+", type=int, default=[8], help="group sizes N (default 8)")
+    p.add_argument("--ulysses-size", type=int, default=2, help="Ulysses group size of ulysses_ring (default 2)")
+    p.add_argument("--seq-len", type=parse_tokens, default=131072, help="global sequence length, e.g. 128k")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--kernel", choices=[k.value for k in Kernel], default=Kernel.AUTO.value)
+    p.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
+    p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
+    p.add_argument("--json", default=None, help="write the rows and the setup here")
+    p.add_argument("--plot", default=None, help="PNG: slowest-rank efficiency per backend and N")
+    p.add_argument("--distributed", action="store_true", help="real processes under torchrun (--nproc of them)")
+    p.add_argument("--nproc", type=int, default=2, help="processes for --distributed (default 2)")
+    p.add_argument("--smoke", action="store_true", help="a tiny CPU case in fp32 (for CI): S=256, 4 heads × 16, "
+                                                        "N = 2 and 4, one repetition")
+
+
+def shape_from_args(args: argparse.Namespace, device: torch.device | None = None) -> Shape:
+    if args.smoke:
+        args.seq_len, args.heads, args.kv_heads, args.head_dim, args.dtype = 256, 4, 2, 16, "fp32"
+        args.device, args.reps, args.ranks = "cpu", 1, [2, 4] if not args.distributed else args.ranks
+    if device is None:
+        device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and device.type != "cuda":
+        raise ValueError("--device cuda but no GPU is visible")
+    return Shape(seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads or args.heads,
+                 head_dim=args.head_dim, batch=args.batch, causal=not args.no_causal, dtype=DTYPES[args.dtype],
+                 device=device)
+
+
+def configs(args: argparse.Namespace, size: int):
+    """(backend label, CPConfig or the reason it cannot run at this size) for every requested backend."""
+    for name in args.backends:
+        backend = Backend(name)
+        u = args.ulysses_size if backend == Backend.ULYSSES_RING else 1
+        if backend == Backend.ULYSSES_RING and (u >= size or size % u):
+            yield f"{name}(u={u})", f"ulysses_size {u} must divide N = {size} and be smaller"
+            continue
+        yield (f"{name}(u={u})" if u > 1 else name), CPConfig(backend=backend, kernel=args.kernel, ulysses_size=u)
+
+
+def row(shape: Shape, label: str, size: int, pass_: str, kernel: str, times: list[float], ideal: float,
+        **extra) -> dict:
+    slowest = max(times)
+    return {"backend": label, "ranks": size, "pass": pass_, "kernel": kernel, "slowest_ms": slowest * 1e3,
+            "mean_ms": sum(times) / len(times) * 1e3, "ideal_ms": ideal / size * 1e3,
+            "efficiency": ideal / size / slowest,
+            "tflops_per_gpu": shape.flops(pass_ == "fwd+bwd") / size / slowest / 1e12,
+            "rank_ms": [t * 1e3 for t in times], **extra}
+
+
+def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
+    rows = []
+    for pass_ in args.passes:
+        backward = pass_ == "fwd+bwd"
+        ideal, kernel = ideal_time(shape, Kernel(args.kernel), backward, args.reps)
+        for size in args.ranks:
+            for label, config in configs(args, size):
+                try:
+                    if isinstance(config, str):
+                        raise ValueError(config)
+                    times = rank_times(shape, config, size, backward, args.reps)
+                except ValueError as e:       # this backend cannot split this shape: say so, keep going
+                    rows.append({"backend": label, "ranks": size, "pass": pass_, "skipped": str(e)})
+                    continue
+                rows.append(row(shape, label, size, pass_, kernel, times, ideal))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    hidden = any("hidden_comm" in r for r in rows)
+    head = f"{'backend':<17} {'N':>3} {'pass':<8} {'slowest ms':>10} {'mean ms':>9} {'ideal ms':>9} " \
+           f"{'eff.':>5} {'TFLOP/s':>8}" + (f" {'comm ms':>8} {'hidden':>6}" if hidden else "")
+    lines = [head]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['backend']:<17} {r['ranks']:>3} {r['pass']:<8} skipped: {r['skipped']}")
+            continue
+        line = f"{r['backend']:<17} {r['ranks']:>3} {r['pass']:<8} {r['slowest_ms']:>10.3f} {r['mean_ms']:>9.3f} " \
+               f"{r['ideal_ms']:>9.3f} {r['efficiency']:>5.2f} {r['tflops_per_gpu']:>8.1f}"
+        if hidden:
+            line += f" {r['comm_ms']:>8.3f} {r['hidden_comm']:>6.0%}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def describe(shape: Shape, rows: list[dict], mode: str) -> str:
+    kernels = sorted({r["kernel"] for r in rows if "kernel" in r})
+    device = torch.cuda.get_device_name(shape.device) if shape.device.type == "cuda" else "cpu"
+    return (f"ctx_plugin bench ({mode}): S={shape.seq_len}, batch {shape.batch}, {shape.heads} heads "
+            f"({shape.kv_heads} K/V) × {shape.head_dim}, {'causal' if shape.causal else 'full'}, "
+            f"{str(shape.dtype).removeprefix('torch.')}, {device}, kernel {'/'.join(kernels) or '-'}; "
+            f"efficiency = ideal (one kernel on the whole sequence ÷ N) ÷ slowest rank")
+
+
+def write_outputs(args: argparse.Namespace, shape: Shape, rows: list[dict], mode: str) -> None:
+    print(describe(shape, rows, mode))
+    print(format_table(rows))
+    if args.json:
+        rates = {r["pass"]: shape.flops(r["pass"] == "fwd+bwd") / (r["ideal_ms"] * r["ranks"] / 1e3) / 1e12
+                 for r in rows if "ideal_ms" in r}
+        Path(args.json).write_text(json.dumps({
+            "mode": mode, "shape": shape.describe(), "torch": torch.__version__, "setup": describe(shape, rows, mode),
+            "kernel_tflops": rates,   # the one-kernel ideal's rate per pass; ctx-plugin plan --bench reads:
+            "attention_tflops": rates.get("fwd+bwd", rates.get("fwd")), "rows": rows}, indent=2))
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'ctx-plugin[plot]'") from None
+    done = [r for r in rows if "skipped" not in r]
+    passes = sorted({r["pass"] for r in done})
+    fig, axes = plt.subplots(1, len(passes), figsize=(6 * len(passes), 4), squeeze=False)
+    for ax, pass_ in zip(axes[0], passes):
+        for label in dict.fromkeys(r["backend"] for r in done if r["pass"] == pass_):
+            pts = [(r["ranks"], r["efficiency"]) for r in done if r["pass"] == pass_ and r["backend"] == label]
+            ax.plot(*zip(*pts), marker="o", label=label)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(title=pass_, xlabel="ranks N", ylabel="slowest-rank efficiency", xscale="log", ylim=(0, 1.1))
+        ax.set_xticks(sorted({r["ranks"] for r in done}), labels=[str(n) for n in sorted({r["ranks"] for r in done})])
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """The CLI: simulated in this process, or, for --distributed, torchrun starting
+    :mod:`ctx_plugin.bench.distributed` with the same arguments (``argv``)."""
+    if args.reps < 1 or any(n < 1 for n in args.ranks) or args.nproc < 1 or args.ulysses_size < 1:
+        raise ValueError("--reps, --ranks, --ulysses-size and --nproc must be positive")
+    shape = shape_from_args(args)                      # checks the shape before any process starts
+    if args.distributed:
+        import os
+
+        from torch.distributed.run import main as torchrun
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        worker = [a for i, a in enumerate(argv) if a != "--distributed" and not a.startswith("--nproc")
+                  and (i == 0 or argv[i - 1] != "--nproc")]    # the launcher's own options (torchrun reads --nproc*)
+        torchrun(["--standalone", "--nproc-per-node", str(args.nproc), "-m", "ctx_plugin.bench.distributed", *worker])
+        return 0
+    rows = run_simulated(args, shape)
+    write_outputs(args, shape, rows, "simulated ranks, one device")
+    return 0

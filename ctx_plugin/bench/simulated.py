@@ -1,0 +1,164 @@
+"""Simulated ranks: an N-rank context-parallel group inside one process, running the real ``cp_attention``.
+
+Each simulated rank gets :class:`~ctx_plugin.groups.CPGroups` whose groups carry a transport instead of a
+torch.distributed process group, laid out exactly as :func:`~ctx_plugin.build_cp_groups` lays them out (Ulysses
+groups of ``ulysses_size`` consecutive ranks, ring groups of every ``ulysses_size``-th rank). Two transports:
+
+- :class:`ThreadedWorld` moves the data: the N ranks run in N threads and exchange tensors through mailboxes and
+  barriers, so every rank computes exactly what it computes in a distributed run (tests check this);
+- :data:`SILENT` moves nothing: one rank runs alone, with the same plan, kernels and merges, and its receive
+  buffers keep whatever they hold. Attention costs the same whatever the values, so this times a rank's
+  per-step work without its communication (the one-GPU benchmark).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+
+import torch
+
+from ..config import CPConfig
+from ..groups import ALONE, CPGroups, RankGroup
+from ..names import Backend
+
+TIMEOUT_S = 120.0
+"""A simulated rank waiting longer than this for its peers raises instead of hanging (a peer failed)."""
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class Silent:
+    """A transport that moves nothing (see the module docstring)."""
+
+    def exchange(self, group, send, recv, send_to, recv_from, tag):
+        return _Done()
+
+    def all_to_all(self, group, out, inp) -> None:
+        pass
+
+    def all_gather(self, group, out, inp) -> None:
+        pass
+
+    def reduce_scatter(self, group, out, inp) -> None:
+        pass
+
+
+SILENT = Silent()
+
+
+class _Receive:
+    def __init__(self, box: queue.Queue, recv: torch.Tensor) -> None:
+        self.box, self.recv = box, recv
+
+    def wait(self) -> None:
+        self.recv.copy_(self.box.get(timeout=TIMEOUT_S))
+
+
+class ThreadedWorld:
+    """Mailboxes and barriers for ``size`` simulated ranks in threads; ``groups(config, rank)`` builds a rank's
+    CPGroups. Collectives sum in rank order (torch.distributed backends may add in another order)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._boxes: dict = defaultdict(queue.Queue)      # (members, dst, src, tag) → tensors in send order
+        self._barriers: dict = {}                          # members → Barrier
+        self._deposits: dict = defaultdict(dict)           # members → {rank: tensor} of the current collective
+
+    def _barrier(self, members: tuple[int, ...]) -> threading.Barrier:
+        with self._lock:
+            return self._barriers.setdefault(members, threading.Barrier(len(members), timeout=TIMEOUT_S))
+
+    def abort(self) -> None:
+        """Breaks every barrier (a rank failed: its peers raise instead of waiting)."""
+        with self._lock:
+            for barrier in self._barriers.values():
+                barrier.abort()
+
+    def _box(self, key) -> queue.Queue:
+        with self._lock:
+            return self._boxes[key]
+
+    def exchange(self, group, send, recv, send_to, recv_from, tag):
+        members = group.members
+        self._box((members, send_to, group.rank, tag)).put(send.clone())
+        return _Receive(self._box((members, group.rank, recv_from, tag)), recv)
+
+    def _collective(self, group, inp: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``inp``, in group rank order."""
+        barrier = self._barrier(group.members)
+        self._deposits[group.members][group.rank] = inp.clone()
+        barrier.wait()
+        everyone = [self._deposits[group.members][r] for r in range(group.size)]
+        barrier.wait()                                     # nobody deposits the next collective before all read
+        return everyone
+
+    def all_to_all(self, group, out, inp) -> None:
+        for i, theirs in enumerate(self._collective(group, inp)):
+            out[i].copy_(theirs[group.rank])
+
+    def all_gather(self, group, out, inp) -> None:
+        for i, theirs in enumerate(self._collective(group, inp)):
+            out[i].copy_(theirs.view(out[i].shape))
+
+    def reduce_scatter(self, group, out, inp) -> None:
+        parts = self._collective(group, inp)
+        total = parts[0][group.rank].clone()
+        for theirs in parts[1:]:
+            total += theirs[group.rank]
+        out.copy_(total.view(out.shape))
+
+
+class SimGroup(RankGroup):
+    """A RankGroup of simulated ranks that knows its members' world ranks (for the mailboxes)."""
+
+    def __init__(self, members: tuple[int, ...], rank: int, transport) -> None:
+        super().__init__(group=None, rank=rank, size=len(members), transport=transport)
+        object.__setattr__(self, "members", members)
+
+
+def simulated_groups(config: CPConfig, rank: int, size: int, transport, device_type: str) -> CPGroups:
+    """Rank ``rank`` of a simulated group of ``size`` ranks, grouped as ``build_cp_groups`` groups real ranks."""
+    if size % config.ulysses_size:
+        raise ValueError(f"ulysses_size={config.ulysses_size} does not divide the simulated size {size}")
+    everyone = tuple(range(size))
+    cp = SimGroup(everyone, rank, transport)
+    if config.backend == Backend.ULYSSES:
+        ulysses, ring = cp, ALONE
+    elif config.ulysses_size == 1:
+        ulysses, ring = ALONE, cp
+    elif config.ulysses_size == size:
+        ulysses, ring = cp, ALONE
+    else:
+        u = config.ulysses_size
+        outer, inner = divmod(rank, u)
+        ulysses = SimGroup(everyone[outer * u:(outer + 1) * u], inner, transport)
+        ring = SimGroup(everyone[inner::u], outer, transport)
+    return CPGroups(config=config, cp=cp, ulysses=ulysses, ring=ring, device_types=frozenset({device_type}))
+
+
+def run_threaded(size: int, fn) -> list:
+    """Runs ``fn(rank, world)`` for every simulated rank in its own thread; returns the results in rank order
+    (re-raising the first failure after breaking the other ranks' waits)."""
+    world = ThreadedWorld(size)
+    results, errors = [None] * size, []
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, world)
+        except BaseException as e:      # noqa: BLE001 - handed to the caller below
+            errors.append(e)
+            world.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results

@@ -1,0 +1,168 @@
+"""Every configuration of a cluster, ranked, and the reason the winner wins.
+
+Layouts: tp from the options given (each divides the GPUs of a node, the heads and the K/V heads, as Megatron
+splits them), cp over the divisors of GPUs/tp, dp = GPUs/(tp·cp); for cp > 1 every backend of
+:class:`ctx_plugin.names.Backend` (``ulysses_ring`` with every Ulysses size 1 < u < cp dividing cp), for cp = 1 one
+configuration without context parallelism. Each layout is tried with every recompute preset the memory model's
+``budget`` chooses from (:func:`ctx_plugin.recompute.presets.candidates`). A layout the sequence length or the
+heads do not allow (the memory model's and the attention's own checks) is skipped.
+
+Ranking: configurations that fit first, by throughput (tokens per second per GPU; equal to ordering by step time
+when dp is equal — a step with dp > 1 trains dp sequences at once, so raw step times of different dp are not
+comparable); then those that do not fit, by memory. Ties keep enumeration order: Backend order, and among presets
+of equal predicted time the one that recomputes less (selective's elementwise recompute is counted as free, so
+``none`` wins a tie with it).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ..config import CPConfig
+from ..memory.specs import ModelSpec, ParallelSpec
+from ..names import Backend, Recompute
+from ..recompute.presets import RecomputeConfig, candidates
+from .predict import Cluster, Prediction, predict
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(cp: int) -> list[tuple[Backend, int]]:
+    """(backend, ulysses_size) pairs to try at context-parallel size ``cp``."""
+    if cp == 1:
+        return [(CPConfig().backend, 1)]
+    pairs = []
+    for backend in Backend:
+        sizes = [u for u in divisors(cp) if 1 < u < cp] if backend == Backend.ULYSSES_RING else [1]
+        pairs += [(backend, u) for u in sizes]
+    return pairs
+
+
+def rank_key(p: Prediction) -> tuple:
+    """Sort key (with a stable sort over the enumeration, so equal times keep the lighter recompute preset)."""
+    return (0, -p.tokens_per_s_per_gpu) if p.fits else (1, p.memory_bytes, p.step_ms)
+
+
+def _check_tp(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int]) -> tuple[int, ...]:
+    options = tuple(dict.fromkeys(tp_options))
+    if not options:
+        raise ValueError("give at least one tensor-parallel size (tp_options / --tp)")
+    for tp in options:
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor-parallel sizes must be positive ints, got {tp!r}")
+        valid = [k for k in divisors(cluster.gpus_per_node) if model.heads % k == 0 and model.kv_heads % k == 0]
+        if tp not in valid:
+            raise ValueError(f"tp={tp} must divide the GPUs per node ({cluster.gpus_per_node}), the heads "
+                             f"({model.heads}) and the K/V heads ({model.kv_heads}); valid tp: {valid}")
+    return options
+
+
+def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_batch: int = 1,
+                    dtype: torch.dtype = torch.bfloat16, tp_options: Iterable[int] = (1,),
+                    presets: Iterable[RecomputeConfig | str] | None = None, zero_stage: int = 1) -> list[Prediction]:
+    """Every valid configuration's prediction, best first (see the module docstring). ``zero_stage`` 1 is Megatron's
+    distributed optimizer; ``presets`` defaults to the memory model's candidates."""
+    if not isinstance(model, ModelSpec) or not isinstance(cluster, Cluster):
+        raise TypeError("enumerate_plans(model=ModelSpec, seq_len, cluster=Cluster, ...)")
+    ParallelSpec(zero_stage=zero_stage)    # checks the stage once, before anything is enumerated
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
+    options = _check_tp(model, cluster, tp_options)
+    presets = candidates(model.layers) if presets is None else [RecomputeConfig.parse(p) for p in presets]
+    if not presets:
+        raise ValueError("give at least one recompute preset")
+    plans, skipped = [], []
+    for tp in options:
+        for cp in divisors(cluster.gpus // tp):
+            for backend, u in layouts(cp):
+                try:
+                    parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
+                                            dp=cluster.gpus // (tp * cp), zero_stage=zero_stage)
+                    row = [predict(model, parallel, preset, seq_len=seq_len, cluster=cluster,
+                                   micro_batch=micro_batch, dtype=dtype) for preset in presets]
+                except ValueError as e:
+                    skipped.append(f"{backend.value} cp={cp} tp={tp}: {e}")
+                    continue
+                plans += row
+    if not plans:
+        raise ValueError("no configuration can run: " + "; ".join(skipped[:3]))
+    return sorted(plans, key=rank_key)
+
+
+def _key(p: Prediction) -> tuple:
+    return p.backend, p.cp, p.ulysses_size, p.tp
+
+
+def best_per_layout(plans: list[Prediction]) -> list[Prediction]:
+    """The first (best) plan of each parallel layout, in ranked order: its least-recompute preset that fits, or
+    its smallest one when none does."""
+    seen, best = set(), []
+    for p in plans:
+        if _key(p) not in seen:
+            seen.add(_key(p))
+            best.append(p)
+    return best
+
+
+def _link(inter: bool) -> str:
+    return "InfiniBand" if inter else "NVLink"
+
+
+def _ring_text(p: Prediction) -> str:
+    link = _link(p.cp_inter_node)
+    if p.ring_hidden:
+        return (f"its ring hides every K/V step over {link}: {p.tokens_per_gpu:,} tokens per GPU ≥ the "
+                f"{p.min_tokens_to_hide:,} needed (only the last dK/dV hop shows: {p.ring_exposed_ms:.1f} ms)")
+    return (f"its ring exposes {p.ring_exposed_ms:.1f} ms over {link}: {p.tokens_per_gpu:,} tokens per GPU < the "
+            f"{p.min_tokens_to_hide:,} needed to hide it")
+
+
+def explain(winner: Prediction, plans: list[Prediction]) -> str:
+    """Why ``winner`` (normally ``plans[0]``) ranks first; for a winner that does not fit, what comes closest."""
+    if not winner.fits:
+        closest = min(plans, key=lambda p: p.memory_bytes)
+        return (f"nothing fits: the closest is {closest.layout} with recompute {closest.recompute}, which "
+                f"{closest.reason}; add nodes or tensor parallelism (--tp 2 4 8), raise the ZeRO stage (--zero 3), "
+                f"or shorten the sequence")
+    fitting = [p for p in plans if p.fits]
+    why = [f"it has the highest throughput of the {len(fitting)} configurations that fit (of {len(plans)})"]
+    def slower(p: Prediction) -> float:
+        return 100 * (winner.tokens_per_s_per_gpu / p.tokens_per_s_per_gpu - 1)
+
+    others = [p for p in best_per_layout(fitting) if _key(p) != _key(winner)]
+    tied = [p for p in others if slower(p) < 0.05]
+    if tied:
+        why.append(f"{', '.join(p.layout for p in tied)} ties with it (same predicted time; listed by Backend order)")
+    other = next((p for p in others if slower(p) >= 0.05), None)
+    if other is not None:
+        why.append(f"the best slower layout, {other.layout} with {other.recompute}, is {slower(other):.1f}% slower "
+                   f"({other.reason})")
+    if winner.ring_hidden is not None:
+        why.append(_ring_text(winner))
+    else:
+        ring = next((p for p in plans if p.backend == Backend.ZIGZAG and (p.cp, p.tp) == (winner.cp, winner.tp)), None)
+        if ring is not None and ring.min_tokens_to_hide is not None:
+            why.append(f"a zigzag ring over cp={ring.cp} would need {ring.min_tokens_to_hide:,} tokens per GPU to "
+                       f"hide its K/V over {_link(ring.cp_inter_node)} (it has {ring.tokens_per_gpu:,})")
+    if winner.exposed_ms > 0:
+        why.append(f"exposed communication {winner.exposed_ms:.1f} ms ({100 * winner.exposed_ms / winner.step_ms:.1f}%"
+                   f" of the step)")
+    lighter = [p for p in plans if _key(p) == _key(winner) and not p.fits and p.recompute_ms <= winner.recompute_ms
+               and p.recompute != winner.recompute]
+    if winner.recompute_ms > 0:
+        text = (f"recompute {winner.recompute} costs {winner.recompute_ms:.1f} ms "
+                f"({100 * winner.recompute_ms / winner.step_ms:.1f}%)")
+    elif winner.recompute.preset in (Recompute.NONE, Recompute.ATTN_OUT):
+        text = "nothing is recomputed"
+    else:
+        text = f"recompute {winner.recompute} repeats no matmul or attention FLOPs"
+    if lighter:
+        best = min(lighter, key=lambda p: (p.recompute_ms, p.memory_bytes))
+        text += f"; less recompute does not fit ({best.recompute} needs {best.memory_gib:.1f} GiB)"
+    why.append(text)
+    return (f"winner: {winner.layout}, recompute {winner.recompute}: {winner.step_ms:,.1f} ms per step, "
+            f"{winner.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {winner.memory_gib:.1f} GiB per GPU\n  because "
+            + ";\n  ".join(why))

@@ -1,0 +1,117 @@
+"""The benchmark harness: simulated groups, the silent transport, the report's arithmetic and the CLI (smoke)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ctx_plugin
+from ctx_plugin.bench.harness import Shape, rank_times
+from ctx_plugin.bench.report import row
+from ctx_plugin.bench.simulated import SILENT, run_threaded, simulated_groups
+from ctx_plugin.cli import main
+from ctx_plugin.names import Backend
+
+EXPECTED_COMM = {Backend.RING: {"ring_kv": 3}, Backend.ZIGZAG: {"ring_kv": 3}, Backend.STRIPED: {"ring_kv": 3},
+                 Backend.ULYSSES: {"a2a": 4}, Backend.ULYSSES_RING: {"a2a": 4, "ring_kv": 1},
+                 Backend.ALLGATHER: {"allgather_kv": 1}}
+
+
+@pytest.mark.parametrize("backend", list(Backend))
+def test_silent_rank_runs_the_distributed_plan(backend):
+    """A simulated rank issues exactly the communication a real rank issues (P = 4), none of it moving data."""
+    cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch", ulysses_size=2 if backend == Backend.ULYSSES_RING else 1)
+    for rank in range(4):
+        groups = simulated_groups(cfg, rank, 4, SILENT, "cpu")
+        q = torch.randn(1, 8, 4, 8)
+        out = ctx_plugin.cp_attention(q, torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8), config=cfg, groups=groups)
+        assert out.shape == q.shape
+        assert dict(groups.counter.counts) == EXPECTED_COMM[backend]
+
+
+def test_hybrid_groups_are_laid_out_like_build_cp_groups():
+    cfg = ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=2)
+    g = simulated_groups(cfg, 5, 8, SILENT, "cpu")             # rank 5 of 8: Ulysses {4, 5}, ring {1, 3, 5, 7}
+    assert (g.ulysses.members, g.ulysses.rank) == ((4, 5), 1)
+    assert (g.ring.members, g.ring.rank) == ((1, 3, 5, 7), 2)
+    with pytest.raises(ValueError, match="does not divide"):
+        simulated_groups(cfg, 0, 3, SILENT, "cpu")
+
+
+def test_a_failing_simulated_rank_does_not_hang_the_others():
+    def work(rank, world):
+        groups = simulated_groups(ctx_plugin.CPConfig(backend="allgather"), rank, 3, world, "cpu")
+        if rank == 1:
+            raise RuntimeError("rank 1 broke")
+        q = torch.randn(1, 4, 2, 8)
+        return ctx_plugin.cp_attention(q, q, q, config=groups.config, groups=groups)   # waits for rank 1
+
+    with pytest.raises(RuntimeError, match="rank 1 broke"):
+        run_threaded(3, work)
+
+
+def test_rank_times_one_per_rank():
+    shape = Shape(seq_len=64, heads=4, kv_heads=2, head_dim=8, dtype=torch.float32)
+    times = rank_times(shape, ctx_plugin.CPConfig(backend="zigzag"), 4, True, 1)
+    assert len(times) == 4 and all(t > 0 for t in times)
+
+
+def test_flops_and_efficiency_arithmetic():
+    shape = Shape(seq_len=1024, heads=2, kv_heads=1, head_dim=64, batch=3)
+    assert shape.flops(False) == 4 * 3 * 1024 ** 2 * 2 * 64 * 0.5
+    assert shape.flops(True) == 3.5 * shape.flops(False)
+    r = row(shape, "zigzag", 4, "fwd", "torch", [1.0, 2.0, 1.5, 1.5], ideal=4.0)
+    assert r["efficiency"] == pytest.approx(0.5)                  # ideal 4 s / 4 ranks = 1 s, slowest 2 s
+    assert r["slowest_ms"] == 2000 and r["mean_ms"] == 1500 and r["ideal_ms"] == 1000
+    assert r["tflops_per_gpu"] == pytest.approx(shape.flops(False) / 4 / 2.0 / 1e12)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        Shape(seq_len=8, heads=3, kv_heads=2)
+    with pytest.raises(ValueError, match="seq_len"):
+        Shape(seq_len=0)
+
+
+def test_cli_smoke_simulated(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--smoke", "--passes", "fwd", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "simulated ranks" in printed and "zigzag" in printed
+    data = json.loads(out.read_text())
+    done = [r for r in data["rows"] if "skipped" not in r]
+    assert {(r["backend"], r["ranks"]) for r in done} >= {(b.value, n) for b in Backend if b != Backend.ULYSSES_RING
+                                                          for n in (2, 4)} | {("ulysses_ring(u=2)", 4)}
+    assert [r for r in data["rows"] if "skipped" in r] == [
+        {"backend": "ulysses_ring(u=2)", "ranks": 2, "pass": "fwd",
+         "skipped": "ulysses_size 2 must divide N = 2 and be smaller"}]
+    for r in done:
+        assert len(r["rank_ms"]) == r["ranks"] and r["slowest_ms"] == max(r["rank_ms"])
+        assert r["efficiency"] == pytest.approx(r["ideal_ms"] / r["slowest_ms"])
+    assert data["attention_tflops"] == data["kernel_tflops"]["fwd"] > 0    # the rate `ctx-plugin plan --bench` reads
+    assert main(["plan", "--model", "llama3-8b", "--seq-len", "128k", "--nodes", "1", "--gpus-per-node", "8",
+                 "--gpu-memory", "1000", "--bench", str(out)]) == 0
+
+
+def test_cli_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    assert main(["bench", "--smoke", "--passes", "fwd", "--backends", "zigzag", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_smoke_distributed():
+    proc = subprocess.run([sys.executable, "-m", "ctx_plugin.cli", "bench", "--smoke", "--distributed", "--nproc",
+                           "2", "--passes", "fwd", "--backends", "zigzag", "ulysses"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 processes" in proc.stdout and "hidden" in proc.stdout
+    assert sum(line.startswith(("zigzag ", "ulysses ")) for line in proc.stdout.splitlines()) == 2
+
+
+@pytest.mark.parametrize("bad", [["--smoke", "--reps", "0"], ["--smoke", "--ranks", "0"],
+                                 ["--smoke", "--ulysses-size", "0"], ["--heads", "3", "--kv-heads", "2"]])
+def test_cli_bad_input(bad, capsys):
+    with pytest.raises(SystemExit):                   # before any timing (the last one would run S = 128k)
+        main(["bench", "--device", "cpu", *bad])
+    assert "error" in capsys.readouterr().err
