@@ -2,7 +2,8 @@
 # The one prepared GPU run (for a lent GPU machine, a few minutes on one H100/H200):
 #   1. single-device correctness: tests/gpu (cuDNN and flash kernels, the fused merge, bf16/fp16 against the
 #      fp32/fp64 reference with TransformerEngine's tolerances: bf16 2.5e-2, fp16 1e-2 relative);
-#   2. the benchmark of BENCHMARKS.md: every backend simulated at N = 8 and 16 on one GPU, bf16, 32 heads × 128,
+#   2. every local kernel timed on one rank's share (is kernel=auto the fastest?), then the benchmark of
+#      BENCHMARKS.md: every backend simulated at N = 8 and 16 on one GPU, bf16, 32 heads × 128,
 #      causal, S = 128k, forward and forward+backward, with the best kernel (kernel=auto).
 # Needs a CUDA build of torch (and pytest); installs nothing. Results go to $OUT (default ./gpu-results):
 # pytest.txt, bench.txt, bench.json, bench.png.
@@ -20,6 +21,6 @@ print(f"{datetime.date.today()}: torch {torch.__version__}, CUDA {torch.version.
 PY
 status=0
 "$py" -m pytest -q -rs tests/gpu 2>&1 | tee "$out/pytest.txt" || status=$?
-"$py" -m ctx_plugin.cli bench --ranks 8 16 --seq-len 128k --heads 32 --head-dim 128 --dtype bf16 --reps 5 \
+"$py" -m ctx_plugin.cli bench --compare-kernels --ranks 8 16 --seq-len 128k --heads 32 --head-dim 128 --dtype bf16 --reps 5 \
     --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.txt"
 exit "$status"

@@ -15,6 +15,7 @@ import torch
 
 from ..config import CPConfig
 from ..memory.report import parse_tokens
+from ..kernels import kernel_unavailable, select_kernel
 from ..names import Backend, Kernel
 from .harness import PASSES, Shape, ideal_time, rank_times
 
@@ -40,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="PNG: slowest-rank efficiency per backend and N")
     p.add_argument("--distributed", action="store_true", help="real processes under torchrun (--nproc of them)")
     p.add_argument("--nproc", type=int, default=2, help="processes for --distributed (default 2)")
+    p.add_argument("--compare-kernels", action="store_true",
+                   help="first time every local kernel that can run here on one rank's share (S / max N) and say "
+                        "which one kernel=auto picks (it should be the fastest)")
     p.add_argument("--smoke", action="store_true", help="a tiny CPU case in fp32 (for CI): S=256, 4 heads × 16, "
                                                         "N = 2 and 4, one repetition")
 
@@ -94,6 +98,24 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
                     continue
                 rows.append(row(shape, label, size, pass_, kernel, times, ideal))
     return rows
+
+
+def compare_kernels(args: argparse.Namespace, shape: Shape) -> str:
+    """A table of every kernel's forward and forward+backward time on one rank's share of the sequence."""
+    block = Shape(**{**shape.__dict__, "seq_len": shape.seq_len // max(args.ranks)})
+    auto = select_kernel(Kernel.AUTO, block.device, block.dtype, block.head_dim).name
+    lines = [f"local kernels on {block.seq_len} tokens ({'causal' if block.causal else 'full'}, "
+             f"{str(block.dtype).removeprefix('torch.')}); kernel=auto picks {auto}",
+             f"{'kernel':<12} {'fwd ms':>9} {'fwd+bwd ms':>11} {'TFLOP/s fwd+bwd':>16}"]
+    for name in (k for k in Kernel if k != Kernel.AUTO):
+        why = kernel_unavailable(name, block.device, block.dtype, block.head_dim)
+        if why is not None:
+            lines.append(f"{name.value:<12} unavailable: {why}")
+            continue
+        fwd, _ = ideal_time(block, name, False, args.reps)
+        both, _ = ideal_time(block, name, True, args.reps)
+        lines.append(f"{name.value:<12} {fwd * 1e3:>9.3f} {both * 1e3:>11.3f} {block.flops(True) / both / 1e12:>16.1f}")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -175,6 +197,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                   and (i == 0 or argv[i - 1] != "--nproc")]    # the launcher's own options (torchrun reads --nproc*)
         torchrun(["--standalone", "--nproc-per-node", str(args.nproc), "-m", "ctx_plugin.bench.distributed", *worker])
         return 0
+    if args.compare_kernels:
+        print(compare_kernels(args, shape))
     rows = run_simulated(args, shape)
     write_outputs(args, shape, rows, "simulated ranks, one device")
     return 0

@@ -131,7 +131,7 @@ def _cp_buffers(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int, micro_batch
     return a2a + 2 * kv_block * e + 3 * kv_block * acc + dq   # K/V + spare, dK/dV ×2 + incoming (fp32), dQ
 
 
-def _layer_flops(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int) -> tuple[float, float, float]:
+def layer_flops(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int) -> tuple[float, float, float]:
     """(projection+MLP, MLP, attention) forward FLOPs of one layer on one rank (causal attention halved)."""
     d, f = m.head_dim, ceil_div(m.ffn, p.tp)
     q_w, kv_w = m.heads // p.tp * d, max(m.kv_heads // p.tp, 1) * d
@@ -199,7 +199,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
         working = max(spans) * none
     else:
         working = {Recompute.SELECTIVE: none - per_layer[0], Recompute.MLP: k.mlp_inner}.get(preset, 0)
-    full_step, mlp, attn = _layer_flops(model, parallel, t, seq_len)
+    full_step, mlp, attn = layer_flops(model, parallel, t, seq_len)
     step = 3 * model.layers * (full_step + attn)
     extra = {Recompute.MLP: model.layers * mlp, Recompute.CORE_ATTN: model.layers * attn}.get(preset, 0.0)
     extra += sum(spans) * full_step

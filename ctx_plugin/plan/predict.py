@@ -8,7 +8,7 @@ of its accumulation dtype (fp32 for bf16), u the Ulysses size and r the ring siz
                          (flash-style: the kernel recomputes the scores). `ring` (contiguous, causal) runs at the
                          pace of its last rank: × (2r−1)/r. Time F / attention rate.
     dense                6·t·W (2 forward, 4 backward), W = QKV, o_proj and MLP weights per TP rank; plus the LM
-                         head 6·t·h·V/tp once per step. Time / matmul rate. (FLOPs from memory.model._layer_flops.)
+                         head 6·t·h·V/tp once per step. Time / matmul rate. (FLOPs from memory.model.layer_flops.)
     recompute            the memory model's recompute_fraction × its step FLOPs 3·L·(W-FLOPs + F): at the attention
                          rate for the attention core_attn re-runs (whose forward communication runs again too), at
                          the matmul rate for the rest; `full`/`sqrt` regions and `mlp` repeat their TP collectives.
@@ -46,7 +46,7 @@ from ..attention import check_heads
 from ..config import CPConfig
 from ..groups import CPGroups, RankGroup
 from ..kernels import accum_dtype
-from ..memory.model import _layer_flops, estimate
+from ..memory.model import estimate, layer_flops
 from ..memory.specs import ModelSpec, ParallelSpec, ceil_div
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig, regions
@@ -224,7 +224,7 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
     t, d, L = micro_batch * seq_len // p.cp, model.head_dim, model.layers
     a, g = model.heads // p.tp, max(model.kv_heads // p.tp, 1)
     rate_a, rate_m = c.attention_tflops * 1e12, c.matmul_tflops * 1e12
-    dense, _, attn = _layer_flops(model, p, t, seq_len)
+    dense, _, attn = layer_flops(model, p, t, seq_len)
     u = p.ulysses
     r = 1 if p.backend in (Backend.ULYSSES, Backend.ALLGATHER) else p.cp // u
     attn_s = attn * ((2 * r - 1) / r if p.backend == Backend.RING else 1.0) / rate_a

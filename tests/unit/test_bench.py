@@ -93,6 +93,15 @@ def test_cli_smoke_simulated(tmp_path, capsys):
                  "--gpu-memory", "1000", "--bench", str(out)]) == 0
 
 
+def test_cli_compare_kernels(capsys):
+    assert main(["bench", "--smoke", "--compare-kernels", "--passes", "fwd", "--backends", "zigzag"]) == 0
+    text = capsys.readouterr().out
+    assert "local kernels on 64 tokens" in text and "kernel=auto picks sdpa_cpu" in text
+    rows = {line.split()[0]: line for line in text.splitlines()}
+    assert "unavailable" in rows["sdpa_cudnn"] and "unavailable" not in rows["torch"]
+    assert float(rows["sdpa_cpu"].split()[1]) > 0
+
+
 def test_cli_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"
