@@ -92,6 +92,9 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
     ours, rest = _split(argv)
     args = parse_strict(job_parser(framework), ours, required=_REQUIRED[framework],
                         what=f"launch/{framework}.sbatch (framework arguments go after --)")
+    for flag, value in (("--nodes", args.nodes), ("--nproc-per-node", args.nproc_per_node)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     in_job = bool(env.get("SLURM_JOB_ID"))
     if not in_job and not args.dry_run:
         raise ValueError(f"launch/{framework}.sbatch runs inside a SLURM job: submit it with sbatch (or use "

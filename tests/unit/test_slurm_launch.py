@@ -717,3 +717,10 @@ def test_deepspeed_sbatch_dry_run(tmp_path, site, ds_config, model_json):
                   f"-m ctx_plugin.train_hf --model {model_json} --deepspeed_config {ds}'"):
         assert piece in done.stdout, piece
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("flag", ["--nodes", "--nproc-per-node"])
+def test_counts_must_be_positive(flag):
+    with pytest.raises(ValueError, match=f"{flag} must be at least 1"):
+        slurm_job.plan_job("megatron", ["--dry-run", flag, "0", "--megatron-lm", "x", "--"],
+                           env={"SLURM_GPUS_ON_NODE": "0"})
