@@ -20,11 +20,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..api import cp_attention
 from ..groups import build_cp_groups
 from ..kernels import accum_dtype
 from ..names import Kernel
-from .harness import Shape, ideal_time, median_time
+from .harness import Shape, attention_step, ideal_time, median_time
 from .report import add_arguments, configs, row, shape_from_args, write_outputs
 from .simulated import SILENT, simulated_groups
 
@@ -43,20 +42,9 @@ class NullKernel:
 
 
 def _timed(shape: Shape, config, groups, tensors, backward: bool, reps: int) -> float:
-    q, k, v, dout = tensors
-
-    def go():
-        out = cp_attention(q, k, v, config=config, groups=groups, causal=shape.causal)
-        if backward:
-            out.backward(dout)
     together = dist.barrier if groups.cp.transport is None else None     # real communication: start together
-    return median_time(go, shape.device, reps, before=together)
-
-
-def _max(x: float, device: torch.device) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return median_time(attention_step(shape, config, groups, *tensors, backward), shape.device, reps,
+                       before=together)
 
 
 def _gather(x: float, device: torch.device) -> list[float]:
@@ -82,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     for pass_ in args.passes:
         backward = pass_ == "fwd+bwd"
         ideal, kernel = ideal_time(shape, Kernel(args.kernel), backward, args.reps) if rank == 0 else (0.0, "")
-        ideal = _max(ideal, device)
+        ideal = max(_gather(ideal, device))
         for label, config in configs(args, size):
             if isinstance(config, str):
                 rows.append({"backend": label, "ranks": size, "pass": pass_, "skipped": config})

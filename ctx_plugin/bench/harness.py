@@ -84,7 +84,7 @@ def median_time(fn, device: torch.device, reps: int, warmup: int = 1, before=Non
     return statistics.median(times)
 
 
-def _attention_step(shape: Shape, config: CPConfig, groups, q, k, v, dout, backward: bool):
+def attention_step(shape: Shape, config: CPConfig, groups, q, k, v, dout, backward: bool):
     """One timed call of ``cp_attention``: forward, or forward and backward."""
     def go():
         out = cp_attention(q, k, v, config=config, groups=groups, causal=shape.causal)
@@ -112,7 +112,7 @@ def rank_times(shape: Shape, config: CPConfig, size: int, backward: bool, reps: 
     for rank in range(size):
         groups = simulated_groups(config, rank, size, SILENT, shape.device.type)
         q, k, v, dout = shape.tensors(shape.seq_len // size, torch.Generator().manual_seed(rank), grad=backward)
-        times.append(median_time(_attention_step(shape, config, groups, q, k, v, dout, backward), shape.device,
+        times.append(median_time(attention_step(shape, config, groups, q, k, v, dout, backward), shape.device,
                                  reps))
     return times
 
