@@ -14,6 +14,7 @@ from .comm import all_gather, reduce_scatter
 from .groups import CommCounter, RankGroup
 from .kernels import AttentionKernel, accum_dtype
 from .layouts import Zigzag
+from .ring import refuse_double_backward
 
 
 def _query_chunks(rank: int, size: int, local_len: int, causal: bool) -> list[tuple[slice, int]]:
@@ -57,6 +58,7 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        refuse_double_backward("all-gather attention")
         q, k, v, out, lse = ctx.saved_tensors
         kernel, group, counter, causal, scale = ctx.args
         dout = dout.contiguous()

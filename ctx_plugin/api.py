@@ -14,6 +14,7 @@ from .config import CPConfig
 from .groups import CPGroups
 from .kernels import select_kernel
 from .attention import check_heads, run_backend
+from .comm import reduce_scatter
 from .layouts import Layout, shard_layout
 
 
@@ -119,7 +120,8 @@ def shard_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: 
 
 class _GatherSequence(torch.autograd.Function):
     """All-gather of the shards in original token order. The backward is the gradient of the sum of every
-    rank's objective (like ``torch.distributed.nn.all_gather``): all-reduce, then this rank's rows."""
+    rank's objective (like ``torch.distributed.nn.all_gather``): :class:`_SumOwnRows`, whose own backward is this
+    gather again (the two linear maps are each other's adjoints), so higher-order gradients are exact too."""
 
     @staticmethod
     def forward(ctx, x, layout: Layout, groups: CPGroups, dim: int):
@@ -132,11 +134,26 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        layout, groups, dim = ctx.args
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=groups.group)
-        own = layout.local_indices(grad.shape[dim], groups.rank, groups.size).to(grad.device)
-        return grad.index_select(dim, own), None, None, None
+        return _SumOwnRows.apply(grad, *ctx.args), None, None, None
+
+
+class _SumOwnRows(torch.autograd.Function):
+    """This rank's rows of the sum over ranks of a full-sequence tensor (the gather's gradient): one
+    reduce-scatter of the rows in sharded order. The caller's tensor is never modified."""
+
+    @staticmethod
+    def forward(ctx, full, layout: Layout, groups: CPGroups, dim: int):
+        p, seq_len = groups.size, full.shape[dim]
+        ranks_rows = full.index_select(dim, layout.permutation(seq_len, p).to(full.device)).movedim(dim, 0)
+        parts = ranks_rows.reshape(p, seq_len // p, *ranks_rows.shape[1:]).contiguous()
+        own = reduce_scatter(torch.empty(parts.shape[1:], dtype=full.dtype, device=full.device), parts, groups.cp,
+                             groups.counter, "reduce_scatter_grad")
+        ctx.args = (layout, groups, dim)
+        return own.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherSequence.apply(grad, *ctx.args), None, None, None
 
 
 def gather_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1) -> torch.Tensor:

@@ -9,9 +9,8 @@ attention is called with (no module-level state); :mod:`ctx_plugin.recompute` dr
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -23,7 +22,32 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 class Recording:
     """One forward run of a checkpointed region (regions may run several forwards before their backwards, as in
-    pipeline schedules): the key of its remembered attention outputs, alive while its recomputation may run."""
+    pipeline schedules): the attention outputs it remembers for its recomputation. It lives as long as the
+    checkpoint that holds it (until that region's backward is done and the graph is freed), so a second backward
+    with ``retain_graph=True`` replays the same outputs again."""
+
+    def __init__(self, *, once: bool = False) -> None:
+        self.outputs: list[torch.Tensor] = []
+        self.replays = 0
+        self.once = once
+        """Set for regions whose recomputation PyTorch allows only once (selective checkpointing)."""
+
+
+class Reusable:
+    """A context manager entered anew on every ``with`` (``torch.utils.checkpoint`` enters a region's recompute
+    context on each recomputation, i.e. once per backward; a ``@contextmanager`` object can be entered once)."""
+
+    def __init__(self, factory: Callable[[], AbstractContextManager]) -> None:
+        self._factory = factory
+        self._open: list[AbstractContextManager] = []
+
+    def __enter__(self):
+        manager = self._factory()
+        self._open.append(manager)
+        return manager.__enter__()
+
+    def __exit__(self, *exc_info):
+        return self._open.pop().__exit__(*exc_info)
 
 
 class AttentionPins:
@@ -32,8 +56,7 @@ class AttentionPins:
     def __init__(self) -> None:
         self._mode: str | None = None
         self._region: Recording | None = None
-        # Entries vanish with their Recording (held by the checkpoint until backward), even without a backward.
-        self._cache: weakref.WeakKeyDictionary[Recording, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+        self._next = 0                       # the next remembered output a replay hands out
         self._in_attention = False
         self._recompute_core = False
 
@@ -44,26 +67,31 @@ class AttentionPins:
 
     @contextmanager
     def _set(self, mode: str | None, region: Recording | None) -> Iterator[None]:
-        saved = self._mode, self._region
-        self._mode, self._region = mode, region
+        saved = self._mode, self._region, self._next
+        self._mode, self._region, self._next = mode, region, 0
         try:
             yield
         finally:
-            self._mode, self._region = saved
+            self._mode, self._region, self._next = saved
 
     @contextmanager
     def recording(self, region: Recording) -> Iterator[None]:
         """Forward of a checkpointed region: attention outputs are remembered for its replay."""
-        self._cache[region] = []
+        region.outputs.clear()
         with self._set("record", region):
             yield
 
     @contextmanager
     def replaying(self, region: Recording) -> Iterator[None]:
-        """Recomputation of a region in backward: attention calls return the remembered outputs."""
+        """Recomputation of a region in backward: attention calls return the remembered outputs, in order."""
+        if region.once and region.replays:
+            raise RuntimeError("a second backward through a layer under the 'selective' recompute preset: PyTorch's "
+                               "selective checkpointing frees what it saved after the first backward, so "
+                               "backward(retain_graph=True) can run only once there; use the 'full', 'sqrt' or "
+                               "'mlp' preset (they support repeated backwards) or run the forward again")
+        region.replays += 1
         with self._set("replay", region):
             yield
-        self._cache.pop(region, None)
 
     @contextmanager
     def recomputing_core(self) -> Iterator[None]:
@@ -77,11 +105,12 @@ class AttentionPins:
     def run(self, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Runs one attention call (``compute``) according to the current mode."""
         if self._mode == "replay":
-            remembered = self._cache.get(self._region)
-            if not remembered:
+            remembered = self._region.outputs
+            if self._next >= len(remembered):
                 raise RuntimeError("a recomputed region called cp_attention more often than its forward did; "
                                    "the layer's forward must call attention the same way every time")
-            return remembered.pop(0)
+            self._next += 1
+            return remembered[self._next - 1]
         if self._mode == "record" and torch.is_grad_enabled():
             with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
                 self._in_attention = True
@@ -89,7 +118,7 @@ class AttentionPins:
                     out = compute()
                 finally:
                     self._in_attention = False
-            self._cache[self._region].append(out)
+            self._region.outputs.append(out)
             return out
         if self._recompute_core and torch.is_grad_enabled():
             return checkpoint(compute, use_reentrant=False)

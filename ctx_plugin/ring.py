@@ -83,6 +83,15 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
 
 
+def refuse_double_backward(what: str) -> None:
+    """Raises in an attention backward that runs with ``create_graph=True``: its communication and fused kernels
+    have no derivative of their own, so a second-order gradient through it would be silently wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what} has no second derivative: a backward with create_graph=True (double backward, "
+                           f"e.g. gradient penalties or Hessian-vector products) cannot pass through "
+                           f"ctx_plugin's context-parallel attention; compute higher-order terms without it")
+
+
 class RingAttention(torch.autograd.Function):
     """Differentiable ring attention; see the module docstring."""
 
@@ -97,6 +106,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        refuse_double_backward("ring attention")
         q, k, v, out, lse = ctx.saved_tensors
         kernel, layout, group, counter, causal, scale = ctx.args
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, kernel=kernel, layout=layout, group=group,

@@ -29,7 +29,8 @@ def heads_to_seq(y: torch.Tensor, group: RankGroup, counter: CommCounter) -> tor
 
 
 class AllToAll(torch.autograd.Function):
-    """``seq_to_heads`` (``to_heads=True``) or ``heads_to_seq``; the backward is the other one."""
+    """``seq_to_heads`` (``to_heads=True``) or ``heads_to_seq``; the backward is the other one, itself
+    differentiable (both are linear), so higher-order gradients through the all-to-all are exact."""
 
     @staticmethod
     def forward(ctx, x, group: RankGroup, counter: CommCounter, to_heads: bool):
@@ -39,7 +40,7 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         group, counter, to_heads = ctx.args
-        return (heads_to_seq if to_heads else seq_to_heads)(grad, group, counter), None, None, None
+        return AllToAll.apply(grad.contiguous(), group, counter, not to_heads), None, None, None
 
 
 def kv_replicas(kv_heads: int, ulysses_size: int) -> int:

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..groups import CPGroups
 from ..names import Recompute
-from ..pinning import AttentionPins, Recording
+from ..pinning import AttentionPins, Recording, Reusable
 from .presets import RecomputeConfig, regions
 
 _ORIGINAL = "_ctx_plugin_original_forward"
@@ -74,12 +74,14 @@ class _Region:
         self.last = None
 
     def _contexts(self):
-        run = Recording()            # one per forward run: several may be in flight before their backwards
-        record, replay = self.pins.recording(run), self.pins.replaying(run)
+        # One Recording per forward run (several may be in flight before their backwards); the recompute context
+        # is entered once per backward (more than once with retain_graph=True), so it is built anew each time.
+        run = Recording(once=self.selective)
+        record = self.pins.recording(run)
         if not self.selective:
-            return record, replay
+            return record, Reusable(partial(self.pins.replaying, run))
         sac_fwd, sac_recompute = create_selective_checkpoint_contexts(partial(_selective_policy, self.pins))
-        return _entered(sac_fwd, record), _entered(sac_recompute, replay)
+        return _entered(sac_fwd, record), Reusable(lambda: _entered(self.pins.replaying(run), sac_recompute))
 
     def _body(self, *args, **kwargs):
         out = None
