@@ -1,21 +1,55 @@
 """Hugging Face transformers (5.x): ctx_plugin's attention as an ``attn_implementation``.
 
-    name = ctx_plugin.hf.enable(model, cp_config, groups)     # or register(...) + attn_implementation=name
+    name = ctx_plugin.hf.enable(model, cp_config, groups)
 
 The attention function follows transformers' interface (q ``[b, h, s, d]``, k/v ``[b, h_kv, s, d]``, returns
 ``([b, s, h, d], None)``). Rotary embeddings come from ``position_ids``, so pass the sharded global positions
 (``ctx_plugin.sequence_positions``) with the sharded ``input_ids``. The name is deliberately not registered as a
-mask implementation: transformers would read the jumps in sharded position ids as packed sequences. Masks
-ctx_plugin cannot honor (padding, sliding windows) are errors, never dropped: :func:`enable` checks the model's
-``attention_mask`` argument before every forward, and refuses KV caches (a cache of shards is not a cache).
+mask implementation: transformers would read the jumps in sharded position ids as packed sequences.
+
+Nothing is dropped silently. :func:`enable` refuses models with attention options ctx_plugin does not implement
+(soft-capping, sliding windows, sinks, dropout, non-attention token mixers, attention outside transformers'
+interface); before every forward, the model's inputs are checked (padding masks, caches, position ids, labels)
+and the ranks of the context-parallel group share their findings (one small all-reduce), so a problem on any rank
+is the same ``ValueError`` on every rank; and the attention function refuses every keyword it does not know to be
+harmless (:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`: the README's table).
 """
 from __future__ import annotations
 
-import torch
+import inspect
+import weakref
 
-from .api import cp_attention
+import torch
+import torch.distributed as dist
+
+from .api import cp_attention, sequence_positions
 from .config import CPConfig
 from .groups import CPGroups
+
+HONOURED = {"scaling": "softmax scale (default head_dim**-0.5)",
+            "is_causal": "causal or bidirectional (default: the module's is_causal, else causal)",
+            "dropout": "must be 0: ctx_plugin's attention has no dropout"}
+"""Keywords of transformers' attention interface that ctx_plugin implements exactly."""
+MUST_BE_UNSET = {"sliding_window": "sliding-window attention", "softcap": "attention logit soft-capping",
+                 "s_aux": "attention sinks", "sinks": "attention sinks",
+                 "position_bias": "an additive position bias (relative attention)",
+                 "cu_seq_lens_q": "packed sequences", "cu_seq_lens_k": "packed sequences",
+                 "max_length_q": "packed sequences", "max_length_k": "packed sequences",
+                 "seq_idx": "packed sequences", "indices": "sparse attention", "block_indices": "sparse attention",
+                 "block_table": "a paged KV cache", "use_cache": "a KV cache",
+                 "output_attentions": "attention weights (ctx_plugin never materialises them)"}
+"""Keywords that change the math or the result: accepted only as ``None`` (or ``False``), refused otherwise."""
+HARMLESS = {"position_ids": "RoPE is applied before attention; the model's input check verifies them",
+            "output_router_logits": "MoE router output, not attention",
+            "output_hidden_states": "model output selection, not attention",
+            "num_items_in_batch": "loss normalisation, not attention"}
+"""Keywords that do not affect attention. Any keyword in none of the three tables is refused by name."""
+
+_FULL_LAYERS = ("full_attention", "attention")
+_MODULE_OPTIONS = {"sinks": "attention sinks, passed as s_aux (e.g. gpt-oss)",
+                   "sliding_window": "sliding-window attention",
+                   "attn_logit_softcapping": "attention logit soft-capping (e.g. Gemma-2)",
+                   "attention_dropout": "attention dropout (set it to 0)"}
 
 
 def _require_transformers():
@@ -27,54 +61,207 @@ def _require_transformers():
     return transformers
 
 
-def attention_function(cp_config: CPConfig, groups: CPGroups):
-    """The transformers attention function running :func:`ctx_plugin.cp_attention` with these settings."""
+def _set(value) -> bool:
+    return value is not None and value is not False
 
-    def ctx_plugin_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+
+class _Attention:
+    """The transformers attention function for one (config, groups). It runs only for modules of models given to
+    :func:`enable`, whose forward pre-hook checks the inputs transformers would otherwise drop (padding masks)."""
+
+    def __init__(self, cp_config: CPConfig, groups: CPGroups):
+        self.cp_config, self.groups = cp_config, groups
+        self.modules: weakref.WeakSet = weakref.WeakSet()
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if module not in self.modules:
+            raise ValueError(f"{type(module).__name__} belongs to a model that was not passed to "
+                             f"ctx_plugin.hf.enable(model, config, groups), which checks the model's options and "
+                             f"inputs; call it on the model (it switches the attention implementation itself)")
+        for name, val in kwargs.items():
+            if name in MUST_BE_UNSET:
+                if _set(val):
+                    raise ValueError(f"ctx_plugin's attention does not implement {MUST_BE_UNSET[name]} "
+                                     f"({name}={val if not isinstance(val, torch.Tensor) else 'a tensor'}); "
+                                     f"use a model (config) without it")
+            elif name not in HARMLESS and name != "is_causal":
+                raise ValueError(f"ctx_plugin's attention got the keyword {name!r}, which it does not know to be "
+                                 f"harmless, so it refuses it rather than ignore it (known: "
+                                 f"{sorted({*HONOURED, *MUST_BE_UNSET, *HARMLESS})})")
+        if dropout:
+            raise ValueError(f"ctx_plugin's attention has no dropout; set the model's attention_dropout to 0 "
+                             f"(got dropout={dropout})")
         if attention_mask is not None:
             raise ValueError("ctx_plugin's attention cannot apply an explicit attention mask (padding or custom "
                              "masks); give unpadded, causally-masked sequences (labels of padding = -100)")
-        if dropout and module.training:
-            raise ValueError(f"ctx_plugin's attention has no dropout; set the model's attention_dropout to 0 "
-                             f"(got {dropout})")
-        if kwargs.get("sliding_window") is not None:
-            raise ValueError("ctx_plugin's attention does not support sliding-window attention; set the model's "
-                             "sliding_window to None")
         if query.shape[2] != key.shape[2]:
             raise ValueError("ctx_plugin's attention runs training/prefill without a KV cache; call the model with "
                              "use_cache=False")
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
-        out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=cp_config,
-                           groups=groups, causal=bool(causal), softmax_scale=scaling)
+        out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
+                           groups=self.groups, causal=bool(causal), softmax_scale=scaling)
         return out, None
 
-    return ctx_plugin_attention
+
+def _register(cp_config: CPConfig, groups: CPGroups, name: str | None) -> tuple[str, _Attention]:
+    transformers = _require_transformers()
+    if not isinstance(groups, CPGroups) or groups.config != cp_config:
+        raise ValueError("groups must come from ctx_plugin.build_cp_groups(config) for the config passed here")
+    name = name or f"ctx_plugin_{cp_config.backend.value}_{id(groups):x}"
+    existing = transformers.AttentionInterface().get(name)
+    if existing is None and name != "eager":
+        fn = _Attention(cp_config, groups)
+        transformers.AttentionInterface.register(name, fn)
+        return name, fn
+    if isinstance(existing, _Attention) and existing.groups is groups and existing.cp_config == cp_config:
+        return name, existing
+    raise ValueError(f"the attention name {name!r} is already taken (transformers' registry is process-wide: "
+                     f"another model would be rebound); pass another name, or none (one name per groups object)")
 
 
 def register(cp_config: CPConfig, groups: CPGroups, name: str | None = None) -> str:
-    """Registers the attention under ``name`` (default ``ctx_plugin_<backend>``) for ``attn_implementation=``."""
-    transformers = _require_transformers()
-    name = name or f"ctx_plugin_{cp_config.backend.value}"
-    transformers.AttentionInterface.register(name, attention_function(cp_config, groups))
-    return name
+    """Registers the attention for ``attn_implementation=`` (default name: ``ctx_plugin_<backend>_<groups id>``,
+    one per groups object, so models with other groups never share it). A model runs it only after
+    :func:`enable`, which checks the model; registering alone is for building a model with the name."""
+    return _register(cp_config, groups, name)[0]
 
 
-def _reject_masks(module, args, kwargs):
-    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
-        raise ValueError("a KV cache built from context-parallel shards is not a model's cache; ctx_plugin runs "
-                         "training/prefill only: call the model with use_cache=False")
-    mask = kwargs.get("attention_mask")
-    if mask is not None and not (mask.dim() == 2 and bool(torch.all(mask != 0))):
-        raise ValueError("ctx_plugin cannot apply a padding/custom attention_mask under context parallelism; pass "
-                         "attention_mask=None with unpadded sequences (mask padded labels with -100 instead)")
+def _unsupported(model) -> list[str]:
+    """The model's attention options ctx_plugin does not implement, from its configs and attention modules."""
+    from transformers import PreTrainedConfig
+
+    found: dict[str, tuple[str, list[str]]] = {}                        # option -> (what it is, where)
+
+    def note(option: str, text: str, where: str) -> None:
+        found.setdefault(option, (text, []))[1].append(where)
+
+    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
+               if isinstance(c, PreTrainedConfig)}
+    for c in configs.values():
+        where = type(c).__name__
+        if getattr(c, "attn_logit_softcapping", None) is not None:
+            note("attn_logit_softcapping", f"attn_logit_softcapping={c.attn_logit_softcapping} (attention logit "
+                 f"soft-capping)", where)
+        layer_types = getattr(c, "layer_types", None)
+        if layer_types is not None:
+            other = sorted({t for t in layer_types if t not in _FULL_LAYERS})
+            if other:
+                note("layer_types", f"layer_types with {other} layers (only full attention is implemented; sliding "
+                     f"windows and recurrent/linear token mixers are not)", where)
+        elif getattr(c, "sliding_window", None) is not None and getattr(c, "use_sliding_window", True):
+            note("sliding_window", f"sliding_window={c.sliding_window} (sliding-window attention; a window longer "
+                 f"than every sequence is the same model: then set it to None)", where)
+        if getattr(c, "attention_chunk_size", None) is not None:
+            note("attention_chunk_size", f"attention_chunk_size={c.attention_chunk_size} (chunked attention)", where)
+        if getattr(c, "attention_dropout", 0) or 0:
+            note("attention_dropout", f"attention_dropout={c.attention_dropout} (ctx_plugin's attention has no "
+                 f"dropout: set it to 0 before building the model)", where)
+    covered = set(found) | ({"sliding_window"} if "layer_types" in found else set())
+    for path, m in model.named_modules():
+        for attr, what in _MODULE_OPTIONS.items():
+            val = getattr(m, attr, None)
+            if attr not in covered and (isinstance(val, torch.Tensor) or (
+                    not isinstance(val, torch.nn.Module) and _set(val) and val != 0)):
+                shown = "a tensor" if isinstance(val, torch.Tensor) else repr(val)
+                note(attr, f"{attr}={shown} on attention modules: {what}", path or "the model")
+    return [f"{text}, in {where[0]}" + (f" and {len(where) - 1} more" if len(where) > 1 else "")
+            for text, where in found.values()]
+
+
+def _check_model(model) -> None:
+    from transformers import PreTrainedModel
+
+    problems = _unsupported(model)
+    if problems:
+        raise ValueError("ctx_plugin's attention does not implement these options of the model, which change its "
+                         "math: " + "; ".join(problems) + ". Use a model (config) without them")
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel) and not type(m)._can_set_attn_implementation():
+            raise ValueError(f"{type(m).__name__} does not route attention through transformers' "
+                             f"AttentionInterface, so ctx_plugin cannot replace its attention")
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"{type(model).__name__}.forward takes no position_ids; ctx_plugin needs the model to "
+                         f"take each rank's global token positions")
+
+
+class _InputCheck:
+    """Forward pre-hook: refuses inputs ctx_plugin cannot honour. Every rank computes its flags, the CP group sums
+    them (one all-reduce of problems × ranks), and every rank raises the same error."""
+
+    PROBLEMS = {
+        "mask": "cannot apply a padding/custom attention_mask under context parallelism; pass attention_mask=None "
+                "with unpadded sequences (mask padded labels with -100 instead)",
+        "cache": "a KV cache built from context-parallel shards is not a model's cache; ctx_plugin runs "
+                 "training/prefill only: call the model with use_cache=False",
+        "no_positions": "position_ids were not given, so transformers would number each rank's tokens from 0 "
+                        "(wrong positions); pass this rank's share of the global positions (ctx_plugin."
+                        "shard_sequence of torch.arange(seq_len), or ctx_plugin.sequence_positions)",
+        "positions": "position_ids are not this rank's share of the global positions 0..seq_len-1 "
+                     "(ctx_plugin.shard_sequence of torch.arange(seq_len), or ctx_plugin.sequence_positions); "
+                     "packed sequences (positions restarting) are not supported",
+        "labels": "labels= makes transformers shift labels inside this rank's shard (wrong targets at the shard "
+                  "edges); shift labels before sharding and compute the loss from the logits (see the README)",
+    }
+
+    def __init__(self, cp_config: CPConfig, groups: CPGroups, signature: inspect.Signature):
+        self.cp_config, self.groups, self.signature = cp_config, groups, signature
+
+    def _flags(self, model, arguments: dict, tokens, device: torch.device) -> list:
+        mask, positions = arguments.get("attention_mask"), arguments.get("position_ids")
+        use_cache = arguments.get("use_cache")
+        use_cache = getattr(model.config, "use_cache", False) if use_cache is None else use_cache
+        flags = {"mask": False if mask is None else
+                 (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or (mask == 0).any()),
+                 "cache": bool(use_cache) or arguments.get("past_key_values") is not None,
+                 "no_positions": positions is None, "positions": False,
+                 "labels": arguments.get("labels") is not None}
+        if isinstance(positions, torch.Tensor) and isinstance(tokens, torch.Tensor) \
+                and positions.shape[-1] != tokens.shape[1]:
+            flags["positions"] = True
+        elif isinstance(positions, torch.Tensor):
+            try:
+                want = sequence_positions(positions.shape[-1] * self.groups.size, config=self.cp_config,
+                                          groups=self.groups, device=positions.device)
+                flags["positions"] = (positions != want).any()
+            except ValueError:
+                flags["positions"] = True
+        return [torch.as_tensor(flags[k], device=device) for k in self.PROBLEMS]
+
+    def __call__(self, model, args, kwargs):
+        arguments = self.signature.bind_partial(*args, **kwargs).arguments
+        tokens = arguments.get("input_ids")
+        tokens = arguments.get("inputs_embeds") if tokens is None else tokens
+        device = tokens.device if isinstance(tokens, torch.Tensor) else torch.device("cpu")
+        if self.groups.size > 1 and device.type not in self.groups.device_types:
+            device = torch.device("cpu")
+        groups, mine = self.groups, torch.stack(self._flags(model, arguments, tokens, device)).to(torch.int32)
+        flags = torch.zeros(len(self.PROBLEMS), groups.size, dtype=torch.int32, device=device)
+        flags[:, groups.rank] = mine
+        if groups.size > 1:
+            dist.all_reduce(flags, group=groups.group)
+        found = [f"{text} (CP ranks {[r for r, f in enumerate(row) if f]})"
+                 for text, row in zip(self.PROBLEMS.values(), flags.tolist()) if any(row)]
+        if found:
+            raise ValueError("ctx_plugin: " + "; ".join(found))
 
 
 def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None) -> str:
-    """Registers the attention, switches ``model`` to it, turns its KV cache off (``config.use_cache=False``) and
-    makes ``model(...)`` refuse masks and caches it cannot honor."""
-    name = register(cp_config, groups, name)
+    """Checks the model (options ctx_plugin does not implement are a ``ValueError`` naming them, before anything
+    changes), registers the attention, switches ``model`` to it, turns its KV cache off (``config.use_cache=False``)
+    and checks every forward's inputs on all ranks of the group together. Returns the attention's name."""
+    _require_transformers()
+    _check_model(model)
+    name, fn = _register(cp_config, groups, name)
+    fn.modules.update(model.modules())
     model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise ValueError(f"transformers did not switch {type(model).__name__} to {name!r} (it uses "
+                         f"{model.config._attn_implementation!r})")
     model.config.use_cache = False
-    model.register_forward_pre_hook(_reject_masks, with_kwargs=True)
+    previous = getattr(model, "_ctx_plugin_input_check", None)
+    if previous is not None:                            # enabled again (e.g. other groups): one check, the new one
+        previous.remove()
+    model._ctx_plugin_input_check = model.register_forward_pre_hook(
+        _InputCheck(cp_config, groups, inspect.signature(model.forward)), with_kwargs=True)
     return name

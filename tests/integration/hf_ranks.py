@@ -1,6 +1,10 @@
-"""A tiny Llama (transformers, built from a config: no download) on spawned gloo ranks (see test_hf.py)."""
+"""Tiny transformers models (built from configs: no download) on spawned gloo ranks (see test_hf.py).
+
+One launch per world size runs everything (:func:`suite`): parity against HF's own sdpa attention on one rank,
+inputs refused on every rank together, and several models with their own groups in one process."""
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -10,18 +14,23 @@ import torch.nn.functional as F
 SEQ, BATCH, VOCAB = 32, 2, 128
 
 
-def _model(attn_implementation: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def model(kind: str, attn_implementation: str | None):
+    """``llama`` (GQA, fp32), ``llama_bidir`` (config.is_causal=False) or ``qwen2`` (q/k/v biases, GQA,
+    initializer_range 0.1, float64); the same weights for every attention implementation."""
+    import transformers
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                         attention_dropout=0.0, use_cache=False)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=SEQ, attention_dropout=0.0, use_cache=False)
+    config = {"llama": lambda: transformers.LlamaConfig(**common),
+              "llama_bidir": lambda: transformers.LlamaConfig(**common, is_causal=False),
+              "qwen2": lambda: transformers.Qwen2Config(**common, initializer_range=0.1, use_sliding_window=False)}[kind]()
+    cls = transformers.Qwen2ForCausalLM if kind == "qwen2" else transformers.LlamaForCausalLM
     torch.manual_seed(1234)
-    return LlamaForCausalLM(config).float().train() if attn_implementation is None else \
-        LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation).float().train()
+    m = cls(config) if attn_implementation is None else cls._from_config(config, attn_implementation=attn_implementation)
+    return m.to(torch.float64 if kind == "qwen2" else torch.float32).train()
 
 
-def _data():
+def data():
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
     labels = tokens[:, 1:].clone()
@@ -29,68 +38,113 @@ def _data():
     return tokens[:, :-1], labels, torch.arange(SEQ).expand(BATCH, SEQ)
 
 
-def llama_step(rank: int, world: int, payload: dict) -> dict:
-    """Loss and CP-summed gradients of one forward/backward, per backend (reference: HF's own sdpa, 1 rank)."""
-    warnings.filterwarnings("ignore")
+def _rel(have: torch.Tensor, want: torch.Tensor) -> float:
+    return ((have - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _reference(kind: str) -> dict:
+    input_ids, labels, positions = data()
+    m = model(kind, "sdpa")
+    logits = m(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss.backward()
+    return {"loss": loss.item(), "logits": logits.detach(), "grads": {n: p.grad for n, p in m.named_parameters()}}
+
+
+def _parity(kind: str, backend: str, u: int, reference: dict) -> dict:
+    """Errors of one CP forward/backward against the reference: loss, gathered logits, CP-summed gradients."""
     import ctx_plugin
     import ctx_plugin.hf
 
-    input_ids, labels, positions = _data()
+    input_ids, labels, positions = data()
+    cfg = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
+    groups = ctx_plugin.build_cp_groups(cfg)
+    m = model(kind, None)
+    ctx_plugin.hf.enable(m, cfg, groups)
+    shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
+    logits = m(input_ids=shard(input_ids), position_ids=shard(positions), use_cache=False).logits
+    local_labels = shard(labels)                                           # pre-shifted, then sharded
+    loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100, reduction="sum")
+    stats = torch.stack([loss.detach(), (local_labels != -100).sum().to(loss.dtype)])
+    dist.all_reduce(stats)
+    (loss / stats[1]).backward()
+    grad_errs = {}
+    for name, p in m.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g)
+        grad_errs[name] = _rel(g, reference["grads"][name])
+    full_logits = ctx_plugin.gather_sequence(logits.detach(), config=cfg, groups=groups, dim=1)
+    worst = max(grad_errs, key=grad_errs.get)
+    return {"loss_err": abs((stats[0] / stats[1]).item() - reference["loss"]) / abs(reference["loss"]),
+            "logits_err": _rel(full_logits, reference["logits"]), "grad_err": grad_errs[worst], "worst": worst,
+            "n_grads": len(grad_errs), "n_ref_grads": len(reference["grads"])}
+
+
+def _refused_inputs(backend: str, rank: int, world: int) -> dict:
+    """What each bad input does on this rank: the error text and how long it took to come."""
+    import ctx_plugin
+    import ctx_plugin.hf
+
+    cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch")
+    groups = ctx_plugin.build_cp_groups(cfg)
+    m = model("llama", None)
+    ctx_plugin.hf.enable(m, cfg, groups)
+    input_ids, labels, positions = data()
+    shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
+    right_padding = torch.ones(BATCH, SEQ, dtype=torch.long)
+    right_padding[0, -3:] = 0
+    packed = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)]).expand(BATCH, SEQ)  # two documents
+    ids, pos = shard(input_ids), shard(positions)
+    cases = {"padding": dict(input_ids=ids, position_ids=pos, attention_mask=shard(right_padding)),
+             "cache": dict(input_ids=ids, position_ids=pos, use_cache=True),
+             "no_positions": dict(input_ids=ids),
+             "packed": dict(input_ids=ids, position_ids=shard(packed)),
+             "labels": dict(input_ids=ids, position_ids=pos, labels=shard(labels))}
     out = {}
-    for backend, u in payload["cases"]:
-        if backend == "reference":
-            model = _model("sdpa")
-            logits = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-            count = (labels != -100).sum()
-            (loss / count).backward()
-            out["reference"] = {"loss": (loss / count).item(),
-                                "grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters()}}
-            continue
-        cfg = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
-        groups = ctx_plugin.build_cp_groups(cfg)
-        model = _model(None)
-        ctx_plugin.hf.enable(model, cfg, groups)
-        shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
-        logits = model(input_ids=shard(input_ids), position_ids=shard(positions), use_cache=False).logits
-        local_labels = shard(labels)                                       # pre-shifted, then sharded
-        loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100, reduction="sum")
-        stats = torch.stack([loss.detach(), (local_labels != -100).sum().float()])
-        dist.all_reduce(stats)
-        (loss / stats[1]).backward()
-        grads = {}
-        for name, p in model.named_parameters():
-            g = p.grad.detach().clone()
-            dist.all_reduce(g)
-            grads[name] = g.flatten().tolist()
-        full_logits = ctx_plugin.gather_sequence(logits.detach(), config=cfg, groups=groups, dim=1)
-        ref_logits = _model("sdpa")(input_ids=input_ids, position_ids=positions, use_cache=False).logits.detach()
-        out[f"{backend}-u{u}"] = {"loss": (stats[0] / stats[1]).item(), "grads": grads if rank == 0 else None,
-                                  "logits_err": ((full_logits - ref_logits).abs().max()
-                                                 / ref_logits.abs().max()).item()}
+    for name, kwargs in cases.items():
+        start = time.monotonic()
+        try:
+            m(**kwargs)
+            out[name] = {"error": None}
+        except ValueError as e:
+            out[name] = {"error": str(e), "seconds": time.monotonic() - start}
+    m(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids))   # an all-ones mask is fine
+    out["cache_off"] = m.config.use_cache is False
     return out
 
 
-def rejected_masks(rank: int, world: int, payload) -> dict:
+def _two_models(rank: int, world: int) -> dict:
+    """Three models in one process: ring over all ranks, ring over this rank alone (the same backend and config,
+    other groups) and ulysses over all ranks, run interleaved; each logits error against HF's sdpa."""
     import ctx_plugin
     import ctx_plugin.hf
 
-    cfg = ctx_plugin.CPConfig(kernel="torch")
-    groups = ctx_plugin.build_cp_groups(cfg)
-    model = _model(None)
-    ctx_plugin.hf.enable(model, cfg, groups)
-    input_ids, _, positions = _data()
-    shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
-    mask = torch.ones(BATCH, SEQ // world, dtype=torch.long)
-    mask[0, :2] = 0
-    errors = {}
-    for name, kwargs in {"padding": dict(attention_mask=mask), "cache": dict(use_cache=True)}.items():
-        try:
-            model(input_ids=shard(input_ids), position_ids=shard(positions), **kwargs)
-            errors[name] = None
-        except ValueError as e:
-            errors[name] = str(e)
-    model(input_ids=shard(input_ids), position_ids=shard(positions), attention_mask=torch.ones_like(mask),
-          use_cache=False)                                                # an all-ones mask is fine
-    errors["default_cache_off"] = model.config.use_cache is False
-    return errors
+    input_ids, _, positions = data()
+    want = model("llama", "sdpa")(input_ids=input_ids, position_ids=positions).logits.detach()
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    setups = {"ring_all": (ctx_plugin.CPConfig(backend="ring", kernel="torch"), None),
+              "ring_alone": (ctx_plugin.CPConfig(backend="ring", kernel="torch"), alone),
+              "ulysses_all": (ctx_plugin.CPConfig(backend="ulysses", kernel="torch"), None)}
+    models, names = {}, {}
+    for key, (cfg, group) in setups.items():
+        groups = ctx_plugin.build_cp_groups(cfg, group=group)
+        models[key] = (model("llama", None), cfg, groups)
+        names[key] = ctx_plugin.hf.enable(models[key][0], cfg, groups)
+    again = ctx_plugin.hf.enable(model("llama", None), *models["ring_all"][1:])   # same groups: same name
+    errors: dict[str, list] = {key: [] for key in models}
+    for key in ["ring_all", "ring_alone", "ulysses_all", "ring_all", "ring_alone"]:
+        m, cfg, groups = models[key]
+        shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
+        logits = m(input_ids=shard(input_ids), position_ids=shard(positions)).logits.detach()
+        errors[key].append(_rel(ctx_plugin.gather_sequence(logits, config=cfg, groups=groups, dim=1), want))
+    return {"errors": errors, "names": names, "again": again}
+
+
+def suite(rank: int, world: int, payload: dict) -> dict:
+    warnings.filterwarnings("ignore")
+    refs = {kind: _reference(kind) for kind in {c[0] for c in payload["parity"]}}
+    out = {"parity": {"-".join(map(str, c)): _parity(*c, refs[c[0]]) for c in payload["parity"]},
+           "refused": {b: _refused_inputs(b, rank, world) for b in payload["refused"]}}
+    if payload["two_models"]:
+        out["two_models"] = _two_models(rank, world)
+    return out

@@ -1,48 +1,206 @@
-"""Hugging Face integration: a tiny LlamaForCausalLM (GQA, from a config) with ctx_plugin's attention at
-CP = 2 and 4 for every backend (hybrid: ulysses_size 2) against HF's own sdpa attention on one rank: loss,
-logits (gathered with ctx_plugin.gather_sequence) and every parameter gradient within 1e-5 relative (fp32)."""
+"""Hugging Face integration.
+
+Spawned gloo ranks (one launch per world size, hf_ranks.suite): a tiny LlamaForCausalLM (GQA) at CP = 2 and 4 for
+every backend (hybrid: ulysses_size 2), a bidirectional Llama and a tiny Qwen2 (q/k/v biases, GQA, init std 0.1,
+float64) against HF's own sdpa attention on one rank: loss, logits (gathered) and every parameter gradient; inputs
+ctx_plugin cannot honour (right padding held by one rank, caches, missing or packed positions, labels) raise the
+same error on every rank within seconds; models with other groups in one process keep their own.
+
+In this process (one CP rank): options a model's config or attention modules carry that ctx_plugin does not
+implement are errors at enable (Gemma-2 soft-capping, gpt-oss sinks, sliding windows, dropout, ...), and every
+keyword of transformers' attention interface is honoured, harmless or refused by name (the README's table).
+"""
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
+transformers = pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
 
 import torch  # noqa: E402
 
+import ctx_plugin  # noqa: E402
+import ctx_plugin.hf as cphf  # noqa: E402
 from ctx_plugin.names import Backend  # noqa: E402
 from tests.distributed.harness import run_spawned  # noqa: E402
 
 SIZES = {Backend.ULYSSES_RING: [(4, 2)], **{b: [(2, 1), (4, 1)] for b in Backend if b != Backend.ULYSSES_RING}}
-CASES = [(w, b.value, u) for b, sizes in SIZES.items() for w, u in sizes]
+PARITY = [(w, "llama", b.value, u) for b, sizes in SIZES.items() for w, u in sizes] + \
+         [(2, "llama_bidir", "ring", 1), (2, "qwen2", "zigzag", 1), (2, "qwen2", "ulysses", 1),
+          (2, "qwen2", "allgather", 1)]
+TOLERANCE = {"llama": 1e-5, "llama_bidir": 1e-5, "qwen2": 1e-10}     # fp32 / float64
+REFUSED = {2: ["zigzag", "ring"], 4: ["ring"]}
 _results: dict[int, list] = {}
 
 
-def results(world: int):
+def suite(world: int) -> list:
     if world not in _results:
-        cases = [("reference", 1)] if world == 1 else [(b, u) for w, b, u in CASES if w == world]
-        _results[world] = run_spawned("tests.integration.hf_ranks:llama_step", world, {"cases": cases},
-                                      timeout_s=600)
+        payload = {"parity": [c[1:] for c in PARITY if c[0] == world], "refused": REFUSED[world],
+                   "two_models": world == 2}
+        _results[world] = run_spawned("tests.integration.hf_ranks:suite", world, payload, timeout_s=600)
     return _results[world]
 
 
-@pytest.mark.parametrize("world,backend,u", CASES, ids=[f"P{w}-{b}-u{u}" for w, b, u in CASES])
-def test_llama_matches_single_rank(world, backend, u):
-    reference = results(1)[0]["reference"]
-    got = results(world)
-    for rank in range(world):
-        r = got[rank][f"{backend}-u{u}"]
-        assert abs(r["loss"] - reference["loss"]) <= 1e-5 * abs(reference["loss"])
-        assert r["logits_err"] <= 1e-5
-    grads = got[0][f"{backend}-u{u}"]["grads"]
-    assert set(grads) == set(reference["grads"])
-    for name, want in reference["grads"].items():
-        want, have = torch.tensor(want), torch.tensor(grads[name])
-        err = ((have - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
-        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+@pytest.mark.parametrize("world,kind,backend,u", PARITY, ids=[f"P{w}-{k}-{b}-u{u}" for w, k, b, u in PARITY])
+def test_matches_hf_sdpa_on_one_rank(world, kind, backend, u):
+    tol = TOLERANCE[kind]
+    for rank, res in enumerate(suite(world)):
+        r = res["parity"][f"{kind}-{backend}-{u}"]
+        assert r["n_grads"] == r["n_ref_grads"] > 0
+        assert r["loss_err"] <= tol, f"rank {rank}: loss error {r['loss_err']:.2e}"
+        assert r["logits_err"] <= tol, f"rank {rank}: logits error {r['logits_err']:.2e}"
+        assert r["grad_err"] <= tol, f"rank {rank}: {r['worst']} gradient error {r['grad_err']:.2e}"
 
 
-def test_masks_it_cannot_honor_are_errors():
-    for res in run_spawned("tests.integration.hf_ranks:rejected_masks", 2):
-        assert "cannot apply a padding/custom attention_mask" in res["padding"]
-        assert "use_cache=False" in res["cache"]
-        assert res["default_cache_off"]
+REFUSAL_TEXT = {"padding": "cannot apply a padding/custom attention_mask", "cache": "use_cache=False",
+                "no_positions": "position_ids were not given", "packed": "packed sequences",
+                "labels": "labels= makes transformers shift labels"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_inputs_raise_the_same_error_on_every_rank(world):
+    got = suite(world)
+    for backend in REFUSED[world]:
+        per_rank = [res["refused"][backend] for res in got]
+        for case, text in REFUSAL_TEXT.items():
+            errors = [r[case]["error"] for r in per_rank]
+            assert errors[0] is not None and text in errors[0], f"{backend}/{case}: {errors[0]}"
+            assert all(e == errors[0] for e in errors), f"{backend}/{case}: ranks disagree: {errors}"
+            assert max(r[case]["seconds"] for r in per_rank) < 10
+        assert all(r["cache_off"] for r in per_rank)
+        # right padding sits on one rank only: the last for the contiguous ring, rank 0 for zigzag
+        holder = world - 1 if backend == "ring" else 0
+        assert f"(CP ranks [{holder}])" in per_rank[0]["padding"]["error"]
+
+
+def test_models_with_other_groups_keep_their_own():
+    got = [res["two_models"] for res in suite(2)]
+    for rank, two in enumerate(got):
+        for key, errs in two["errors"].items():
+            assert errs and max(errs) <= 1e-5, f"rank {rank}: {key} logits error {errs}"
+    for two in got:
+        assert len(set(two["names"].values())) == 3
+        assert two["again"] == two["names"]["ring_all"]
+
+
+# ---- one process, one CP rank ----------------------------------------------------------------------------------
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+REFUSED_MODELS = {
+    "gemma2_softcap": (lambda: transformers.Gemma2Config(**COMMON, layer_types=["full_attention"] * 2),
+                       "attn_logit_softcapping=50.0"),
+    "gemma2_default": (lambda: transformers.Gemma2Config(**COMMON), "sliding_attention"),
+    "gpt_oss_sinks": (lambda: transformers.GptOssConfig(**COMMON, num_local_experts=2, num_experts_per_tok=1,
+                                                        layer_types=["full_attention"] * 2), "sinks=a tensor"),
+    "mistral_window": (lambda: transformers.MistralConfig(**COMMON, sliding_window=16), "sliding_window=16"),
+    "qwen2_window": (lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16,
+                                                      max_window_layers=0), "sliding_attention"),
+    "gemma3_local_layers": (lambda: transformers.Gemma3TextConfig(**COMMON), "sliding_attention"),
+    "llama_dropout": (lambda: transformers.LlamaConfig(**COMMON, attention_dropout=0.1), "attention_dropout=0.1"),
+    "jamba_mamba_layers": (lambda: transformers.JambaConfig(**{k: v for k, v in COMMON.items() if k != "head_dim"},
+                                                            num_experts=1, attn_layer_period=2, attn_layer_offset=1,
+                                                            use_mamba_kernels=False), "linear_attention"),
+}
+
+
+def _one_rank(backend: str = "zigzag"):
+    cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch")
+    return cfg, ctx_plugin.build_cp_groups(cfg)
+
+
+@pytest.mark.parametrize("case", list(REFUSED_MODELS))
+def test_options_it_does_not_implement_are_errors_at_enable(case):
+    make_config, text = REFUSED_MODELS[case]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make_config(), attn_implementation="eager")
+    with pytest.raises(ValueError, match="does not implement these options") as e:
+        cphf.enable(model, *_one_rank())
+    assert text in str(e.value)
+    assert model.config._attn_implementation == "eager"                 # nothing changed
+
+
+@pytest.mark.parametrize("make_config", [lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+                                         lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=False),
+                                         lambda: transformers.Gemma3TextConfig(**COMMON, sliding_window=None,
+                                                                               layer_types=["full_attention"] * 2)],
+                         ids=["mistral", "qwen2", "gemma3_full"])
+def test_the_same_models_without_those_options_are_accepted(make_config):
+    model = transformers.AutoModelForCausalLM.from_config(make_config())
+    name = cphf.enable(model, *_one_rank())
+    assert model.config._attn_implementation == name
+
+
+def _qkv(dtype=torch.float64):
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(2, 4, 8, 8, generator=g, dtype=dtype), torch.randn(2, 2, 8, 8, generator=g, dtype=dtype),
+            torch.randn(2, 2, 8, 8, generator=g, dtype=dtype))
+
+
+def _enabled_llama():
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).double()
+    name = cphf.enable(model, *_one_rank())
+    return model, transformers.AttentionInterface()[name]
+
+
+REFUSED_KWARGS = {"softcap": 30.0, "s_aux": torch.zeros(4), "sinks": torch.zeros(4), "sliding_window": 4,
+                  "position_bias": torch.zeros(1, 4, 8, 8), "cu_seq_lens_q": torch.tensor([0, 8]),
+                  "cu_seq_lens_k": torch.tensor([0, 8]), "max_length_q": 8, "max_length_k": 8,
+                  "seq_idx": torch.zeros(1, 8, dtype=torch.int32), "indices": torch.zeros(1, 8, 2),
+                  "block_indices": torch.zeros(1, 8, 2), "block_table": torch.zeros(1, 1),
+                  "use_cache": True, "output_attentions": True, "some_new_option": 1}
+
+
+@pytest.mark.parametrize("kwarg", list(REFUSED_KWARGS))
+def test_attention_keywords_that_change_the_math_are_refused_by_name(kwarg):
+    model, fn = _enabled_llama()
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=kwarg if kwarg == "some_new_option" else re.escape(f"({kwarg}=")):
+        fn(model.model.layers[0].self_attn, q, k, v, None, scaling=None, dropout=0.0, **{kwarg: REFUSED_KWARGS[kwarg]})
+
+
+def test_attention_keywords_honoured_and_harmless():
+    model, fn = _enabled_llama()
+    module = model.model.layers[0].self_attn
+    q, k, v = _qkv()
+    harmless = dict(position_ids=torch.arange(8)[None], use_cache=False, output_attentions=False, softcap=None,
+                    sliding_window=None, s_aux=None, output_router_logits=False, output_hidden_states=False,
+                    num_items_in_batch=torch.tensor(5))
+    for causal, scale in [(True, None), (False, 0.3), (None, 0.7)]:
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal is not False, scale=scale,
+                                                                enable_gqa=True).transpose(1, 2)
+        out, weights = fn(module, q, k, v, None, scaling=scale, dropout=0.0, is_causal=causal, **harmless)
+        assert weights is None
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    module.is_causal = False                                            # no keyword: the module's own flag
+    out, _ = fn(module, q, k, v, None)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True).transpose(1, 2), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="has no dropout"):
+        fn(module, q, k, v, None, dropout=0.1)
+    with pytest.raises(ValueError, match="explicit attention mask"):
+        fn(module, q, k, v, torch.zeros(2, 1, 8, 8))
+    with pytest.raises(ValueError, match="not passed to ctx_plugin.hf.enable"):
+        fn(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).model.layers[0].self_attn, q, k, v, None)
+
+
+def test_names_are_per_groups_and_never_taken_over():
+    cfg, groups = _one_rank("ring")
+    other_cfg, other = _one_rank("ring")
+    assert cphf.register(cfg, groups) == cphf.register(cfg, groups) != cphf.register(other_cfg, other)
+    for taken in ["sdpa", "eager", cphf.register(other_cfg, other)]:
+        with pytest.raises(ValueError, match="already taken"):
+            cphf.register(cfg, groups, name=taken)
+    with pytest.raises(ValueError, match="build_cp_groups"):
+        cphf.register(ctx_plugin.CPConfig(backend="ulysses"), groups)
+
+
+def test_readme_table_lists_every_attention_keyword():
+    text = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
+    section = text.split("## Hugging Face models", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `(\w+)` \| (\w+)", section, re.MULTILINE))
+    want = {**{k: "honoured" for k in cphf.HONOURED}, **{k: "refused" for k in cphf.MUST_BE_UNSET},
+            **{k: "harmless" for k in cphf.HARMLESS}}
+    assert rows == want
