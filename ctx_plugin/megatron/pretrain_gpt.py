@@ -73,6 +73,8 @@ def _install_seams() -> None:
         group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
         return shard_batch(batch, config=settings.cp_config, groups=provider_for(settings).get(group))
 
+    get_batch_on_this_cp_rank.ctx_plugin_seam = True  # spec.layer_spec: batches and RoPE follow the backend's layout
+
     try:   # Megatron-LM's pretrain_gpt.py imports the sharder from here; load it so the rebinding reaches it
         import megatron.training.utils  # noqa: F401
     except ImportError:

@@ -5,6 +5,7 @@ import copy
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -12,6 +13,8 @@ from .. import recompute as recompute_presets
 from ..api import sequence_positions, shard_sequence
 from ..config import CPConfig
 from ..groups import CPGroups
+from ..layouts import shard_layout
+from ..names import Recompute
 from .args import MegatronCPSettings
 from .core_attention import CPCoreAttention, GroupsProvider, context_parallel_group
 
@@ -41,6 +44,7 @@ def layer_spec(model_config=None, vp_stage=None) -> ModuleSpec:
 
     args = get_args()
     settings = settings_from_args(args)
+    _check_seams(args, settings)
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -50,21 +54,76 @@ def layer_spec(model_config=None, vp_stage=None) -> ModuleSpec:
     return gpt_layer_spec(settings.cp_config, base=base)
 
 
+def _check_seams(args, settings: MegatronCPSettings) -> None:
+    """``--spec`` alone changes only the layer spec: Megatron still shards batches and slices RoPE zigzag-wise
+    and never applies ``--cp-recompute``. Refuse what that would silently get wrong."""
+    if _entry_point_running():
+        return
+    cp, problems = args.context_parallel_size, []
+    if cp > 1 and not _layout_hook_installed() and not _is_megatron_zigzag(settings.cp_config, args.seq_length, cp):
+        problems.append(f"--cp-backend {settings.cp_config.backend} holds other tokens on each rank than the zigzag "
+                        f"chunks this Megatron shards batches into (get_batch_on_this_cp_rank) and slices RoPE by; "
+                        f"run through the entry point, apply patches/megatron-core-0.19-cp-layout-hook.patch, or use "
+                        f"--cp-backend zigzag or allgather (Megatron's zigzag layout)")
+    if getattr(args, "create_attention_mask_in_dataloader", False):
+        problems.append("Megatron's dataloader builds an attention mask that only ctx_plugin's batch sharder checks "
+                        "and drops (its core attention refuses mask tensors); run through the entry point, or pass "
+                        "--no-create-attention-mask-in-dataloader")
+    if settings.recompute.preset not in (Recompute.NONE, Recompute.ATTN_OUT):
+        problems.append(f"--cp-recompute {settings.recompute} is applied by ctx_plugin's entry point, not by --spec; "
+                        f"run through the entry point, or drop --cp-recompute and use Megatron's --recompute-* flags")
+    if problems:
+        raise ValueError("--spec ctx_plugin.megatron.spec layer_spec without ctx_plugin's entry point "
+                         "(python -m ctx_plugin.megatron.pretrain_gpt --megatron-lm PATH ...):\n  "
+                         + "\n  ".join(problems))
+
+
+def _entry_point_running() -> bool:
+    """True when python -m ctx_plugin.megatron.pretrain_gpt installed its seams in this process."""
+    import megatron.core.utils as core_utils
+
+    return bool(getattr(core_utils.get_batch_on_this_cp_rank, "ctx_plugin_seam", False))
+
+
+def _layout_hook_installed() -> bool:
+    """True when this megatron-core carries patches/megatron-core-0.19-cp-layout-hook.patch (batch sharding and
+    RoPE slicing both ask the hook) and the hook it finds is ctx_plugin's."""
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+    import megatron.core.utils as core_utils
+
+    from .hooks import local_positions
+
+    find = getattr(core_utils, "get_cp_layout_hook", None)
+    return find is not None and getattr(rope_utils, "get_cp_layout_hook", None) is find and find() is local_positions
+
+
+def _is_megatron_zigzag(cp_config: CPConfig, seq_len: int, cp: int) -> bool:
+    """Whether every rank holds the tokens Megatron's zigzag gives it: chunks r and 2cp-1-r of 2cp."""
+    if seq_len % (2 * cp):
+        return False
+    layout, chunk = shard_layout(cp_config), seq_len // (2 * cp)
+    for rank in range(cp):
+        zigzag = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                            torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+        if not torch.equal(layout.local_indices(seq_len, rank, cp), zigzag):
+            return False
+    return True
+
+
 class LayoutRotaryEmbedding(RotaryEmbedding):
     """Megatron's RotaryEmbedding returning the frequencies of the global positions this rank holds in the
-    backend's layout (Megatron's own slices zigzag-wise). Install with :func:`use_layout_rope`."""
+    backend's layout (Megatron's own slices zigzag-wise): the rows of Megatron's own full-sequence frequencies
+    (``get_freqs_non_repeated``: base, rotary percent, Llama-3 scaling, interpolation factor, offset), laid
+    out as its ``get_emb`` does (interleaved or not). Install with :func:`use_layout_rope`."""
 
     ctx_plugin_config: CPConfig
     ctx_plugin_groups: CPGroups
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        if packed_seq:
-            raise ValueError("ctx_plugin does not support packed sequences with RoPE yet")
-        positions = sequence_positions(max_seq_len, config=self.ctx_plugin_config, groups=self.ctx_plugin_groups,
-                                       device=self.inv_freq.device).to(self.inv_freq.dtype)
-        if self.seq_len_interpolation_factor is not None:
-            positions = positions / self.seq_len_interpolation_factor
-        freqs = torch.outer(positions + offset, self.inv_freq)
+        positions = _layout_positions(self, max_seq_len, packed_seq)
+        if self.inv_freq.device.type == "cpu" and torch.cuda.is_available():
+            self.inv_freq = self.inv_freq.to(torch.cuda.current_device())      # as RotaryEmbedding.get_emb does
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset).index_select(0, positions.to(self.inv_freq.device))
         if self.rotary_interleaved:
             emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
         else:
@@ -72,30 +131,77 @@ class LayoutRotaryEmbedding(RotaryEmbedding):
         return emb[:, None, None, :]
 
 
+class LayoutYarnRotaryEmbedding(YarnRotaryEmbedding):
+    """Megatron's YarnRotaryEmbedding returning ``(frequencies, mscale)`` like the original, with the rows of its
+    own full-sequence embedding (``get_emb``) at the global positions this rank holds. The YaRN attention
+    factor (mscale) is applied by Megatron's attention from the config, as without ctx_plugin."""
+
+    ctx_plugin_config: CPConfig
+    ctx_plugin_groups: CPGroups
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        positions = _layout_positions(self, max_seq_len, packed_seq)
+        emb, mscale = self.get_emb(max_seq_len, offset)
+        return emb.index_select(0, positions.to(emb.device)), mscale
+
+
+_LAYOUT_ROPE = {RotaryEmbedding: LayoutRotaryEmbedding, YarnRotaryEmbedding: LayoutYarnRotaryEmbedding}
+
+
+def _layout_positions(rope, max_seq_len: int, packed_seq: bool) -> torch.Tensor:
+    if packed_seq:
+        raise ValueError("ctx_plugin does not support packed sequences with RoPE yet")
+    return sequence_positions(max_seq_len, config=rope.ctx_plugin_config, groups=rope.ctx_plugin_groups)
+
+
 def use_layout_rope(model, cp_config: CPConfig, groups: CPGroups) -> None:
-    """Makes ``model.rotary_pos_emb`` (GPTModel with RoPE) layout-aware; no-op for models without RoPE."""
+    """Makes ``model.rotary_pos_emb`` (GPTModel with RoPE or YaRN) layout-aware; no-op for models without one.
+    Any other rotary embedding (multimodal RoPE, a subclass of Megatron's) is an error: ctx_plugin cannot know
+    which positions it would compute."""
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is None:
         return
-    if not isinstance(rope, RotaryEmbedding):
-        raise TypeError(f"unsupported rotary embedding {type(rope).__name__} (need megatron's RotaryEmbedding)")
-    rope.__class__ = LayoutRotaryEmbedding          # keeps inv_freq and every setting of the original
+    layout_class = _LAYOUT_ROPE.get(type(rope)) or (type(rope) if type(rope) in _LAYOUT_ROPE.values() else None)
+    if layout_class is None:
+        raise ValueError(f"rotary embedding {type(rope).__module__}.{type(rope).__name__} is not supported by "
+                         f"ctx_plugin: it gives layout-aware positions to megatron-core's RotaryEmbedding "
+                         f"(position_embedding_type rope) and YarnRotaryEmbedding (yarn) only; use one of those, "
+                         f"learned_absolute or none")
+    rope.__class__ = layout_class                   # keeps inv_freq and every setting of the original
     rope.ctx_plugin_config, rope.ctx_plugin_groups = cp_config, groups
 
 
-_SEQ_DIM = {"attention_mask": 2}
 _PACKED = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
 
 
 def shard_batch(batch: dict, *, config: CPConfig, groups: CPGroups) -> dict:
-    """This rank's part of a Megatron batch (tokens, labels, loss_mask, position_ids, attention_mask, ...) in the
-    backend's layout: the replacement for ``get_batch_on_this_cp_rank``. Labels must be pre-shifted."""
+    """This rank's part of a Megatron batch (tokens, labels, loss_mask, position_ids, ...) in the backend's layout:
+    the replacement for ``get_batch_on_this_cp_rank``. Labels must be pre-shifted. An ``attention_mask`` (Megatron's
+    dataloader builds one unless ``--no-create-attention-mask-in-dataloader``) must be the standard causal mask of
+    the whole sequence — checked on the full batch, which every context-parallel rank holds, so every rank decides
+    alike — and comes back as None: ctx_plugin's attention applies that mask itself. Any other mask (documents,
+    padding) is an error."""
     packed = [k for k in _PACKED if batch.get(k) is not None]
     if packed:
         raise ValueError(f"packed sequences ({', '.join(packed)}) are not supported by ctx_plugin yet")
-    return {key: None if value is None else shard_sequence(value, config=config, groups=groups,
-                                                           dim=_SEQ_DIM.get(key, 1))
-            for key, value in batch.items()}
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        _check_causal_mask(mask)
+    return {key: None if value is None or key == "attention_mask" else
+            shard_sequence(value, config=config, groups=groups, dim=1) for key, value in batch.items()}
+
+
+def _check_causal_mask(mask) -> None:
+    """Megatron's convention: bool ``[b|1, 1, s, s]``, True where a query (row) must not see a key (column)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 \
+            or mask.shape[2] != mask.shape[3]:
+        raise ValueError(f"attention_mask must be Megatron's bool [batch, 1, seq, seq] mask, got "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))}")
+    causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).triu_(1)
+    if not torch.equal(mask, causal.expand_as(mask)):
+        raise ValueError("attention_mask is not the standard causal mask (document masks from --reset-attention-mask, "
+                         "or padding?); ctx_plugin's attention applies only the causal mask: drop the extra masking "
+                         "(packed documents are not supported yet)")
 
 
 def prepare_model(model, settings: MegatronCPSettings, groups_provider: GroupsProvider, pg_collection=None):

@@ -1,64 +1,176 @@
-"""A tiny megatron-core GPTModel on spawned gloo ranks, built through ctx_plugin's spec (see test_megatron.py)."""
+"""A tiny megatron-core GPTModel on spawned gloo ranks (see test_megatron.py): built through ctx_plugin's spec at
+CP > 1, or — the reference — with Megatron's own local spec (its DotProductAttention, RoPE and YaRN) on one rank.
+
+The model has biases (linear and QKV), GQA (4 heads, 2 groups) and init std 0.1, runs in float64, and the loss is
+computed here in float64 from the logits. Megatron's local attention, RoPE and YaRN call CUDA APIs on CPU; the
+reference (and the YaRN cases, whose construction alone needs it) run under ``_cpu_shims``.
+"""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 SEQ, BATCH, VOCAB = 32, 2, 128
+YARN = {"yarn_rotary_scaling_factor": 4.0, "yarn_original_max_position_embeddings": 16, "yarn_beta_fast": 32.0,
+        "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.5,    # attention factor ≈ 1.065, not 1
+        "yarn_correction_range_round_to_int": True}
+VARIANTS = {   # name: (TransformerConfig fields, GPTModel arguments, qk_layernorm in the layer spec)
+    "base": ({}, {}, False),
+    # honoured options: each changes the math (layer 2 skips RoPE, partial interleaved RoPE with Llama-3 scaling
+    # and interpolation, a custom softmax scale with query-key layer scaling, an output gate, QK layernorm)
+    "knobs": ({"apply_query_key_layer_scaling": True, "softmax_scale": 0.3, "attention_output_gate": True,
+               "no_rope_freq": [0, 1], "rotary_interleaved": True, "qk_layernorm": True},
+              {"rotary_percent": 0.5, "seq_len_interpolation_factor": 2.0, "rope_scaling": True}, True),
+}
 
 
-def _batch():
+def _batch(with_mask: bool):
     g = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],            # labels pre-shifted, then sharded
-            "loss_mask": (torch.rand(BATCH, SEQ, generator=g) > 0.2).float(),
-            "position_ids": torch.arange(SEQ).expand(BATCH, SEQ).contiguous()}
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],            # labels pre-shifted, then sharded
+             "loss_mask": (torch.rand(BATCH, SEQ, generator=g) > 0.2).double(),
+             "position_ids": torch.arange(SEQ).expand(BATCH, SEQ).contiguous()}
+    if with_mask:      # what Megatron's dataloader builds by default (create_attention_mask_in_dataloader)
+        batch["attention_mask"] = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(BATCH, 1, SEQ, SEQ).clone()
+    return batch
 
 
-def gpt_step(rank: int, world: int, payload: dict) -> dict:
-    """For each (backend, ulysses_size, position embedding, recompute): global loss and CP-summed gradients."""
-    warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state
+def _zigzag_rows_on_cpu(pos_emb, seq_dim, cp_group):
+    """megatron's rope_utils.get_pos_emb_on_this_cp_rank without its pinned-memory CUDA index tensor."""
+    size, rank = cp_group.size(), cp_group.rank()
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, torch.tensor([rank, 2 * size - rank - 1]))
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+@contextlib.contextmanager
+def _cpu_shims():
+    """Megatron's RotaryEmbedding/YaRN move frequencies to ``torch.cuda.current_device()`` (YaRN's constructor also
+    slices a cache with a CUDA index at CP > 1), its DotProductAttention takes a buffer there and forks the CUDA RNG
+    tracker around dropout (0 here): point them at the CPU."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    class Tracker:
+        def fork(self, *args, **kwargs):
+            return contextlib.nullcontext()
+
+    saved = torch.cuda.current_device, tensor_parallel.get_cuda_rng_tracker, yarn.get_pos_emb_on_this_cp_rank
+    torch.cuda.current_device = lambda: "cpu"
+    tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: Tracker()
+    yarn.get_pos_emb_on_this_cp_rank = _zigzag_rows_on_cpu
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, tensor_parallel.get_cuda_rng_tracker, yarn.get_pos_emb_on_this_cp_rank = saved
+
+
+def _model(world: int, position: str, variant: str, core_spec, **refused):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    fields, model_args, qk_layernorm = VARIANTS[variant]
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=128, use_cpu_initialization=True, context_parallel_size=world,
+                               attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=True, add_qkv_bias=True,
+                               init_method_std=0.1, **fields)
+    for name, value in refused.items():     # after construction: Megatron's own checks of some need CUDA
+        setattr(config, name, value)
+    for name, value in (YARN.items() if position == "yarn" else ()):
+        setattr(config, name, value)            # what Megatron-LM's arguments set for --position-embedding-type yarn
+    spec = core_spec(get_gpt_layer_local_spec(qk_layernorm=qk_layernorm))
+    torch.manual_seed(1234)
+    with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                         position_embedding_type=position, **model_args)
+    return model.double()
+
+
+def _step(model, batch, group) -> dict:
+    """Global loss (float64, from the logits) and gradients summed over ``group`` (what DDP over data×context
+    ranks does); the loss on each rank is its tokens' sum over the global token count."""
+    logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+    per_token = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+    mask = batch["loss_mask"]
+    stats = torch.stack([(per_token * mask).sum().detach(), mask.sum()])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    ((per_token * mask).sum() / stats[1]).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if group is not None:
+            dist.all_reduce(g, group=group)
+        grads[name] = g.flatten().tolist()
+    return {"loss": (stats[0] / stats[1]).item(), "grads": grads,
+            "weights": sum(p.detach().double().sum().item() for p in model.parameters())}
+
+
+def reference_step(rank: int, world: int, payload: dict) -> dict:
+    """Megatron's own GPTModel (local spec: DotProductAttention, its RoPE/YaRN) on one rank, with the causal mask
+    its dataloader passes; one result per (position embedding, variant)."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    assert world == 1
+    parallel_state.initialize_model_parallel()
+    out = {}
+    try:
+        with _cpu_shims():
+            for position, variant in payload["cases"]:
+                model = _model(1, position, variant, lambda spec: spec)
+                out[f"{position}-{variant}"] = _step(model, _batch(with_mask=True), None)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def gpt_step(rank: int, world: int, payload: dict) -> dict:
+    """For each (backend, ulysses_size, position embedding, recompute, variant, dataloader mask): the global loss
+    and CP-summed gradients of ctx_plugin's model, batches sharded by ``shard_batch``."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    import ctx_plugin
     from ctx_plugin.megatron.args import MegatronCPSettings
     from ctx_plugin.megatron.core_attention import GroupsProvider
     from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model, shard_batch
     from ctx_plugin.recompute import RecomputeConfig
-    import ctx_plugin
 
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     cp_group = parallel_state.get_context_parallel_group()
     out = {}
     try:
-        for backend, u, position, preset in payload["cases"]:
+        for backend, u, position, preset, variant, with_mask in payload["cases"]:
             cp_config = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
             settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse(preset),
                                           megatron_recompute=None)
             provider = GroupsProvider(cp_config)
-            config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                                       ffn_hidden_size=128, use_cpu_initialization=True, context_parallel_size=world,
-                                       attention_dropout=0.0, hidden_dropout=0.0)
-            torch.manual_seed(1234)
-            model = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(cp_config, groups_provider=provider),
-                             vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type=position)
+            model = _model(world, position, variant,
+                           lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider))
             groups = prepare_model(model, settings, provider)
-            batch = shard_batch(_batch(), config=cp_config, groups=groups)
-            per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-            mask = batch["loss_mask"]
-            stats = torch.stack([(per_token * mask).sum().detach(), mask.sum()])
-            dist.all_reduce(stats, group=cp_group)
-            ((per_token * mask).sum() / stats[1]).backward()       # each rank: its tokens over the global count
-            grads = {}
-            for name, p in model.named_parameters():
-                g = p.grad.detach().clone()
-                dist.all_reduce(g, group=cp_group)                  # what DDP over data×context ranks does
-                grads[name] = g.flatten().tolist()
-            out[f"{backend}-u{u}-{position}-{preset}"] = {"loss": (stats[0] / stats[1]).item(),
-                                                           "grads": grads if rank == 0 else None}
+            batch = shard_batch(_batch(with_mask), config=cp_config, groups=groups)
+            assert batch.get("attention_mask") is None          # checked to be causal, then dropped
+            with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
+                result = _step(model, batch, cp_group)
+            out[case_key(backend, u, position, preset, variant, with_mask)] = {
+                **result, "grads": result["grads"] if rank == 0 else None,
+                "rope_class": type(getattr(model, "rotary_pos_emb", None)).__name__}
+        for fields in payload.get("refused", []):      # options the issue reproduced as silently wrong
+            cp_config = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
+            try:
+                _model(world, "rope", "base", lambda spec: gpt_layer_spec(cp_config, base=spec), **fields)
+            except ValueError as e:
+                out[repr(sorted(fields.items()))] = str(e)
     finally:
         parallel_state.destroy_model_parallel()
     return out
+
+
+def case_key(backend, u, position, preset, variant, with_mask) -> str:
+    return f"{backend}-u{u}-{position}-{preset}-{variant}-{'mask' if with_mask else 'nomask'}"

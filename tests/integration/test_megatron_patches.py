@@ -41,7 +41,8 @@ def test_patched_megatron_uses_ctx_plugin_through_entry_points(tmp_path):
         from megatron.core.models.common.embeddings import rope_utils
         sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                     "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
-                    "--cp-backend", "striped"]
+                    "--cp-backend", "striped", "--context-parallel-size", "2", "--transformer-impl", "local",
+                    "--no-create-attention-mask-in-dataloader", "--attention-dropout", "0"]
         args = parse_args()                                   # no extra_args_provider: the entry point adds --cp-*
         assert args.cp_backend == "striped", args.cp_backend
         set_args(args)
@@ -53,6 +54,9 @@ def test_patched_megatron_uses_ctx_plugin_through_entry_points(tmp_path):
         torch.distributed.get_world_size = lambda group=None: 2
         torch.distributed.get_rank = lambda group=None: 1
         batch = utils.get_batch_on_this_cp_rank({"tokens": torch.arange(16).view(1, 16)}, False, cp_group=Group())
+        from ctx_plugin.megatron.spec import layer_spec      # --spec alone: the patched hook gives striped positions
+        core = layer_spec().submodules.self_attention.submodules.core_attention
+        assert core.params["cp_config"].backend == "striped", core
         print(rope, batch["tokens"].flatten().tolist())
     """)
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}

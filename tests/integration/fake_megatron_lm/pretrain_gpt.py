@@ -2,14 +2,18 @@
 
 Megatron's own ``pretrain`` asserts CUDA, so this script keeps the parts of pretrain_gpt.py that ctx_plugin's
 entry point hooks into — ``parse_args`` with the script's own ``extra_args_provider``, ``GPTModel`` built from a
-layer spec by name, and ``get_batch_on_this_cp_rank`` imported by name — and replaces Megatron's training loop
-with a small CPU one (SGD; gradients all-reduced over data × context ranks, as Megatron's DDP does).
+layer spec by name, and ``get_batch_on_this_cp_rank`` imported by name, fed batches with the causal attention
+mask Megatron's dataloader builds by default — and replaces Megatron's training loop with a small CPU one (SGD;
+gradients all-reduced over data × context ranks, as Megatron's DDP does). Run directly (without ctx_plugin) it
+trains Megatron's own model: the reference; the CUDA calls of Megatron's local attention and RoPE are pointed at
+the CPU (``_cpu_shims``).
 """
+import contextlib
 import json
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -24,12 +28,25 @@ def extra_args(parser):
     return parser
 
 
+def _cpu_shims():
+    """Megatron's RoPE moves its frequencies to torch.cuda.current_device(); its local attention takes a buffer
+    there and forks the CUDA RNG tracker around dropout (0 here)."""
+    class Tracker:
+        def fork(self, *args, **kwargs):
+            return contextlib.nullcontext()
+
+    torch.cuda.current_device = lambda: "cpu"
+    tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: Tracker()
+
+
 def model_provider(args):
     config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                                num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                                ffn_hidden_size=args.ffn_hidden_size, use_cpu_initialization=True,
                                context_parallel_size=args.context_parallel_size, attention_dropout=0.0,
-                               hidden_dropout=0.0, recompute_granularity=args.recompute_granularity,
+                               hidden_dropout=0.0, add_bias_linear=args.add_bias_linear,
+                               add_qkv_bias=args.add_qkv_bias, init_method_std=args.init_method_std,
+                               recompute_granularity=args.recompute_granularity,
                                recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                                recompute_modules=args.recompute_modules)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab_size,
@@ -39,14 +56,17 @@ def model_provider(args):
 def get_batch(step, args):
     g = torch.Generator().manual_seed(step)
     tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
+    causal = torch.ones(args.seq_length, args.seq_length, dtype=torch.bool).triu(1)     # True: masked
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(tokens[:, 1:].shape),
-             "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1).contiguous()}
-    return get_batch_on_this_cp_rank(batch)
+             "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1).contiguous(),
+             "attention_mask": causal.expand(args.micro_batch_size, 1, -1, -1).contiguous(), "cu_seqlens": None}
+    return get_batch_on_this_cp_rank(batch, False)
 
 
 if __name__ == "__main__":
     args = parse_args(extra_args_provider=extra_args)
     set_args(args)
+    _cpu_shims()
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
     torch.manual_seed(1234)
@@ -56,7 +76,7 @@ if __name__ == "__main__":
     losses = []
     for step in range(args.fake_steps):
         batch = get_batch(step, args)
-        per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        per_token = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
         stats = torch.stack([(per_token * batch["loss_mask"]).sum().detach(), batch["loss_mask"].sum()])
         dist.all_reduce(stats, group=dp_cp)
         opt.zero_grad()

@@ -1,0 +1,104 @@
+"""megatron-core options that ctx_plugin's core attention does not implement: each is an error at model set-up.
+
+megatron-core's ``TransformerConfig`` and Megatron-LM's parsed arguments use the same names (the arguments are
+generated from the config's fields), so one table checks both: ``check_model_options(config)`` in
+``CPCoreAttention.__init__`` and ``check_model_options(args)`` in ``settings_from_args``. The options that
+*are* honoured, and why, are listed in README.md ("Megatron-LM / megatron-core", options table); a test
+covers every row of both lists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Refused:
+    """One option ctx_plugin refuses: its field (= Megatron-LM argument without ``--``), when its value is
+    refused, what it would have done and how to run without it."""
+
+    field: str
+    refused: Callable[[Any], bool]
+    why: str
+    fix: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+
+def _truthy(value) -> bool:
+    return bool(value)
+
+
+def _not_none(value) -> bool:
+    return value is not None
+
+
+MODEL_OPTIONS: tuple[Refused, ...] = (
+    Refused("window_size", _not_none, "sliding-window attention is not implemented by ctx_plugin's attention yet",
+            "unset it (full causal attention), or train without ctx_plugin"),
+    Refused("softmax_type", lambda v: v not in (None, "vanilla"),
+            "the off-by-one / learnable softmax offset (attention sink) is not implemented by ctx_plugin's attention "
+            "(the learnable offset parameter would not exist)", "use softmax_type='vanilla'"),
+    Refused("attention_dropout", lambda v: bool(v and v > 0), "ctx_plugin's attention has no dropout",
+            "set it to 0"),
+    Refused("qk_clip", _truthy, "QK-clip needs every core attention to report its heads' largest attention logit "
+            "(current_max_attn_logits), which ctx_plugin's attention does not compute", "drop it"),
+    Refused("log_max_attention_logit", _truthy, "logging the largest attention logit needs the core attention to "
+            "compute it, which ctx_plugin's attention does not", "drop it"),
+    Refused("multi_latent_attention", _truthy, "multi-latent attention (different query/key and value head sizes, "
+            "its own rotary embedding) has not been checked with ctx_plugin's attention",
+            "use standard (grouped-query) attention"),
+    Refused("experimental_attention_variant", _not_none, "experimental attention variants (gated delta net, DSA) "
+            "are not softmax self-attention over the whole sequence", "drop it"),
+    Refused("fp8_dot_product_attention", _truthy, "ctx_plugin's attention computes in the model's dtype, not FP8",
+            "drop it (FP8 linear layers still work)"),
+    Refused("fp8_multi_head_attention", _truthy, "ctx_plugin's attention computes in the model's dtype, not FP8",
+            "drop it (FP8 linear layers still work)"),
+    Refused("use_kitchen_attention", _truthy, "it selects another attention implementation, which ctx_plugin's "
+            "core attention replaces", "drop it"),
+    Refused("flash_attention_version", _not_none, "it pins the kernel of Megatron's (Transformer Engine) attention, "
+            "which ctx_plugin's core attention replaces", "drop it and pick the kernel with --cp-kernel"),
+    Refused("batch_invariant_mode", _truthy, "ctx_plugin's kernels do not promise batch-size-invariant results",
+            "drop it"),
+    Refused("flash_decode", _truthy, "flash decoding is an inference path that bypasses the core attention; "
+            "ctx_plugin's attention is for training", "drop it"),
+    Refused("position_embedding_type", lambda v: v == "mrope", "multimodal RoPE takes its positions from "
+            "position_ids and Megatron slices them zigzag-wise; ctx_plugin does not give it layout-aware positions "
+            "yet", "use rope, yarn, learned_absolute or none"),
+)
+
+DATA_OPTIONS: tuple[Refused, ...] = (
+    Refused("reset_attention_mask", _truthy, "document masks (attention restricted to each packed document) are "
+            "not implemented by ctx_plugin's attention yet: it would attend across documents",
+            "drop it (one causal mask over the whole sequence)"),
+    Refused("reset_position_ids", _truthy, "per-document position ids go with document masks, which ctx_plugin's "
+            "attention does not implement yet", "drop it"),
+    Refused("dataloader_inter_document_masking", _truthy, "packed sequences (cu_seqlens) are not supported by "
+            "ctx_plugin yet", "drop it"),
+)
+
+
+def refused_options(source, table: tuple[Refused, ...] = MODEL_OPTIONS) -> list[str]:
+    """One message per option of ``source`` (a TransformerConfig or Megatron-LM's args) that ``table`` refuses."""
+    found = []
+    for option in table:
+        value = getattr(source, option.field, None)
+        if option.refused(value):
+            found.append(f"{option.field}={value!r} ({option.flag}): {option.why}; {option.fix}")
+    return found
+
+
+def check_model_options(source, *, where: str = "ctx_plugin's core attention") -> None:
+    """Raises one ValueError naming every option of ``source`` that ctx_plugin's attention does not implement."""
+    found = refused_options(source, MODEL_OPTIONS)
+    if found:
+        raise ValueError(f"{where} cannot honour these settings:\n  " + "\n  ".join(found))
+
+
+def check_data_options(args) -> None:
+    """Raises one ValueError naming every data option of Megatron-LM's ``args`` that ctx_plugin cannot honour."""
+    found = refused_options(args, DATA_OPTIONS)
+    if found:
+        raise ValueError("ctx_plugin cannot honour these data settings:\n  " + "\n  ".join(found))

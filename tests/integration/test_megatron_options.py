@@ -1,0 +1,148 @@
+"""Options ctx_plugin's Megatron adapter does not implement are errors at model set-up (one process, no
+communication): every row of ctx_plugin.megatron.options, the core attention's own arguments, mask tensors,
+the dataloader's masks in shard_batch, and rotary embeddings other than RoPE and YaRN. The options it honours are
+checked against Megatron's own model in test_megatron.py."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'ctx-plugin[megatron]'")
+
+import torch  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+import ctx_plugin  # noqa: E402
+from ctx_plugin.megatron.core_attention import CPCoreAttention, GroupsProvider  # noqa: E402
+from ctx_plugin.megatron.options import MODEL_OPTIONS  # noqa: E402
+
+CP_CONFIG = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
+# A value each refused option is refused with, written out here (not taken from the table) so that a row
+# dropped from the table fails this test, and so does a table row without a test.
+REFUSED = {"window_size": (4, 0), "softmax_type": "learnable", "attention_dropout": 0.1, "qk_clip": True,
+           "log_max_attention_logit": True, "multi_latent_attention": True, "experimental_attention_variant": "dsa",
+           "fp8_dot_product_attention": True, "fp8_multi_head_attention": True, "use_kitchen_attention": True,
+           "flash_attention_version": 3, "batch_invariant_mode": True, "flash_decode": True,
+           "position_embedding_type": "mrope"}
+
+
+def _config(**fields) -> TransformerConfig:
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
+    for name, value in fields.items():      # after construction: Megatron's own checks of some need CUDA/TE
+        setattr(config, name, value)
+    return config
+
+
+def _core(config=None, **kwargs) -> CPCoreAttention:
+    args = {"layer_number": 1, "attn_mask_type": AttnMaskType.causal, "cp_config": CP_CONFIG,
+            "groups_provider": GroupsProvider(CP_CONFIG), **kwargs}
+    return CPCoreAttention(config if config is not None else _config(), **args)
+
+
+def test_every_refused_option_is_tested():
+    assert {option.field for option in MODEL_OPTIONS} == set(REFUSED)
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_core_attention_refuses(field):
+    _core()                                   # the plain config is accepted
+    with pytest.raises(ValueError, match="cannot honour these settings") as e:
+        _core(_config(**{field: REFUSED[field]}))
+    assert f"{field}={REFUSED[field]!r} (--{field.replace('_', '-')})" in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["off-by-one", "learnable"])
+def test_softmax_offsets_refused_and_vanilla_accepted(value):
+    _core(_config(softmax_type="vanilla"))
+    with pytest.raises(ValueError, match=f"softmax_type='{value}'"):
+        _core(_config(softmax_type=value))
+
+
+def test_core_attention_arguments():
+    with pytest.raises(TypeError, match=r"arguments it does not implement: \['k_channels'\]"):
+        _core(k_channels=16)
+    with pytest.raises(ValueError, match="cp_comm_type='a2a' .* conflicts"):
+        _core(cp_comm_type="a2a")
+    _core(cp_comm_type="p2p")
+    with pytest.raises(ValueError, match="causal and no_mask attention, not padding"):
+        _core(attn_mask_type=AttnMaskType.padding)
+    with pytest.raises(ValueError, match="self-attention only"):
+        _core(attention_type="cross")
+    with pytest.raises(ValueError, match="context_parallel_size=2 in the TransformerConfig but the context-parallel "
+                                         "group has 1 ranks"):
+        _core(_config(context_parallel_size=2))
+
+
+def _qkv(s=8, b=2):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(s, b, 4, 16, generator=g, dtype=torch.float64),
+            *(torch.randn(s, b, 2, 16, generator=g, dtype=torch.float64) for _ in range(2)))
+
+
+def test_mask_tensors_are_refused():
+    core = _core()
+    q, k, v = _qkv()
+    causal = torch.ones(8, 8, dtype=torch.bool).triu(1)[None, None]
+    with pytest.raises(ValueError, match="got an attention_mask with attn_mask_type causal.*"
+                                         "--no-create-attention-mask-in-dataloader"):
+        core(q, k, v, causal)
+    out = core(q, k, v, None)                # the causal mask the attention applies itself
+    scores = torch.einsum("ibhd,jbhd->bhij", q, k.repeat_interleave(2, 2)) / 4.0
+    want = torch.einsum("bhij,jbhd->ibhd", scores.masked_fill(causal[0], float("-inf")).softmax(-1),
+                        v.repeat_interleave(2, 2))
+    torch.testing.assert_close(out, want.reshape(8, 2, 64), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="attn_mask_type no_mask"):
+        _core(attn_mask_type=AttnMaskType.no_mask)(q, k, v, causal)
+
+
+def _megatron_batch(reset_attention_mask: bool, seq=16):
+    """A sample as Megatron's GPTDataset builds it (its own mask/position function), batched."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    tokens = torch.arange(seq) % 7               # token 6 is the end of each document
+    mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
+        tokens, eod_token=6, reset_position_ids=False, reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=False, create_attention_mask=True)
+    return {"tokens": tokens[None].repeat(2, 1), "labels": tokens[None].repeat(2, 1),
+            "loss_mask": loss_mask[None].repeat(2, 1), "position_ids": position_ids[None].repeat(2, 1),
+            "attention_mask": mask[None].repeat(2, 1, 1, 1)}
+
+
+def test_shard_batch_checks_and_drops_the_dataloader_mask():
+    from ctx_plugin.megatron.spec import shard_batch
+
+    groups = ctx_plugin.build_cp_groups(CP_CONFIG)
+    batch = _megatron_batch(reset_attention_mask=False)
+    assert batch["attention_mask"].shape == (2, 1, 16, 16)
+    sharded = shard_batch(batch, config=CP_CONFIG, groups=groups)
+    assert sharded["attention_mask"] is None and torch.equal(sharded["tokens"], batch["tokens"])
+    with pytest.raises(ValueError, match="not the standard causal mask .*--reset-attention-mask"):
+        shard_batch(_megatron_batch(reset_attention_mask=True), config=CP_CONFIG, groups=groups)
+    with pytest.raises(ValueError, match="must be Megatron's bool"):
+        shard_batch({**batch, "attention_mask": batch["attention_mask"].float()}, config=CP_CONFIG, groups=groups)
+
+
+def test_rotary_embeddings_other_than_rope_and_yarn_are_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (MultimodalRotaryEmbedding,
+                                                                             RotaryEmbedding)
+
+    from ctx_plugin.megatron.spec import LayoutRotaryEmbedding, use_layout_rope
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")      # MultimodalRotaryEmbedding's constructor
+    groups = ctx_plugin.build_cp_groups(CP_CONFIG)
+
+    class MyRope(RotaryEmbedding):
+        pass
+
+    for rope in (MultimodalRotaryEmbedding(kv_channels=16, rotary_percent=1.0),
+                 MyRope(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)):
+        with pytest.raises(ValueError, match=f"rotary embedding .*{type(rope).__name__} is not supported by ctx_plugin"):
+            use_layout_rope(SimpleNamespace(rotary_pos_emb=rope), CP_CONFIG, groups)
+    model = SimpleNamespace(rotary_pos_emb=RotaryEmbedding(kv_channels=16, rotary_percent=1.0,
+                                                           use_cpu_initialization=True))
+    use_layout_rope(model, CP_CONFIG, groups)
+    use_layout_rope(model, CP_CONFIG, groups)            # again: already layout-aware
+    assert type(model.rotary_pos_emb) is LayoutRotaryEmbedding
