@@ -103,6 +103,10 @@ def settings_from_args(args: argparse.Namespace) -> MegatronCPSettings:
     if getattr(args, "attention_dropout", 0.0):
         raise ValueError(f"ctx_plugin's attention has no dropout; set --attention-dropout 0 "
                          f"(got {args.attention_dropout})")
+    from .options import check_data_options, check_model_options     # the table of refused options
+
+    check_model_options(args, where="ctx_plugin's attention")
+    check_data_options(args)
     recompute = _recompute(args)
     megatron_fields = None
     if recompute.preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN):
