@@ -2,11 +2,25 @@
 through their aten ops
 because ring attention needs the log-sum-exp in forward and a backward that takes the merged out/lse.
 
-Both ops take ``[B, H, S, D]`` views (we pass transposes of our ``[B, S, H, D]`` tensors, no copies) and
-need equal head counts, so GQA K/V heads are expanded for the call and their gradients summed back. Their
-``is_causal`` is aligned top-left, so a causal block with more keys than queries (bottom-right, see base.py)
-runs as a full block over the leading keys plus a square causal block, merged in fp32.
-Checked on torch 2.13 (schemas, meta kernels); the CUDA behaviour is covered by ``tests/gpu``.
+Both ops take ``[B, H, S, D]`` views of our ``[B, S, H, D]`` tensors and need equal head counts, so GQA K/V
+heads are expanded for the call and their gradients summed back. Their ``is_causal`` is aligned top-left, so a
+causal block with more keys than queries (bottom-right, see base.py) runs as a full block over the leading keys
+plus a square causal block, merged in fp32.
+
+**Layouts handed to the ops.** The ring and all-gather loops pass sequence slices (zigzag halves, striped
+``q[1:]``/``k[:-1]``, K/V views into the packed ``[2, B, S, H, D]`` buffer), whose batch stride is that of the
+whole buffer. torch's own ``scaled_dot_product_attention`` hands cuDNN the ``[B, H, S, D]`` transpose of a
+freshly allocated ``[B, S, H, D]`` tensor (strides ``(S·H·D, D, H·D, 1)``, the only unpacked layout torch's
+``check_cudnn_layout`` accepted), and cuDNN has returned wrong results on other strides before: its graph cache
+is keyed by q/k/v strides only, not by those of out and grad_out, and cuDNN < 9.5.1 assumed grad_out has out's
+strides. So the cuDNN kernel passes q, k, v, out and grad_out in exactly that layout: a view when the elements
+already sit that way (a slice of a batch-1 tensor: only the batch stride is rewritten, no copy), else one copy
+of the slice. torch's flash kernel reads batch/sequence/head strides itself (its backward makes out and
+grad_out contiguous on its own), so it, like the CPU kernel, only needs a unit stride in the last dimension.
+
+Checked on torch 2.13 (schemas, meta kernels) and against torch's ``sdp_utils.cpp`` (hardware, dtype and head
+size checks, see :func:`cudnn_unavailable` / :func:`flash_unavailable`); the CUDA behaviour is covered by
+``tests/gpu``.
 """
 from __future__ import annotations
 
@@ -33,8 +47,29 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-def unavailable_common(device: torch.device, dtype: torch.dtype, head_dim: int, what: str,
-                       max_head_dim: int) -> str | None:
+def _last_dim_unit(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def dense_bshd(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[B, S, H, D]``) with the strides of a freshly allocated tensor of its shape: a view when its
+    elements already sit that way (only the strides of size-1 dimensions differ), else a contiguous copy."""
+    if not x.is_contiguous():
+        return x.contiguous()
+    strides, step = [], 1
+    for size in reversed(x.shape):
+        strides.insert(0, step)
+        step *= size
+    return x if x.stride() == tuple(strides) else x.as_strided(x.shape, strides, x.storage_offset())
+
+
+# torch 2.13's sdp_utils.cpp: cuDNN attention and the flash kernel both accept [sm80, sm121] (check_sm_version);
+# FlashAttention-2 has no sm75 kernels (torch's sm75 support ended with FlashAttention-1, torch < 2.2).
+_SM_RANGE = ((8, 0), (12, 1))
+_CUDNN_MAX_HEAD_DIM = 128   # 256 needs sm90/sm10x, cuDNN > 9.22 and a cudnn-frontend >= 1.24 build (not visible here)
+
+
+def _common(device: torch.device, dtype: torch.dtype, head_dim: int, what: str, max_head_dim: int) -> str | None:
     if device.type != "cuda":
         return f"{what} needs a CUDA device (got {device.type}); use kernel='torch' or 'auto' on this device"
     if dtype not in _HALF:
@@ -44,17 +79,43 @@ def unavailable_common(device: torch.device, dtype: torch.dtype, head_dim: int, 
     return None
 
 
+def _hardware(device: torch.device, what: str) -> tuple[tuple[int, int] | None, str | None]:
+    """(compute capability, None) on a usable NVIDIA GPU in torch's range, else (None or capability, reason)."""
+    if not torch.cuda.is_available():
+        return None, f"{what} needs CUDA, but torch.cuda.is_available() is False; use kernel='auto'"
+    cap = tuple(torch.cuda.get_device_capability(device))
+    if torch.version.hip is None and not _SM_RANGE[0] <= cap <= _SM_RANGE[1]:
+        return cap, (f"{what} runs on sm80 to sm121 GPUs only (torch's own check), {device} is sm{cap[0]}{cap[1]}; "
+                     f"use kernel='auto' (it falls back) or 'torch'")
+    return cap, None
+
+
 def cudnn_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    reason = unavailable_common(device, dtype, head_dim, "torch's cuDNN attention", 128)
+    what = "torch's cuDNN attention"
+    reason = _common(device, dtype, head_dim, what, _CUDNN_MAX_HEAD_DIM)
+    if reason is None and torch.version.hip is not None:
+        reason = f"{what} is not part of ROCm builds of torch; use kernel='sdpa_flash' or 'auto'"
     if reason is None and not torch.backends.cudnn.is_available():
-        reason = "torch's cuDNN attention needs cuDNN, which this torch build cannot load"
-    return reason
+        reason = f"{what} needs cuDNN, which this torch build cannot load"
+    if reason is None and (torch.backends.cudnn.version() or 0) < 90000:
+        reason = (f"{what} needs cuDNN 9.0 or newer (torch refuses older ones), this is "
+                  f"{torch.backends.cudnn.version()}; use kernel='auto'")
+    return reason or _hardware(device, what)[1]
 
 
 def flash_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    reason = unavailable_common(device, dtype, head_dim, "torch's flash attention", 256)
+    what = "torch's flash attention"
+    reason = _common(device, dtype, head_dim, what, 256)
     if reason is None and not torch.backends.cuda.is_flash_attention_available():
         reason = "this torch build has no flash attention kernel; use kernel='sdpa_cudnn' or 'torch'"
+    if reason is not None:
+        return reason
+    cap, reason = _hardware(device, what)
+    if reason is None and torch.version.hip is None and 192 < head_dim <= 224 \
+            and ((8, 6) <= cap <= (8, 9) or (12, 0) <= cap <= (12, 1)):
+        # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120: no backward for these sizes.
+        reason = (f"{what} has no backward for head sizes 193-224 on sm86-sm89 and sm120-sm121 GPUs ({device} is "
+                  f"sm{cap[0]}{cap[1]}, head size {head_dim}); use kernel='auto' or 'torch'")
     return reason
 
 
@@ -69,9 +130,15 @@ def cpu_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 
 
 class _SdpaKernel:
-    """Shared GQA handling; subclasses call the aten forward/backward ops."""
+    """Shared GQA handling and layouts; subclasses call the aten forward/backward ops."""
 
     name = ""
+    dense = False
+    """Whether the op needs freshly-allocated layouts (:func:`dense_bshd`), not only a unit last stride."""
+
+    def _layout(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (``[B, S, H, D]``) as the op needs it, returned as its ``[B, H, S, D]`` view."""
+        return _bhsd(dense_bshd(x) if self.dense else _last_dim_unit(x))
 
     def forward(self, q, k, v, *, causal: bool, scale: float):
         check_block(q, k, causal)
@@ -95,18 +162,20 @@ class _SdpaKernel:
 
     def _block_forward(self, q, k, v, causal: bool, scale: float):
         g = q.shape[2] // k.shape[2]
-        out, lse = self._fwd(_bhsd(q), _bhsd(_expand_kv(k, g)), _bhsd(_expand_kv(v, g)), causal, scale)
+        out, lse = self._fwd(*(self._layout(t) for t in (q, _expand_kv(k, g), _expand_kv(v, g))), causal, scale)
         return _bhsd(out), lse.reshape(lse.shape[:3]).to(accum_dtype(q.dtype))
 
     def _block_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         g = q.shape[2] // k.shape[2]
-        dq, dk, dv = self._bwd(_bhsd(dout.to(q.dtype)), _bhsd(q), _bhsd(_expand_kv(k, g)), _bhsd(_expand_kv(v, g)),
-                               _bhsd(out.to(q.dtype)), lse.to(accum_dtype(q.dtype)).contiguous(), causal, scale)
+        tensors = (dout.to(q.dtype), q, _expand_kv(k, g), _expand_kv(v, g), out.to(q.dtype))
+        dq, dk, dv = self._bwd(*(self._layout(t) for t in tensors), lse.to(accum_dtype(q.dtype)).contiguous(),
+                               causal, scale)
         return _bhsd(dq), _reduce_kv(_bhsd(dk), g), _reduce_kv(_bhsd(dv), g)
 
 
 class CudnnKernel(_SdpaKernel):
     name = "sdpa_cudnn"
+    dense = True
 
     def _fwd(self, q, k, v, causal, scale):
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,

@@ -1,6 +1,8 @@
 """The kernel registry: auto picks an available kernel, explicit unavailable kernels say how to get them."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -43,3 +45,80 @@ def test_half_precision_only_kernels_name_the_dtype():
 
 def test_non_float_inputs_are_refused_even_by_auto():
     assert "floating-point" in kernel_unavailable(Kernel.AUTO, CPU, torch.int64, 64)
+
+
+# ---------------------------------------------------------------- GPU guards, checked against monkeypatched devices
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A CUDA device of a chosen compute capability (no flash-attn installed, torch's cuDNN 9 present)."""
+    for name in ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn_interface", "flash_attn_3",
+                 "flash_attn_3.flash_attn_interface"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+
+    def use(capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    return use
+
+
+@pytest.mark.parametrize("capability,cudnn,flash", [
+    ((7, 0), False, False), ((7, 5), False, False),             # V100, T4: torch accepts neither
+    ((8, 0), True, True), ((8, 6), True, True), ((8, 9), True, True), ((9, 0), True, True),
+    ((10, 0), True, True), ((12, 0), True, True), ((12, 1), True, True),
+    ((13, 0), False, False)])                                    # beyond torch 2.13's [sm80, sm121]
+def test_sdpa_kernels_follow_torchs_compute_capability_range(gpu, capability, cudnn, flash):
+    gpu(capability)
+    for kernel, ok in ((Kernel.SDPA_CUDNN, cudnn), (Kernel.SDPA_FLASH, flash)):
+        reason = kernel_unavailable(kernel, CUDA, torch.bfloat16, 128)
+        assert (reason is None) == ok, reason
+        if not ok:
+            assert "sm80 to sm121" in reason and f"sm{capability[0]}{capability[1]}" in reason
+
+
+@pytest.mark.parametrize("capability,picked", [((7, 5), Kernel.TORCH), ((7, 0), Kernel.TORCH),
+                                               ((8, 0), Kernel.SDPA_CUDNN), ((9, 0), Kernel.SDPA_CUDNN)])
+def test_auto_falls_back_on_old_gpus_instead_of_crashing(gpu, capability, picked):
+    gpu(capability)
+    assert select_kernel(Kernel.AUTO, CUDA, torch.float16, 128).name == picked.value
+
+
+def test_auto_takes_torchs_flash_kernel_where_cudnn_cannot(gpu, monkeypatch):
+    gpu((8, 0))
+    assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 256).name == Kernel.SDPA_FLASH.value   # cuDNN <= 128
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 8906)
+    assert "cuDNN 9.0 or newer" in kernel_unavailable(Kernel.SDPA_CUDNN, CUDA, torch.bfloat16, 128)
+    assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128).name == Kernel.SDPA_FLASH.value
+
+
+@pytest.mark.parametrize("capability,head_dim,ok", [
+    ((8, 6), 200, False), ((8, 9), 224, False), ((12, 0), 208, False),   # no backward for 193..224 there
+    ((8, 6), 192, True), ((8, 6), 232, True), ((8, 6), 256, True), ((8, 0), 200, True), ((9, 0), 224, True)])
+def test_torch_flash_kernel_head_dims_without_a_backward(gpu, capability, head_dim, ok):
+    gpu(capability)
+    reason = kernel_unavailable(Kernel.SDPA_FLASH, CUDA, torch.float16, head_dim)
+    assert (reason is None) == ok, reason
+    if not ok:
+        assert "no backward" in reason and str(head_dim) in reason
+
+
+def test_sdpa_head_dim_limits_and_rocm(gpu, monkeypatch):
+    gpu((9, 0))
+    assert "at most 128" in kernel_unavailable(Kernel.SDPA_CUDNN, CUDA, torch.float16, 256)
+    assert "at most 256" in kernel_unavailable(Kernel.SDPA_FLASH, CUDA, torch.float16, 264)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert "ROCm" in kernel_unavailable(Kernel.SDPA_CUDNN, CUDA, torch.float16, 128)
+
+
+def test_sdpa_kernels_need_a_visible_gpu(gpu, monkeypatch):
+    gpu((9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for kernel in (Kernel.SDPA_CUDNN, Kernel.SDPA_FLASH):
+        assert "is_available() is False" in kernel_unavailable(kernel, CUDA, torch.float16, 128)
+    assert select_kernel(Kernel.AUTO, CUDA, torch.float16, 128).name == Kernel.TORCH.value

@@ -1,0 +1,174 @@
+"""What torch's cuDNN and flash kernels receive at P >= 2: the strided sequence slices of the ring and all-gather
+loops (zigzag halves, striped ``q[1:]``/``k[:-1]``, K/V views into the packed buffer) must reach the aten ops in
+the layouts they accept.
+
+No GPU here: the aten ops are replaced by recording stand-ins that check each argument's layout and dtype the
+way the real op needs them (cuDNN: q/k/v/out/grad_out as the [B, H, S, D] transpose of a freshly allocated
+[B, S, H, D] tensor; flash: a unit last stride, the LSE read as raw fp32 [B, H, S] memory, as FlashAttention-2
+reads it), compute attention in float32 from the values (the LSE and out they are given, in backward), and
+return outputs laid out as the real ops allocate them. The whole context-parallel attention then runs through
+simulated ranks (threads exchanging real data) and is compared with a float64 dense reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ctx_plugin
+import ctx_plugin.api
+from ctx_plugin.bench.harness import simulated_outputs
+from ctx_plugin.kernels import sdpa
+from ctx_plugin.names import Backend, Kernel
+from tests.reference import dense_with_grads, rel_err
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _canonical(t: torch.Tensor) -> bool:
+    """The [B, H, S, D] transpose of a freshly allocated [B, S, H, D] tensor (check_cudnn_layout's layout)."""
+    b, h, s, d = t.shape
+    return t.stride() == (s * h * d, d, h * d, 1)
+
+
+def _raw_lse(lse: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    """``lse``'s memory read as a contiguous fp32 [B, H, S] array from its data pointer, as the CUDA kernels do."""
+    raw = torch.empty(0, dtype=torch.float32)
+    offset_bytes = lse.storage_offset() * lse.element_size()
+    return raw.set_(lse.untyped_storage(), offset_bytes // 4, shape, (shape[1] * shape[2], shape[2], 1))
+
+
+def _scores(q, k, causal, scale):
+    s = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale
+    if causal:      # torch's is_causal is top-left; the kernel only asks for square causal blocks
+        assert q.shape[2] == k.shape[2], "a causal call must be square (torch refuses non-square causal)"
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s
+
+
+def _forward(q, k, v, causal, scale):
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhqk,bhkd->bhqd", torch.exp(s - lse[..., None]), v.float()), lse
+
+
+def _backward(do, q, k, v, o, lse, causal, scale):
+    """Gradients from the given (merged) out and LSE, as the fused kernels compute them."""
+    p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
+    do32 = do.float()
+    delta = (do32 * o.float()).sum(-1, keepdim=True)
+    ds = p * (torch.einsum("bhqd,bhkd->bhqk", do32, v.float()) - delta)
+    return (torch.einsum("bhqk,bhkd->bhqd", ds, k.float()) * scale,
+            torch.einsum("bhqk,bhqd->bhkd", ds, q.float()) * scale, torch.einsum("bhqk,bhqd->bhkd", p, do32))
+
+
+def _like(template: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` in a tensor allocated like the real ops allocate outputs (empty_like(q) keeps q's layout)."""
+    return torch.empty_like(template).copy_(values)
+
+
+class Recorder:
+    """Stand-ins for the four aten ops; each checks its arguments' contract, then computes."""
+
+    def __init__(self) -> None:
+        self.calls = {"cudnn": 0, "cudnn_bwd": 0, "flash": 0, "flash_bwd": 0}
+
+    @staticmethod
+    def _half(*ts):
+        assert all(t.dtype in HALF and t.dtype == ts[0].dtype for t in ts), [t.dtype for t in ts]
+
+    def cudnn(self, q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale):
+        self.calls["cudnn"] += 1
+        self._half(q, k, v)
+        for name, t in zip("qkv", (q, k, v)):
+            assert _canonical(t), f"cuDNN got {name} with strides {t.stride()} for shape {tuple(t.shape)}"
+        assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not return_debug_mask
+        o, lse = _forward(q, k, v, is_causal, scale)
+        seed = torch.zeros((), dtype=torch.int64)
+        return _like(q, o), lse[..., None].contiguous(), None, None, q.shape[2], k.shape[2], seed, seed, None
+
+    def cudnn_bwd(self, grad_out, q, k, v, out, logsumexp, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k,
+                  dropout_p, is_causal, *, scale):
+        self.calls["cudnn_bwd"] += 1
+        self._half(grad_out, q, k, v, out)
+        for name, t in zip(("grad_out", "q", "k", "v", "out"), (grad_out, q, k, v, out)):
+            assert _canonical(t), f"cuDNN backward got {name} with strides {t.stride()} for {tuple(t.shape)}"
+        b, h, s, _ = q.shape
+        assert logsumexp.dtype == torch.float32 and logsumexp.shape == (b, h, s, 1) and logsumexp.is_contiguous()
+        assert (max_q, max_k, dropout_p) == (s, k.shape[2], 0.0)
+        grads = _backward(grad_out, q, k, v, out, logsumexp[..., 0], is_causal, scale)
+        return tuple(_like(t, g) for t, g in zip((q, k, v), grads))
+
+    def flash(self, q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
+        self.calls["flash"] += 1
+        self._half(q, k, v)
+        assert all(t.stride(-1) == 1 for t in (q, k, v)) and dropout_p == 0.0 and not return_debug_mask
+        o, lse = _forward(q, k, v, is_causal, scale)
+        seed = torch.zeros((), dtype=torch.int64)
+        return _like(q, o), lse.contiguous(), None, None, q.shape[2], k.shape[2], seed, seed, None
+
+    def flash_bwd(self, grad_out, q, k, v, out, logsumexp, cum_q, cum_k, max_q, max_k, dropout_p, is_causal,
+                  seed, offset, *, scale):
+        self.calls["flash_bwd"] += 1
+        self._half(grad_out, q, k, v, out)
+        assert all(t.stride(-1) == 1 for t in (grad_out, q, k, v, out)) and dropout_p == 0.0
+        lse = _raw_lse(logsumexp, tuple(q.shape[:3]))
+        grads = _backward(grad_out, q, k, v, out, lse, is_causal, scale)
+        return tuple(_like(t, g) for t, g in zip((q, k, v), grads))
+
+
+KERNELS = {Kernel.SDPA_CUDNN: sdpa.CudnnKernel, Kernel.SDPA_FLASH: sdpa.FlashKernel}
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = Recorder()
+    for op, fn in (("_scaled_dot_product_cudnn_attention", rec.cudnn),
+                   ("_scaled_dot_product_cudnn_attention_backward", rec.cudnn_bwd),
+                   ("_scaled_dot_product_flash_attention", rec.flash),
+                   ("_scaled_dot_product_flash_attention_backward", rec.flash_bwd)):
+        monkeypatch.setattr(torch.ops.aten, op, fn)
+
+    def select(name, device, dtype, head_dim):     # the CUDA kernels, on CPU tensors, behind the stand-ins
+        return KERNELS[name]()
+    monkeypatch.setattr(ctx_plugin.api, "select_kernel", select)
+    return rec
+
+
+def _inputs(batch, seq, heads, kv_heads, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: (torch.randn(batch, seq, h, 16, generator=g, dtype=torch.float64) * 1.5).to(dtype)  # noqa: E731
+    return mk(heads), mk(kv_heads), mk(kv_heads), mk(heads)
+
+
+# (batch, kv heads, causal): batch 2 makes every sequence slice non-dense; MHA K/V stay views into the packed
+# buffer (GQA K/V are expanded, hence copied); batch 1 slices are dense apart from their batch stride.
+SHAPES = [(2, 4, True), (1, 2, True), (2, 2, False)]
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS), ids=lambda k: k.value)
+@pytest.mark.parametrize("backend", [Backend.ZIGZAG, Backend.STRIPED, Backend.ALLGATHER, Backend.RING],
+                         ids=lambda b: b.value)
+@pytest.mark.parametrize("batch,kv_heads,causal", SHAPES, ids=["b2-mha-causal", "b1-gqa-causal", "b2-gqa-full"])
+def test_simulated_ranks_hand_the_ops_their_layouts(recorder, kernel, backend, batch, kv_heads, causal):
+    size = 3 if backend == Backend.RING else 2
+    q, k, v, dout = _inputs(batch, 24, 4, kv_heads, torch.float16, seed=batch + kv_heads)
+    cfg = ctx_plugin.CPConfig(backend=backend, kernel=kernel)
+    got = simulated_outputs(cfg, size, q, k, v, dout, causal=causal)
+    want = dense_with_grads(*(t.double() for t in (q, k, v, dout)), causal=causal)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.dtype == torch.float16 and g.shape == w.shape
+        assert rel_err(g, w) < 4e-3, f"{name}: {rel_err(g, w):.2e}"
+    prefix = "cudnn" if kernel == Kernel.SDPA_CUDNN else "flash"
+    assert recorder.calls[prefix] > 0 and recorder.calls[prefix + "_bwd"] > 0
+
+
+def test_dense_bshd_copies_only_what_is_not_laid_out_densely():
+    base = torch.randn(2, 10, 3, 8)
+    assert sdpa.dense_bshd(base) is base
+    one = torch.randn(1, 10, 3, 8)[:, 2:6]                # batch 1: a dense block with the whole tensor's strides
+    view = sdpa.dense_bshd(one)
+    assert view.data_ptr() == one.data_ptr() and view.stride() == (4 * 3 * 8, 24, 8, 1) and torch.equal(view, one)
+    two = base[:, 2:6]                                    # batch 2: a gap between the batches
+    copy = sdpa.dense_bshd(two)
+    assert copy.data_ptr() != two.data_ptr() and copy.is_contiguous() and torch.equal(copy, two)
+    assert _canonical(sdpa.dense_bshd(base[:, 1:, :, :]).transpose(1, 2))
