@@ -2,7 +2,7 @@
 
 Activations are counted tensor by tensor for the block ctx_plugin trains (``ctx_plugin.models``: pre-norm,
 fused QKV projection, RoPE, CP attention, SwiGLU or GELU MLP), so they match what a forward pass really keeps
-for backward (the tests measure it, within 5%). Per layer and rank, with t = b·s/cp local tokens, e bytes
+for backward (the tests measure it on CPU and hold it to the exact byte). Per layer and rank, with t = b·s/cp local tokens, e bytes
 per element, q_w = heads·d and kv_w = kv_heads·d per TP rank::
 
     none / attn_out   x, norm stats, norm out, [attention], RoPE cos/sin, x₂, stats, norm out, MLP (4f | 2f)
