@@ -23,22 +23,27 @@ from .presets import RecomputeConfig, regions
 
 _ORIGINAL = "_ctx_plugin_original_forward"
 _aten = torch.ops.aten
-# What "selective" keeps: matrix products and fused attention kernels (costly to recompute) ...
+# What "selective" keeps: matrix products and fused attention kernels (costly to recompute), nothing else.
 _SAVE_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
                        _aten._scaled_mm.default, _aten._scaled_dot_product_flash_attention.default,
                        _aten._scaled_dot_product_cudnn_attention.default,
                        _aten._scaled_dot_product_efficient_attention.default,
                        _aten._scaled_dot_product_flash_attention_for_cpu.default})
-# ... and every communication result (tensor/sequence-parallel collectives of the layer).
-_COMM_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d"})
 
 
 def _selective_policy(pins: AttentionPins, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Save matmul and fused-attention outputs; recompute every other op, communication included.
+
+    The context-parallel attention needs no saving: it is pinned (recorded in forward, its output replayed in
+    backward, see :mod:`ctx_plugin.pinning`), so its ring / all-to-all traffic runs once whatever this says. Any
+    other collective inside a layer belongs to the framework around it, and caching its result is wrong:
+    torch.distributed's collectives write into buffers their caller owns and frees or refills, e.g. ZeRO-3
+    all-gathers each module's parameters into a buffer it releases after the module ran, so a saved gather hands
+    stale memory to the recomputation (NaN gradients at data parallel 2). Re-running them is what such
+    frameworks expect (ZeRO-3 gathers the parameters again for backward anyway)."""
     if pins.in_attention:      # the pinned attention is replayed whole, never op by op
         return CheckpointPolicy.PREFER_RECOMPUTE
-    if op in _SAVE_OPS or getattr(op, "namespace", "") in _COMM_NAMESPACES:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @contextmanager
@@ -99,20 +104,61 @@ class _Region:
         return out
 
     def pass_through(self, position: int, *args, **kwargs):
-        """A later layer of the region: its work is already done; hand on the region's output."""
-        out = self.last
-        if out is None or _hidden(out) is not _input(args, kwargs):
+        """A later layer of the region: its work is already done; hand on the region's output, as the tensor this
+        layer was called with. That is the output itself, or an alias of it made by module hooks: ZeRO-3 passes
+        every module's inputs and outputs through autograd functions (to fetch and release parameters in
+        backward), and handing on what the layer got keeps those functions in the gradient's path."""
+        out, hidden = self.last, _input(args, kwargs)
+        if out is None or not _aliases(_hidden(out), hidden):
             raise RuntimeError("a layer inside a multi-layer recompute region was called with something other than "
                                "the previous layer's output; apply full:uniform:N / sqrt only to layers the model "
                                "calls one after another")
         if position == len(self.forwards) - 1:
             self.last = None
-        return out
+        return hidden if isinstance(out, torch.Tensor) else (hidden, *out[1:])
 
 
-def _patch(module: nn.Module, forward) -> None:
+def _aliases(out: torch.Tensor, x) -> bool:
+    """Whether ``x`` is ``out`` or views all of its memory the same way (e.g. ``out.detach()``)."""
+    return isinstance(x, torch.Tensor) and (x is out or (
+        x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() and x.device == out.device
+        and x.dtype == out.dtype and x.shape == out.shape and x.stride() == out.stride()
+        and x.storage_offset() == out.storage_offset()))
+
+
+def _hf_checkpointing(layer: nn.Module) -> bool:
+    """Whether Hugging Face's own gradient checkpointing (``model.gradient_checkpointing_enable()``) is on for
+    ``layer`` (transformers sets ``gradient_checkpointing`` on its ``GradientCheckpointingLayer`` modules)."""
+    return getattr(layer, "gradient_checkpointing", False) is True
+
+
+def _hf_conflict(config, layers: list[int]) -> ValueError:
+    return ValueError(f"decoder layers {layers} use Hugging Face's own gradient checkpointing "
+                      f"(model.gradient_checkpointing_enable()) and the recompute preset {config} at once: HF's "
+                      "checkpoint re-runs the context-parallel attention in backward (repeating its communication) "
+                      "or fails there; use one or the other: model.gradient_checkpointing_disable() to keep the "
+                      "preset (whose attention stays pinned), or recompute preset 'none'")
+
+
+def refuse_hf_checkpointing(layers: Sequence[nn.Module], config: RecomputeConfig) -> None:
+    """A ValueError if ``config`` (any preset but ``none``) would run next to HF's own gradient checkpointing."""
+    on = [i for i, layer in enumerate(layers) if _hf_checkpointing(layer)]
+    if on and config.preset != Recompute.NONE:
+        raise _hf_conflict(config, on)
+
+
+def _patch(module: nn.Module, forward, *, layers: list, index: int, config) -> None:
+    """Replaces ``module.forward`` (``module`` is ``layers[index]`` or part of it); the replacement refuses to run
+    while HF's gradient checkpointing is on for that layer (also when it is switched on after :func:`apply`)."""
+    layer = layers[index]
+
+    def patched(*args, **kwargs):
+        if _hf_checkpointing(layer) and layer.training and torch.is_grad_enabled():
+            raise _hf_conflict(config, [index])
+        return forward(*args, **kwargs)
+
     setattr(module, _ORIGINAL, module.forward)
-    module.forward = forward
+    module.forward = patched
 
 
 def _checkpointed_module(module: nn.Module):
@@ -151,14 +197,16 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
                          "ctx_plugin.recompute.resolve(config, model=..., parallel=..., ...)")
     if groups is not None and not isinstance(groups, CPGroups):
         raise TypeError(f"groups must come from ctx_plugin.build_cp_groups, got {type(groups).__name__}")
+    refuse_hf_checkpointing(layers, config)
+    patch = partial(_patch, layers=layers, config=config)
     if preset in (Recompute.NONE, Recompute.ATTN_OUT):
         return      # nothing is recomputed; the CP attention already keeps only q, k, v, out and LSE
     if preset == Recompute.MLP:
         missing = [i for i, layer in enumerate(layers) if not isinstance(getattr(layer, "mlp", None), nn.Module)]
         if missing:
             raise ValueError(f"the mlp preset needs layers with an `.mlp` submodule; layers {missing} have none")
-        for layer in layers:
-            _patch(layer.mlp, _checkpointed_module(layer.mlp))
+        for i, layer in enumerate(layers):
+            patch(layer.mlp, _checkpointed_module(layer.mlp), index=i)
         return
     if groups is None:
         raise ValueError(f"the {config} preset re-runs or pins the attention; pass groups= (the CPGroups the "
@@ -167,18 +215,18 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
         warnings.warn("recompute preset core_attn re-runs the context-parallel attention in backward, repeating "
                       "its ring/all-to-all communication, and saves no memory over 'none' with ctx_plugin's "
                       "flash-style attention; prefer 'selective' or 'full'", stacklevel=2)
-        for layer in layers:
-            _patch(layer, _core_recompute(layer.forward, groups.pins))
+        for i, layer in enumerate(layers):
+            patch(layer, _core_recompute(layer.forward, groups.pins), index=i)
         return
     if preset == Recompute.SELECTIVE:
-        for layer in layers:
-            _patch(layer, _Region([layer.forward], groups.pins, selective=True).run)
+        for i, layer in enumerate(layers):
+            patch(layer, _Region([layer.forward], groups.pins, selective=True).run, index=i)
         return
     for start, stop in regions(config, len(layers)):      # full, full:uniform:N, full:block:N, sqrt
         region = _Region([layer.forward for layer in layers[start:stop]], groups.pins, selective=False)
-        _patch(layers[start], region.run)
+        patch(layers[start], region.run, index=start)
         for position in range(1, stop - start):
-            _patch(layers[start + position], partial(region.pass_through, position))
+            patch(layers[start + position], partial(region.pass_through, position), index=start + position)
 
 
 def remove(layers: Sequence[nn.Module]) -> None:
