@@ -2,8 +2,8 @@
 
 Activations are counted tensor by tensor for the block ctx_plugin trains (``ctx_plugin.models``: pre-norm,
 fused QKV projection, RoPE, CP attention, SwiGLU or GELU MLP), so they match what a forward pass really keeps
-for backward (the tests measure it on CPU and hold it to the exact byte). Per layer and rank, with t = b·s/cp local tokens, e bytes
-per element, q_w = heads·d and kv_w = kv_heads·d per TP rank::
+for backward (the tests measure it on CPU and hold it to the exact byte). Per layer and rank, with t = b·s/cp
+local tokens, e bytes per element, q_w = heads·d and kv_w = kv_heads·d per TP rank::
 
     none / attn_out   x, norm stats, norm out, [attention], RoPE cos/sin, x₂, stats, norm out, MLP (4f | 2f)
     [attention]       ring family: fused QKV output (v is a view of it), q, k after RoPE, out (= o_proj input), LSE
@@ -212,17 +212,21 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
 
 def resolve(recompute: RecomputeConfig | str, model: ModelSpec, parallel: ParallelSpec, *, seq_len: int,
             micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> RecomputeConfig:
-    """``budget:<GiB>`` → the least-recompute preset whose peak fits; other presets are returned unchanged."""
+    """``budget:<GiB>`` → among the presets whose estimated peak fits, the one with the least estimated recompute
+    (:attr:`MemoryEstimate.recompute_fraction`, extra FLOPs); ties go to the preset without elementwise recompute
+    (``none`` before ``selective``, whose recomputed norms and activations the FLOP estimate counts as free), then
+    to the smaller peak. Other presets are returned unchanged. Also ``ctx_plugin.recompute.resolve``."""
     recompute = RecomputeConfig.parse(recompute)
     if recompute.preset != Recompute.BUDGET:
         return recompute
     budget = recompute.budget_gib * GiB
-    best = None
-    for candidate in candidates(model.layers):
-        peak = estimate(model, parallel, candidate, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype).peak
-        if peak <= budget:
-            return candidate
-        best = min(best or (peak, candidate), (peak, candidate), key=lambda pc: pc[0])
+    estimates = [(candidate, estimate(model, parallel, candidate, seq_len=seq_len, micro_batch=micro_batch,
+                                      dtype=dtype)) for candidate in candidates(model.layers)]
+    fits = [(c, est) for c, est in estimates if est.peak <= budget]
+    if fits:     # min keeps the first of equal keys: candidates' order (none before attn_out)
+        return min(fits, key=lambda ce: (ce[1].recompute_fraction, ce[0].preset == Recompute.SELECTIVE,
+                                         ce[1].peak))[0]
+    smallest, est = min(estimates, key=lambda ce: ce[1].peak)
     raise ValueError(f"no recompute preset fits {recompute.budget_gib:g} GiB per GPU: the smallest estimate is "
-                     f"{best[0] / GiB:.1f} GiB ({best[1]}); raise the budget, the context-parallel size, tensor "
+                     f"{est.peak / GiB:.1f} GiB ({smallest}); raise the budget, the context-parallel size, tensor "
                      f"parallelism or the ZeRO stage, or shorten the sequence")

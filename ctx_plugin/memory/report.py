@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         print(_row(str(preset), estimate(model, parallel, preset, **kw)))
     if args.budget is not None:
         chosen = resolve(f"budget:{args.budget}", model, parallel, **kw)
-        print(f"budget:{args.budget:g} → {chosen} (least recompute that fits)")
+        print(f"budget:{args.budget:g} → {chosen} (fewest extra FLOPs among the presets that fit)")
     if args.plot:
         plot(model, parallel, args, dtype, Path(args.plot))
         print(f"wrote {args.plot}")

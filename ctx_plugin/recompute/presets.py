@@ -1,7 +1,8 @@
 """Recompute presets: a frozen config parsed from a short string, and the layer plan it implies.
 
 Strings: ``none``, ``attn_out``, ``selective``, ``core_attn``, ``mlp``, ``full``, ``full:uniform:N``,
-``full:block:N``, ``sqrt`` and ``budget:<GiB>`` (resolved against the memory model by :func:`resolve`).
+``full:block:N``, ``sqrt`` and ``budget:<GiB>`` (resolved against the memory model by
+:func:`ctx_plugin.recompute.resolve`).
 """
 from __future__ import annotations
 
@@ -96,9 +97,13 @@ def regions(config: RecomputeConfig, num_layers: int) -> list[tuple[int, int]]:
     return [(i, min(i + config.num_layers, num_layers)) for i in range(0, num_layers, config.num_layers)]
 
 
-# Presets in order of growing recompute, the candidates of budget:<GiB> (core_attn repeats communication and
-# saves nothing over none with ctx_plugin's attention, so it is never picked).
 def candidates(num_layers: int) -> list[RecomputeConfig]:
+    """The presets ``budget:<GiB>`` chooses among for a stack of ``num_layers`` layers.
+    :func:`ctx_plugin.recompute.resolve` ranks them by the memory model's estimated extra FLOPs, not by this order;
+    the list starts with the presets that recompute least where that estimate ties (``none``, ``attn_out``, then
+    ``selective``, whose elementwise recompute it counts as free), the order the planner keeps for equal predicted
+    times. ``core_attn`` is never a candidate: it repeats the attention's communication and saves nothing over
+    ``none``."""
     fixed = [RecomputeConfig.parse(p) for p in ("none", "attn_out", "selective", "mlp")]
     blocks = [RecomputeConfig(preset="full", method="block", num_layers=n) for n in range(1, num_layers)]
     return fixed + blocks + [RecomputeConfig.parse("full"), RecomputeConfig.parse("sqrt")]

@@ -1,6 +1,8 @@
 """Recompute presets: parsing, regions, framework mappings, application errors and budget resolution."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -129,14 +131,62 @@ LLAMA = ModelSpec.preset("llama3-8b")
 PAR = ParallelSpec(cp=8, zero_stage=1)
 
 
-def test_budget_picks_least_recompute_that_fits():
-    kw = dict(seq_len=131072)
-    peaks = {p: estimate(LLAMA, PAR, p, **kw).peak / GiB for p in ("none", "selective", "mlp", "full", "sqrt")}
-    assert peaks["none"] > peaks["selective"] > peaks["mlp"] > peaks["full"] > peaks["sqrt"]
-    assert str(resolve(f"budget:{peaks['none'] + 1}", LLAMA, PAR, **kw)) == "none"
-    assert str(resolve(f"budget:{peaks['mlp'] + 0.01}", LLAMA, PAR, **kw)) == "mlp"
-    assert str(resolve(f"budget:{peaks['sqrt'] + 0.01}", LLAMA, PAR, **kw)) == "sqrt"
-    assert str(resolve("full:block:3", LLAMA, PAR, **kw)) == "full:block:3"
+def test_extra_flops_of_the_issue_case_by_hand():
+    """Llama-3-8B, 128k tokens over 8 ranks: per token and layer, projections 2·h·(2·q_w + 2·kv_w), SwiGLU MLP
+    2·h·f·3, causal attention 2·s·q_w (halved: forward 2·2·s·q_w/2); a step is 3× the forward."""
+    h, f, s, q_w, kv_w = 4096, 14336, 131072, 4096, 1024
+    proj, mlp, attn = 2 * h * (2 * q_w + 2 * kv_w), 2 * h * f * 3, 2 * s * q_w
+    step = 3 * (proj + mlp + attn)
+    kw = dict(seq_len=s)
+    assert estimate(LLAMA, PAR, "mlp", **kw).recompute_fraction == pytest.approx(mlp / step, rel=1e-12)
+    assert estimate(LLAMA, PAR, "full:block:16", **kw).recompute_fraction == \
+        pytest.approx(16 * (proj + mlp) / (32 * step), rel=1e-12)
+    assert round(100 * mlp / step, 1) == 7.8 and round(100 * 16 * (proj + mlp) / (32 * step), 1) == 4.8
+
+
+@pytest.mark.parametrize("budget,chosen", [
+    (150, "none"),            # everything fits: nothing recomputed
+    (120, "selective"),       # none (148.3 GiB) does not fit; selective (116.0) recomputes no matmul
+    (115, "full:block:16"),   # 4.8% extra FLOPs, not mlp's 7.8% (the issue's case)
+    (100, "full:block:23"),   # 6.9% < mlp's 7.8%
+    (93, "mlp"),              # 7.8% < full:block:26's 7.8%+ (92.8 GiB)
+    (81, "sqrt"),             # full (80.0 GiB) and sqrt (76.8) recompute the same: the smaller peak
+    (78, "sqrt"),
+])
+def test_budget_picks_least_extra_flops_that_fits(budget, chosen):
+    """Hand-read from `ctx-plugin memory --model llama3-8b --seq-len 128k --cp 8` (ZeRO-1)."""
+    assert str(resolve(f"budget:{budget}", LLAMA, PAR, seq_len=131072)) == chosen
+    assert str(recompute.resolve(f"budget:{budget}", LLAMA, PAR, seq_len=131072)) == chosen
+
+
+def test_budget_rule_on_hand_made_estimates(monkeypatch):
+    """The choice alone, on made-up (peak GiB, extra FLOPs) pairs: least FLOPs among those that fit; ties go to
+    the preset without elementwise recompute, then to the smaller peak; candidates not listed do not fit."""
+    import ctx_plugin.memory.model as model
+
+    def run(table, budget):
+        def fake(m, p, preset, **kw):
+            peak, frac = table.get(str(preset), (1e9, 0.0))
+            return SimpleNamespace(peak=peak * GiB, recompute_fraction=frac)
+        monkeypatch.setattr(model, "estimate", fake)
+        return str(resolve(f"budget:{budget}", LLAMA, PAR, seq_len=131072))
+
+    base = {"none": (100, 0.0), "attn_out": (100, 0.0), "selective": (60, 0.0), "mlp": (50, 0.2),
+            "full:block:3": (55, 0.1), "full": (40, 0.3), "sqrt": (30, 0.3)}
+    assert run(base, 100) == "none"                 # ties with attn_out and selective: none
+    assert run(base, 99) == "selective"
+    assert run(base, 59) == "full:block:3"          # 0.1 < mlp's 0.2 although mlp comes first and is smaller
+    assert run(base, 54) == "mlp"
+    assert run(base, 49) == "sqrt"                  # full and sqrt tie on FLOPs: the smaller peak
+    assert run({**base, "sqrt": (45, 0.3)}, 49) == "full"
+    assert run({**base, "full:block:5": (35, 0.25)}, 49) == "full:block:5"
+    with pytest.raises(ValueError, match=r"smallest estimate is 30\.0 GiB \(sqrt\)"):
+        run(base, 29)
+
+
+def test_concrete_presets_pass_through_resolve():
+    assert str(resolve("full:block:3", LLAMA, PAR, seq_len=131072)) == "full:block:3"
+    assert recompute.resolve("sqrt", LLAMA, PAR, seq_len=131072) == RecomputeConfig.parse("sqrt")
 
 
 def test_impossible_budget_says_what_to_change():
