@@ -59,6 +59,11 @@ def parse_section(section: dict) -> ContextParallelSection:
         recompute = RecomputeConfig.parse(section.get("recompute", "none"))
     except (TypeError, ValueError) as e:
         raise type(e)(f'"{SECTION}": {e}') from None
+    if recompute.budget_gib is not None:     # the memory model needs the sequence length, which no key gives
+        raise ValueError(f'"{SECTION}.recompute": "{recompute}" cannot be resolved from a DeepSpeed config (it does '
+                         'not say the sequence length the memory model needs); choose the preset with `ctx-plugin '
+                         f'memory --model <config.json> --seq-len <tokens> --cp {size} --budget '
+                         f'{recompute.budget_gib:g}` (or ctx_plugin.recompute.resolve) and give that preset here')
     if size % cp_config.ulysses_size:
         raise ValueError(f'"{SECTION}.ulysses_size" ({cp_config.ulysses_size}) must divide "{SECTION}.size" ({size})')
     return ContextParallelSection(cp_config=cp_config, size=size, recompute=recompute)

@@ -24,6 +24,9 @@ def test_valid_section():
     ({"size": 0}, ValueError, "must be a positive int"),
     ({"size": 2, "backend": "rng"}, ValueError, r"\"context_parallel\": unknown backend 'rng'"),
     ({"size": 2, "recompute": "fulll"}, ValueError, r"\"context_parallel\": unknown recompute preset"),
+    ({"size": 4, "recompute": "budget:60"}, ValueError, r"\"context_parallel.recompute\": \"budget:60\" cannot be "
+     r"resolved .* choose the preset with `ctx-plugin memory --model <config.json> --seq-len <tokens> --cp 4 "
+     r"--budget 60`"),
     ({"size": 6, "backend": "ulysses_ring", "ulysses_size": 4}, ValueError, r"must divide \"context_parallel.size\""),
     ({"size": 2, "ulysses_size": 2}, ValueError, "applies to backend='ulysses_ring' only"),
     ([2], TypeError, "must be a JSON object"),
