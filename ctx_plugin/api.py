@@ -1,7 +1,9 @@
 """The public functions: context-parallel attention and the sharding helpers that match its layout.
 
-Every check runs before any communication and depends only on arguments that are the same on every rank
-(config, shapes, dtypes), so a bad call raises the same error on every rank instead of hanging.
+Every check runs before any data moves. Each rank checks its own arguments, then the ranks of the group agree
+on what they are about to do and on the outcome of those checks (:mod:`ctx_plugin.agreement`, one small
+metadata all-reduce; ``CPConfig.check_ranks``), so a bad call, or ranks that disagree, raise the same error on
+every rank instead of hanging or computing garbage.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from . import agreement
 from .config import CPConfig
 from .groups import CPGroups
 from .kernels import select_kernel
@@ -18,11 +21,15 @@ from .comm import reduce_scatter
 from .layouts import Layout, shard_layout
 
 
+def _check_groups(groups: CPGroups) -> None:
+    if not isinstance(groups, CPGroups):
+        raise TypeError(f"groups must come from ctx_plugin.build_cp_groups, got {type(groups).__name__}")
+
+
 def _check_setup(config: CPConfig, groups: CPGroups) -> Layout:
     if not isinstance(config, CPConfig):
         raise TypeError(f"config must be a ctx_plugin.CPConfig, got {type(config).__name__}")
-    if not isinstance(groups, CPGroups):
-        raise TypeError(f"groups must come from ctx_plugin.build_cp_groups, got {type(groups).__name__}")
+    _check_groups(groups)
     if groups.config != config:
         raise ValueError(f"groups were built for {groups.config} but this call uses {config}; "
                          f"build them with ctx_plugin.build_cp_groups(config) for the config you pass")
@@ -72,24 +79,40 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     with :func:`shard_sequence` (same config). Returns this rank's output rows, q's shape and dtype.
     ``softmax_scale`` defaults to ``head_dim ** -0.5``. Differentiable in q, k and v.
     """
-    layout = _check_setup(config, groups)
-    _check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
-    layout.check_seq_len(q.shape[1] * groups.size, groups.size)
-    check_heads(q.shape[2], k.shape[2], groups)
-    _check_device(q, groups)
-    key = (q.device, q.dtype, q.shape[-1])
-    if key not in groups.kernels:
-        groups.kernels[key] = select_kernel(config.kernel, *key)
-    kernel = groups.kernels[key]
-    return groups.pins.run(lambda: run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=causal,
-                                               scale=float(softmax_scale)))
+    _check_groups(groups)
+    kernel = error = None
+    try:                # this rank's own checks; the ranks then agree on their outcome before communicating
+        _check_setup(config, groups)
+        _check_qkv(q, k, v)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        if softmax_scale is None:
+            softmax_scale = q.shape[-1] ** -0.5
+        elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+                or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
+        shard_layout(config).check_seq_len(q.shape[1] * groups.size, groups.size)
+        check_heads(q.shape[2], k.shape[2], groups)
+        _check_device(q, groups)
+        key = (q.device, q.dtype, q.shape[-1])
+        if key not in groups.kernels:
+            groups.kernels[key] = select_kernel(config.kernel, *key)
+        kernel = groups.kernels[key]
+    except (TypeError, ValueError) as e:
+        error = e
+    if error is not None and groups.check_group is None:
+        raise error
+    signature = agreement.attention_signature(q, k, v, groups=groups, causal=causal, softmax_scale=softmax_scale,
+                                              kernel=None if kernel is None else kernel.name, error=error)
+
+    def compute() -> torch.Tensor:      # not run when a recomputed region replays the remembered output
+        agreement.check(groups, signature)
+        if error is not None:           # the same error on every rank (they agreed on it)
+            raise error
+        return run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=causal,
+                           scale=float(softmax_scale))
+
+    return groups.pins.run(compute)
 
 
 def _seq_dim(x: torch.Tensor, dim: int) -> int:
@@ -158,10 +181,20 @@ class _SumOwnRows(torch.autograd.Function):
 
 def gather_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1) -> torch.Tensor:
     """The full sequence on every rank, in original order, from each rank's shard ``x``. Differentiable."""
-    layout = _check_setup(config, groups)
-    dim = _seq_dim(x, dim)
-    layout.check_seq_len(x.shape[dim] * groups.size, groups.size)
-    if groups.size == 1:
+    _check_groups(groups)
+    error = None
+    try:
+        layout = _check_setup(config, groups)
+        dim = _seq_dim(x, dim)
+        layout.check_seq_len(x.shape[dim] * groups.size, groups.size)
+        if groups.size > 1:
+            _check_device(x, groups)
+    except (TypeError, ValueError) as e:
+        error = e
+    if error is None and groups.size == 1:
         return x
-    _check_device(x, groups)
+    if groups.check_group is not None:
+        agreement.check(groups, agreement.gather_signature(x, dim=dim, groups=groups, error=error))
+    if error is not None:
+        raise error
     return _GatherSequence.apply(x, layout, groups, dim)

@@ -7,9 +7,10 @@
         loss, report = ctx_plugin.deepspeed.causal_lm_loss(logits, batch["labels"], engine)
         engine.backward(loss); engine.step()
 
-The section is ``{"backend", "size", "ulysses_size", "kernel", "recompute"}``. The world is split into groups of
-``size`` consecutive ranks sharing each sequence; DeepSpeed's data-parallel group (ZeRO partitioning, gradient
-averaging) is all data × context ranks, handed to it as ``mpu``.
+The section is ``{"backend", "size", "ulysses_size", "kernel", "recompute", "check_ranks"}`` (``check_ranks``:
+``CPConfig.check_ranks``, default true). The world is split into groups of ``size`` consecutive ranks sharing
+each sequence; DeepSpeed's data-parallel group (ZeRO partitioning, gradient averaging) is all data × context
+ranks, handed to it as ``mpu``.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from .groups import CPGroups, build_cp_groups
 from .recompute import RecomputeConfig, apply
 
 SECTION = "context_parallel"
-_KEYS = {"backend": str, "size": int, "ulysses_size": int, "kernel": str, "recompute": str}
+_KEYS = {"backend": str, "size": int, "ulysses_size": int, "kernel": str, "recompute": str, "check_ranks": bool}
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,16 @@ def parse_section(section: dict) -> ContextParallelSection:
     if unknown:
         raise ValueError(f'unknown key(s) {unknown} in "{SECTION}"; allowed: {sorted(_KEYS)}')
     for key, kind in _KEYS.items():
-        if key in section and (not isinstance(section[key], kind) or isinstance(section[key], bool)):
+        if key in section and (not isinstance(section[key], kind)
+                               or isinstance(section[key], bool) != (kind is bool)):
             raise TypeError(f'"{SECTION}.{key}" must be a {kind.__name__}, got {section[key]!r}')
     size = section.get("size")
     if size is None or size < 1:
         raise ValueError(f'"{SECTION}.size" (ranks sharing each sequence) must be a positive int, got {size!r}')
     try:
         cp_config = CPConfig(backend=section.get("backend", "zigzag"), kernel=section.get("kernel", "auto"),
-                             ulysses_size=section.get("ulysses_size", 1))
+                             ulysses_size=section.get("ulysses_size", 1),
+                             check_ranks=section.get("check_ranks", True))
         recompute = RecomputeConfig.parse(section.get("recompute", "none"))
     except (TypeError, ValueError) as e:
         raise type(e)(f'"{SECTION}": {e}') from None

@@ -17,7 +17,8 @@ class CommCounter:
     """Counts communication operations issued through these groups (tests read it; cheap enough to keep on).
 
     Keys are operation kinds: ``"ring_kv"`` (one K/V rotation), ``"ring_dkv"`` (one dK/dV hop), ``"a2a"`` (one
-    Ulysses all-to-all), ``"allgather_kv"`` and ``"reduce_scatter_dkv"``."""
+    Ulysses all-to-all), ``"allgather_kv"``, ``"reduce_scatter_dkv"`` and ``"reduce_scatter_grad"`` (the backward of
+    ``gather_sequence``); ``"agree"`` is one rank-agreement check (:mod:`ctx_plugin.agreement`)."""
 
     counts: Counter = field(default_factory=Counter)
 
@@ -75,6 +76,11 @@ class CPGroups:
     ``ulysses_size``-th rank for the hybrid, trivial for ``ulysses``."""
     device_types: frozenset[str]
     """Device types (``"cpu"``, ``"cuda"``, ...) whose tensors the groups' backend can send."""
+    check_group: dist.ProcessGroup | None = None
+    """A CPU-side (gloo) group over the same ranks as ``cp`` for the rank-agreement check
+    (:mod:`ctx_plugin.agreement`, ``CPConfig.check_ranks``): ``cp``'s own group when its backend serves CPU
+    tensors, else a gloo group :func:`build_cp_groups` created. ``None`` (no check) for one rank, simulated
+    ranks, or ``check_ranks=False``."""
     counter: CommCounter = field(default_factory=CommCounter)
     """Communication counts, for tests and diagnostics."""
     pins: AttentionPins = field(default_factory=AttentionPins)
@@ -123,8 +129,10 @@ def _split(cp: RankGroup, ulysses_size: int) -> tuple[RankGroup, RankGroup]:
 
 def build_cp_groups(config: CPConfig, group: dist.ProcessGroup | None = None) -> CPGroups:
     """Groups for ``config`` over ``group`` (``None``: the default group, or a single process when
-    torch.distributed is not initialized). Call it on every rank of ``group``. For ``ulysses_ring`` it creates
-    the Ulysses and ring subgroups (a collective over ``group``); otherwise it does not communicate."""
+    torch.distributed is not initialized). Call it on every rank of ``group``. It communicates (a collective over
+    ``group``) to create subgroups: the Ulysses and ring subgroups for ``ulysses_ring``, and, when
+    ``config.check_ranks`` is set and ``group``'s backend cannot send CPU tensors (NCCL), a gloo group over the
+    same ranks for the rank-agreement check; otherwise it does not communicate."""
     if not isinstance(config, CPConfig):
         raise TypeError(f"config must be a ctx_plugin.CPConfig, got {type(config).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -148,4 +156,14 @@ def build_cp_groups(config: CPConfig, group: dist.ProcessGroup | None = None) ->
         ulysses, ring = cp, ALONE
     else:
         ulysses, ring = _split(cp, u)
-    return CPGroups(config=config, cp=cp, ulysses=ulysses, ring=ring, device_types=device_types)
+    return CPGroups(config=config, cp=cp, ulysses=ulysses, ring=ring, device_types=device_types,
+                    check_group=_check_group(cp, device_types) if config.check_ranks else None)
+
+
+def _check_group(cp: RankGroup, device_types: frozenset[str]) -> dist.ProcessGroup | None:
+    """The CPU-side group the rank-agreement check all-reduces on (see :attr:`CPGroups.check_group`)."""
+    if cp.size == 1:
+        return None
+    if "cpu" in device_types:
+        return cp.group
+    return dist.new_group(dist.get_process_group_ranks(cp.group), backend="gloo", use_local_synchronization=True)

@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="ranks per Ulysses group for --cp-backend ulysses_ring (put them inside one node)")
     g.add_argument("--cp-kernel", default=Kernel.AUTO.value, choices=[k.value for k in Kernel],
                    help="local attention kernel; auto picks the fastest for the GPU and dtype")
+    g.add_argument("--cp-no-rank-check", action="store_true",
+                   help="skip the check that the context-parallel ranks agree on each attention call (shapes, dtype, "
+                        "settings) before communicating (CPConfig.check_ranks; on by default, one small gloo "
+                        "all-reduce per call)")
     g.add_argument("--cp-recompute", default=Recompute.NONE.value,
                    help="recompute preset: none, attn_out, selective, core_attn, mlp, full, full:uniform:N, "
                         "full:block:N, sqrt or budget:<GiB>; replaces --recompute-granularity/-method/-num-layers/"
@@ -65,7 +69,8 @@ def _value(x) -> str:
 def settings_from_args(args: argparse.Namespace) -> MegatronCPSettings:
     """Validates the ``--cp-*`` flags against Megatron's and returns the settings (ValueError otherwise)."""
     try:
-        cp_config = CPConfig(backend=args.cp_backend, kernel=args.cp_kernel, ulysses_size=args.cp_ulysses_size)
+        cp_config = CPConfig(backend=args.cp_backend, kernel=args.cp_kernel, ulysses_size=args.cp_ulysses_size,
+                             check_ranks=not args.cp_no_rank_check)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--cp-backend/--cp-ulysses-size/--cp-kernel: {e}") from None
     cp = args.context_parallel_size

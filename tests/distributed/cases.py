@@ -140,10 +140,13 @@ def bad_inputs(rank: int, world: int, payload) -> dict:
             errors[name] = None
         except (ValueError, TypeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
-    started = {k: v for g in (zig_groups, ring_groups, uly_groups) for k, v in g.counter.counts.items()}
+    # Only the ranks' agreement on each call (agreement.py: metadata, no data) may have communicated.
+    counts = [(k, v) for g in (zig_groups, ring_groups, uly_groups) for k, v in g.counter.counts.items()]
+    started = {k: v for k, v in counts if k != "agree"}
     probe = torch.ones(1)
     dist.all_reduce(probe)   # would hang or fail if a bad call had left a request behind
-    return {"errors": errors, "started": started, "probe": probe.item()}
+    return {"errors": errors, "started": started, "agreed": sum(v for k, v in counts if k == "agree"),
+            "probe": probe.item()}
 
 
 def sharding_helpers(rank: int, world: int, payload) -> dict:

@@ -1,4 +1,5 @@
-"""Bad input on a real multi-rank group: the same clear error on every rank, before any communication."""
+"""Bad input on a real multi-rank group: the same clear error on every rank, before any data moves (the ranks
+first agree that they all make the same call, agreement.py, then raise their own identical error)."""
 from __future__ import annotations
 
 from tests.distributed.harness import run_spawned
@@ -29,4 +30,5 @@ def test_bad_input_raises_identically_on_every_rank_before_communicating():
         assert fragment in message, f"{name}: {message}"
     for res in results:
         assert res["started"] == {}, "no communication may start for bad input"
+        assert res["agreed"] == 7, "each bad cp_attention/gather_sequence call is agreed on first (one check each)"
         assert res["probe"] == WORLD, "the group must still work after the errors"
