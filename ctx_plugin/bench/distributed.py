@@ -10,7 +10,9 @@ For each backend the world is one context-parallel group of N = world size ranks
 
 The hidden share of the communication is ``(compute + comm − real) ÷ comm`` (clipped to [0, 1]): 1 when the
 transfers cost nothing beyond the compute, 0 when they add fully. The table reports the slowest rank's real
-time against the one-kernel ideal, as the simulated mode does.
+time against the one-kernel ideal, as the simulated mode does. With the ranks' agreement check on (the default;
+``--no-rank-check`` turns it off) it also reports that check's own time per call (*check µs*: building the
+signature and its all-reduce on the CPU-side group, median of :data:`CHECK_REPS` calls, slowest rank).
 """
 from __future__ import annotations
 
@@ -20,12 +22,16 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .. import agreement
 from ..groups import build_cp_groups
 from ..kernels import accum_dtype
 from ..names import Kernel
 from .harness import Shape, attention_step, ideal_time, median_time
 from .report import add_arguments, configs, row, shape_from_args, write_outputs
 from .simulated import SILENT, simulated_groups
+
+
+CHECK_REPS = 200
 
 
 class NullKernel:
@@ -45,6 +51,20 @@ def _timed(shape: Shape, config, groups, tensors, backward: bool, reps: int) -> 
     together = dist.barrier if groups.cp.transport is None else None     # real communication: start together
     return median_time(attention_step(shape, config, groups, *tensors, backward), shape.device, reps,
                        before=together)
+
+
+def _check_time(shape: Shape, groups, tensors) -> float:
+    """Seconds of one rank-agreement check as ``cp_attention`` makes it (signature, encoding, all-reduce on the
+    CPU-side group), median of :data:`CHECK_REPS` calls started together; 0 when the groups do not check."""
+    if groups.check_group is None:
+        return 0.0
+    q, k, v, _ = tensors
+    kernel = groups.kernels[(q.device, q.dtype, q.shape[-1])].name       # selected by the timed runs before
+
+    def check():
+        agreement.check(groups, agreement.attention_signature(q, k, v, groups=groups, causal=shape.causal,
+                                                              softmax_scale=None, kernel=kernel, error=None))
+    return median_time(check, torch.device("cpu"), CHECK_REPS, before=lambda: dist.barrier(group=groups.check_group))
 
 
 def _gather(x: float, device: torch.device) -> list[float]:
@@ -85,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             compute = _timed(shape, config, silent, tensors, backward, args.reps)
             hidden = min(1.0, max(0.0, (compute + comm - real) / comm)) if comm > 0 else 1.0
             times, comms, hiddens = _gather(real, device), _gather(comm, device), _gather(hidden, device)
+            extra = {}
+            if real_groups.check_group is not None:
+                extra["check_us"] = max(_gather(_check_time(shape, real_groups, tensors), device)) * 1e6
             rows.append(row(shape, label, size, pass_, kernel, times, ideal, comm_ms=max(comms) * 1e3,
-                            hidden_comm=min(hiddens)))
+                            hidden_comm=min(hiddens), **extra))
     if rank == 0:
         write_outputs(args, shape, rows, f"{size} processes, {dist.get_backend_config()}")
     dist.destroy_process_group()

@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="PNG: slowest-rank efficiency per backend and N")
     p.add_argument("--distributed", action="store_true", help="real processes under torchrun (--nproc of them)")
     p.add_argument("--nproc", type=int, default=2, help="processes for --distributed (default 2)")
+    p.add_argument("--no-rank-check", action="store_true",
+                   help="CPConfig(check_ranks=False): no agreement check among the ranks before each call "
+                        "(--distributed; simulated ranks never check). With the check on, --distributed reports "
+                        "its time per call")
     p.add_argument("--compare-kernels", action="store_true",
                    help="first time every local kernel that can run here on one rank's share (S / max N) and say "
                         "which one kernel=auto picks (it should be the fastest)")
@@ -69,7 +73,8 @@ def configs(args: argparse.Namespace, size: int):
         if backend == Backend.ULYSSES_RING and (u >= size or size % u):
             yield f"{name}(u={u})", f"ulysses_size {u} must divide N = {size} and be smaller"
             continue
-        yield (f"{name}(u={u})" if u > 1 else name), CPConfig(backend=backend, kernel=args.kernel, ulysses_size=u)
+        yield (f"{name}(u={u})" if u > 1 else name), CPConfig(backend=backend, kernel=args.kernel, ulysses_size=u,
+                                                              check_ranks=not args.no_rank_check)
 
 
 def row(shape: Shape, label: str, size: int, pass_: str, kernel: str, times: list[float], ideal: float,
@@ -120,8 +125,10 @@ def compare_kernels(args: argparse.Namespace, shape: Shape) -> str:
 
 def format_table(rows: list[dict]) -> str:
     hidden = any("hidden_comm" in r for r in rows)
+    check = any("check_us" in r for r in rows)
     head = f"{'backend':<17} {'N':>3} {'pass':<8} {'slowest ms':>10} {'mean ms':>9} {'ideal ms':>9} " \
-           f"{'eff.':>5} {'TFLOP/s':>8}" + (f" {'comm ms':>8} {'hidden':>6}" if hidden else "")
+           f"{'eff.':>5} {'TFLOP/s':>8}" + (f" {'comm ms':>8} {'hidden':>6}" if hidden else "") + \
+           (f" {'check µs':>8}" if check else "")
     lines = [head]
     for r in rows:
         if "skipped" in r:
@@ -131,6 +138,8 @@ def format_table(rows: list[dict]) -> str:
                f"{r['ideal_ms']:>9.3f} {r['efficiency']:>5.2f} {r['tflops_per_gpu']:>8.1f}"
         if hidden:
             line += f" {r['comm_ms']:>8.3f} {r['hidden_comm']:>6.0%}"
+        if check:
+            line += f" {r.get('check_us', 0.0):>8.1f}"
         lines.append(line)
     return "\n".join(lines)
 

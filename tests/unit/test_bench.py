@@ -114,8 +114,21 @@ def test_cli_smoke_distributed():
                            "2", "--passes", "fwd", "--backends", "zigzag", "ulysses"], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 processes" in proc.stdout and "hidden" in proc.stdout
-    assert sum(line.startswith(("zigzag ", "ulysses ")) for line in proc.stdout.splitlines()) == 2
+    assert "2 processes" in proc.stdout and "hidden" in proc.stdout and "check µs" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("zigzag ", "ulysses "))]
+    assert len(rows) == 2 and all(float(r[-1]) > 0 for r in rows), "the rank check's time per call, in µs"
+
+
+def test_no_rank_check_flag():
+    """--no-rank-check is CPConfig(check_ranks=False) for every benchmarked backend; the check is on by default."""
+    import argparse
+
+    from ctx_plugin.bench.report import add_arguments, configs
+    for flags, want in (([], True), (["--no-rank-check"], False)):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        cfgs = [c for _, c in configs(parser.parse_args(flags), 4)]
+        assert len(cfgs) == len(Backend) and all(c.check_ranks is want for c in cfgs)
 
 
 @pytest.mark.parametrize("bad", [["--smoke", "--reps", "0"], ["--smoke", "--ranks", "0"],
