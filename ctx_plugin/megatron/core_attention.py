@@ -56,7 +56,7 @@ class CPCoreAttention(MegatronModule):
         check_model_options(config)
         if kwargs:
             raise TypeError(f"ctx_plugin's core attention got arguments it does not implement: {sorted(kwargs)} "
-                            f"(megatron-core {_megatron_version()} passes ones this version of ctx_plugin does not know)")
+                            f"(megatron-core {_megatron_version()} passes ones this ctx_plugin does not know)")
         if attention_type != "self":
             raise ValueError(f"ctx_plugin's core attention supports self-attention only, not {attention_type!r}")
         if attn_mask_type not in _MASK_TYPES:
@@ -87,11 +87,11 @@ class CPCoreAttention(MegatronModule):
         if packed_seq_params is not None:
             raise ValueError("ctx_plugin's core attention does not support packed sequences (packed_seq_params) yet")
         if attention_mask is not None:
-            raise ValueError(f"ctx_plugin's core attention got an attention_mask with attn_mask_type {mask_type.name}; "
-                             f"it applies the causal mask itself and cannot apply others. Megatron's dataloader mask is "
-                             f"checked and dropped by ctx_plugin's batch sharder (the entry point python -m "
-                             f"ctx_plugin.megatron.pretrain_gpt, or ctx_plugin.megatron.spec.shard_batch); otherwise "
-                             f"pass --no-create-attention-mask-in-dataloader")
+            raise ValueError(f"ctx_plugin's core attention got an attention_mask with attn_mask_type "
+                             f"{mask_type.name}; it applies the causal mask itself and cannot apply others. Megatron's "
+                             f"dataloader mask is checked and dropped by ctx_plugin's batch sharder (the entry point "
+                             f"python -m ctx_plugin.megatron.pretrain_gpt, or ctx_plugin.megatron.spec.shard_batch); "
+                             f"otherwise pass --no-create-attention-mask-in-dataloader")
         s, b, heads, dim = query.shape
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
         out = cp_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),

@@ -139,7 +139,7 @@ def test_rotary_embeddings_other_than_rope_and_yarn_are_refused(monkeypatch):
 
     for rope in (MultimodalRotaryEmbedding(kv_channels=16, rotary_percent=1.0),
                  MyRope(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)):
-        with pytest.raises(ValueError, match=f"rotary embedding .*{type(rope).__name__} is not supported by ctx_plugin"):
+        with pytest.raises(ValueError, match=f"rotary embedding .*{type(rope).__name__} is not supported"):
             use_layout_rope(SimpleNamespace(rotary_pos_emb=rope), CP_CONFIG, groups)
     model = SimpleNamespace(rotary_pos_emb=RotaryEmbedding(kv_channels=16, rotary_percent=1.0,
                                                            use_cpu_initialization=True))
