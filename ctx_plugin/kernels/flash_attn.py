@@ -1,4 +1,5 @@
-"""flash-attn (Dao-AILab) as a local kernel: FlashAttention-2 (2.0 … 2.8) and FlashAttention-3 (hopper build).
+"""flash-attn (Dao-AILab) as a local kernel: FlashAttention-2 (2.1 … 2.8; 2.0 is refused) and FlashAttention-3
+(the hopper build, on sm90). Which builds can run which inputs on which GPU: :mod:`.flash_attn_support`.
 
 Every flash-attn version shim lives in this file. We call the low-level ``_flash_attn_forward`` /
 ``_flash_attn_backward`` (not ``flash_attn_func``) because ring attention runs backward with an externally
@@ -8,16 +9,16 @@ function's signature, and outputs are picked by position 0 (``out``) and by shap
 
 Signatures verified from source (stored public copies, read with the search tool):
 
-* 2.7.x, Dao-AILab/flash-attention ``flash_attn/flash_attn_interface.py`` @ 005300258a22e5fc6be621063c3d5704e82b89d9:
-  ``torch.library.custom_op``; fwd ``(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+* 2.7.0–2.8.3, Dao-AILab/flash-attention ``flash_attn/flash_attn_interface.py`` @ 005300258a22e5fc6be621063c3d5704e82b89d9
+  and the v2.7.0/v2.8.3 tags: ``torch.library.custom_op`` ``flash_attn::…`` (from v2.7.0); fwd ``(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
   window_size_right, softcap, alibi_slopes, return_softmax) -> (out_padded, softmax_lse, S_dmask, rng_state)``;
   bwd ``(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
   window_size_right, softcap, alibi_slopes, deterministic, rng_state=None) -> softmax_d`` (writes dq/dk/dv).
   ``flash_attn/__init__.py`` @ 06a9900d (2.8.3) swallows a missing CUDA module, so we import the interface module.
-* 2.6.0–2.6.2 (window_size tuple + softcap, 8 outputs; the switch to the 2.7 form is at 2.6.3) and 2.5.x
+* 2.6.0–2.6.3 (window_size tuple + softcap, 8 outputs; the 2.7 form starts at v2.7.0) and 2.5.x
   (``window_size, alibi_slopes``; bwd ``…, window_size, alibi_slopes, deterministic, rng_state=None``):
   zhuzilin/ring-flash-attention ``ring_flash_attn/ring_flash_attn.py`` @ d4223db1da88e7b940516942eff8a7c06ccd6d10
-  and third-party copies that branch on ``flash_attn.__version__ < "2.6.3"``.
+  and the v2.5.0/v2.6.0/v2.6.3 tags.
 * 2.0 (``(q, k, v, dropout_p, softmax_scale, causal, return_softmax)`` -> 7 outputs; refused: its causal
   mask is aligned top-left, ctx_plugin needs bottom-right), 2.1/2.2 (+ ``rng_state``,
   8 outputs), 2.3 (+ ``window_size``): vendored third-party copies of the 2.x interface.
@@ -26,7 +27,9 @@ Signatures verified from source (stored public copies, read with the search tool
   fwd -> ``(out, softmax_lse, *rest)``) and @ 01afd16d248c4c7d0f9aed1914084f16c490eaed (custom ops,
   ``window_size_left/right``, bwd takes ``is_causal``, fwd -> ``(out, softmax_lse, out_accum, lse_accum)``,
   bwd -> ``softmax_d``); the earlier ``flashattn_hopper_cuda`` beta (fwd ``(q, k, v, softmax_scale, causal,
-  …, window_size=(-1, -1), …) -> (out, q, k, v, out_padded, softmax_lse)``) from a vendored copy.
+  …, window_size=(-1, -1), …) -> (out, q, k, v, out_padded, softmax_lse)``) from a vendored copy, and the
+  2024 builds (``hopper/`` @ 1feb711f, 2024-12-03: fwd ``(q, k, v, softmax_scale, causal, window_size, descale_q=None,
+  …)`` -> 7 outputs, bwd ``(…, softmax_scale, causal, window_size, deterministic=False)``).
 * ``flash_attn.cute`` is not used: its interface changes with nearly every commit.
 
 Not run against a real GPU build here: binding and output picking are tested with stand-ins of these signatures.
@@ -42,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import flash_attn_support as support
 from .base import accum_dtype, check_block
 
 _FA2_MODULES = ("flash_attn.flash_attn_interface",)
@@ -100,7 +104,7 @@ def _import_first(names: tuple[str, ...]) -> tuple[ModuleType | None, str | None
 def _is_hopper(device: torch.device) -> bool:
     # Only sm90: the hopper build targets sm_90a, whose wgmma/TMA code newer architectures cannot run.
     return (device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device)[0] == 9)
+            and tuple(torch.cuda.get_device_capability(device)) == (9, 0))
 
 
 def _version(generation: int) -> str:
@@ -115,15 +119,19 @@ def _version(generation: int) -> str:
 
 
 def _load(device: torch.device) -> tuple[FlashAttnInfo, ModuleType] | str:
-    """FA3 when importable and (the device is Hopper or FA2 is absent), else FA2; a reason string if neither."""
-    fa2, broken2 = _import_first(_FA2_MODULES)
-    fa3, broken3 = _import_first(_FA3_MODULES)
-    if fa3 is not None and (fa2 is None or _is_hopper(device)):
-        return FlashAttnInfo(3, fa3.__name__, _version(3)), fa3
-    if fa2 is not None:
-        return FlashAttnInfo(2, fa2.__name__, _version(2)), fa2
-    if broken2 or broken3:
-        return (f"flash-attn is installed but does not import ({broken2 or broken3}): reinstall it built against "
+    """FA3 on Hopper (FA2 elsewhere), the other generation when the preferred one is absent or broken; a reason
+    string if neither. Imports only the generation it returns, and nothing when both register the same torch ops."""
+    clash = support.ops_clash(_FA2_MODULES, _FA3_MODULES)
+    if clash is not None:
+        return clash
+    broken = None
+    for generation in ((3, 2) if _is_hopper(device) else (2, 3)):
+        module, why = _import_first(_FA3_MODULES if generation == 3 else _FA2_MODULES)
+        if module is not None:
+            return FlashAttnInfo(generation, module.__name__, _version(generation)), module
+        broken = broken or why
+    if broken:
+        return (f"flash-attn is installed but does not import ({broken}): reinstall it built against "
                 f"torch {torch.__version__}: pip install --force-reinstall --no-build-isolation flash-attn")
     return f"flash-attn is not installed: {_INSTALL}"
 
@@ -194,19 +202,25 @@ def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str 
         return f"flash-attn computes in float16 or bfloat16 only, got {dtype}: cast q/k/v or use another kernel"
     if head_dim > 256 or head_dim % 8 != 0:
         return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {head_dim}: use another kernel"
+    reason = support.head_dim_reason(info.generation, _legacy_fa3(module), head_dim)
+    if reason is not None:
+        return reason
     try:
         _functions(module, info.generation)
     except TypeError as e:
         return (f"flash-attn {info.version} ({info.module}) is not supported by this adapter ({e}): "
-                f"install FlashAttention 2.0-2.8 or the FA3 hopper build: {_INSTALL}")
+                f"install FlashAttention 2.1-2.8 or the FA3 hopper build: {_INSTALL}")
     if device.type != "cuda":
         return f"flash-attn needs a CUDA device, got {device}: run on a GPU or use the torch/reference kernel"
     if not torch.cuda.is_available():
         return "flash-attn needs CUDA, but torch.cuda.is_available() is False: install a CUDA build of torch"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 8:
-        return f"flash-attn needs an Ampere (sm80) or newer GPU, {device} is sm{major}{minor}: use another kernel"
-    return None
+    capability = tuple(torch.cuda.get_device_capability(device))
+    return support.device_reason(info.generation, info.version, capability, head_dim, device)
+
+
+def _legacy_fa3(module: ModuleType) -> bool:
+    """A FlashAttention-3 build from 2024: its interface imports the ``flashattn_hopper_cuda`` extension."""
+    return hasattr(module, "flashattn_hopper_cuda")
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

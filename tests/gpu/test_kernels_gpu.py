@@ -1,4 +1,5 @@
-"""Fused CUDA kernels (torch cuDNN, torch flash, flash-attn) in bf16/fp16 against the torch kernel in fp32.
+"""Fused CUDA kernels (torch cuDNN, torch flash, flash-attn) in bf16/fp16 against the torch kernel in fp32, and at
+P >= 2 through simulated ranks against a float64 dense reference.
 
 Skipped without CUDA. One short command on a single GPU: ``python -m pytest -q tests/gpu``.
 Tolerances follow TransformerEngine's attention tests: bf16 2.5e-2 and fp16 1e-2 relative (norm-wise); the
@@ -10,10 +11,11 @@ import pytest
 import torch
 
 import ctx_plugin
+from ctx_plugin.bench.harness import simulated_outputs
 from ctx_plugin.kernels import kernel_unavailable, select_kernel
 from ctx_plugin.kernels.torch_math import TorchKernel
-from ctx_plugin.names import Kernel
-from tests.reference import rel_err
+from ctx_plugin.names import Backend, Kernel
+from tests.reference import dense_with_grads, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -82,6 +84,27 @@ def test_cp_attention_single_gpu(kernel, backend):
     for got, exp in zip((ql.grad, kl.grad, vl.grad), want):
         assert got.dtype == torch.bfloat16
         assert rel_err(got, exp) < TOL[torch.bfloat16]
+
+
+# P >= 2 through simulated ranks (threads exchanging real CUDA tensors): the kernels get the ring's and the
+# all-gather's strided sequence slices (zigzag halves, striped q[1:]/k[:-1], K/V views into the packed buffer);
+# batch 2 makes those slices non-dense, MHA keeps K/V as views (GQA expands them). Reference: float64 dense.
+LAYOUT_CASES = [(b, p, hkv) for b in (Backend.ZIGZAG, Backend.STRIPED, Backend.ALLGATHER, Backend.RING)
+                for p in (2, 4) for hkv in (8, 2)]
+
+
+@pytest.mark.parametrize("kernel", FUSED)
+@pytest.mark.parametrize("backend,size,kv_heads", LAYOUT_CASES,
+                         ids=[f"{b.value}-p{p}-{'mha' if h == 8 else 'gqa'}" for b, p, h in LAYOUT_CASES])
+def test_fused_kernels_at_p_ge_2_layouts(kernel, backend, size, kv_heads):
+    q, k, v, do = _inputs((2, 1024, 8, kv_heads, 128, 1024), torch.bfloat16, seed=size + kv_heads)
+    _need(kernel, torch.bfloat16, q.shape[-1])
+    cfg = ctx_plugin.CPConfig(backend=backend, kernel=kernel)
+    got = simulated_outputs(cfg, size, q, k, v, do, causal=True)
+    want = dense_with_grads(*(t.double() for t in (q, k, v, do)), causal=True)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.dtype == torch.bfloat16 and g.shape == w.shape, name
+        assert rel_err(g, w) < TOL[torch.bfloat16], f"{name}: {rel_err(g, w):.2e}"
 
 
 def test_auto_picks_a_fused_kernel_on_gpu():
