@@ -26,7 +26,9 @@ from . import hf
 from .api import shard_sequence
 from .config import CPConfig
 from .groups import CPGroups, build_cp_groups
+from .names import Recompute
 from .recompute import RecomputeConfig, apply
+from .recompute.apply import refuse_hf_checkpointing
 
 SECTION = "context_parallel"
 _KEYS = {"backend": str, "size": int, "ulysses_size": int, "kernel": str, "recompute": str, "check_ranks": bool}
@@ -123,6 +125,102 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
                      "recompute preset to")
 
 
+def _zero_config(config: dict, recompute: RecomputeConfig) -> dict:
+    """``config`` with ZeRO-3's ``memory_efficient_linear`` off under ``selective``, which it breaks: DeepSpeed's linear
+    adds the bias in place to a matmul output that selective checkpointing keeps for backward, so the recomputed
+    layer adds the bias twice (wrong gradients on every linear with a bias)."""
+    import torch.nn.functional as functional
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    if recompute.preset != Recompute.SELECTIVE:
+        return config
+    if functional.linear is zero3_linear_wrap:
+        raise ValueError(_PATCHED_LINEAR)
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") != 3:
+        return config
+    if zero.get("memory_efficient_linear", False) is not False:
+        raise ValueError(f'"zero_optimization.memory_efficient_linear": {json.dumps(zero["memory_efficient_linear"])} and '
+                         f'"{SECTION}.recompute": "selective" cannot be combined (DeepSpeed\'s linear changes a saved '
+                         'matmul output in place, so the recomputed layer adds the bias twice); leave the key out '
+                         '(ctx_plugin then turns it off) or set it to false, or use recompute "full" or "sqrt"')
+    return {**config, "zero_optimization": {**zero, "memory_efficient_linear": False}}
+
+
+_PATCHED_LINEAR = ('torch.nn.functional.linear is DeepSpeed\'s memory_efficient_linear, which breaks "recompute": '
+                   '"selective" (the recomputed layer adds each bias twice); an earlier ZeRO-3 engine or zero.Init in '
+                   'this process installed it, and DeepSpeed never puts it back: set "zero_optimization": '
+                   '{"memory_efficient_linear": false} there (zero.Init(mem_efficient_linear=False)), or run this '
+                   'model in a fresh process')
+
+
+def _refuse_patched_linear(module, args) -> None:
+    """Forward pre-hook under ``selective``: DeepSpeed's linear installed after :func:`initialize` is refused too."""
+    import torch.nn.functional as functional
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    if functional.linear is zero3_linear_wrap:
+        raise ValueError(_PATCHED_LINEAR)
+
+
+def batch_sizes(config: dict, *, world: int, size: int) -> dict:
+    """``config`` with ``train_batch_size`` translated for DeepSpeed.
+
+    Users give the natural value, micro batch × gradient accumulation × data-parallel replicas (``world / size``),
+    as with DeepSpeed's own ``sequence_parallel_size``. DeepSpeed here counts every rank of a context-parallel group
+    as a data-parallel rank, so it gets the three batch keys resolved, with ``train_batch_size`` × ``size``. A value
+    that counts the context-parallel ranks, or that no whole micro batch fits, is a ValueError naming the value to
+    use."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    total, micro, accumulation = (config.get(key) for key in keys)
+    for key, value in zip(keys, (total, micro, accumulation)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f'"{key}" must be a positive int, got {value!r}')
+    if total is None:
+        return config               # DeepSpeed derives it from the micro batch over all its ranks
+    replicas = world // size
+    how = (f"train_micro_batch_size_per_gpu × gradient_accumulation_steps × {replicas} data-parallel "
+           f"replica(s) ({world} ranks / \"{SECTION}.size\" {size}; context-parallel ranks share samples)")
+    if micro is not None and accumulation is not None:
+        if total != micro * accumulation * replicas:
+            inflated = size > 1 and total == micro * accumulation * world
+            raise ValueError(f'"train_batch_size" is {total}' + (" (it counts the context-parallel ranks)" if inflated
+                             else "") + f"; give {micro * accumulation * replicas} = {how}, or leave it out")
+    else:
+        per_step = (micro or accumulation or 1) * replicas
+        if total % per_step:
+            given = f"train_micro_batch_size_per_gpu ({micro})" if micro else \
+                f"gradient_accumulation_steps ({accumulation or 1})"
+            raise ValueError(f'"train_batch_size" ({total}) must be {how}: a multiple of {given} × {replicas}')
+        if micro is None:
+            micro = total // per_step
+        else:
+            accumulation = total // per_step
+        accumulation = accumulation or 1
+    return {**config, "train_batch_size": micro * accumulation * world, "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": accumulation}
+
+
+def _require_cp_attention(model: torch.nn.Module, groups: CPGroups) -> None:
+    """Checks on the model's first forward that its attention went through ``groups`` (they communicate at
+    ``size`` > 1); a forward that did not is a RuntimeError instead of training on unsharded attention."""
+    before = []
+
+    def pre(module, args):
+        before.append(sum(groups.counter.counts.values()))
+
+    def post(module, args, output):
+        if sum(groups.counter.counts.values()) == before.pop():
+            raise RuntimeError("the model's forward did not call ctx_plugin.cp_attention with the engine's groups, "
+                               "but its batches are sharded along the sequence: with attention=fn, fn(groups) must "
+                               "make the model's attention call ctx_plugin.cp_attention(q, k, v, "
+                               "config=groups.config, groups=groups)")
+        handles[0].remove()
+        handles[1].remove()
+
+    handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+
+
 def _cp_group(size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(this rank's context-parallel group of ``size`` consecutive ranks, a group of this rank alone)."""
     cp, _ = dist.new_subgroups(group_size=size)
@@ -132,12 +230,23 @@ def _cp_group(size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
-               config_params=None):
-    """``deepspeed.initialize`` with the ``"context_parallel"`` section applied; same arguments and returns."""
+               config_params=None, *, attention=None):
+    """``deepspeed.initialize`` with the ``"context_parallel"`` section applied; same arguments and returns.
+
+    ``attention``: how the model's attention becomes ctx_plugin's. ``None`` (default): a Hugging Face model (one
+    with ``set_attn_implementation``) is switched to it; any other model is an error, since its data would be
+    sharded while its own attention sees only the local tokens. A callable: ctx_plugin calls ``attention(groups)``
+    with this rank's :class:`CPGroups` before applying the recompute preset and handing the model to DeepSpeed; it
+    must make the model's attention call ``ctx_plugin.cp_attention(q, k, v, config=groups.config,
+    groups=groups)`` (it replaces the Hugging Face switch). Either way the first forward checks that the attention
+    ran through these groups."""
     import deepspeed
 
     config = _load_config(config if config is not None else config_params, args)
     if SECTION not in config:
+        if attention is not None:
+            raise ValueError(f'attention= wires the model to context parallelism: it needs a "{SECTION}" section in '
+                             "the config (or leave attention= out)")
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                     training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                                     dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
@@ -149,16 +258,34 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError(f'"sequence_parallel_size" ({own_sp}) disagrees with "{SECTION}.size" ({section.size}); '
                          f'drop "sequence_parallel_size": the "{SECTION}" section is the one switch')
     config.pop("sequence_parallel_size", None)
+    if attention is None and not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"{type(model).__name__} is not a Hugging Face model (no set_attn_implementation), so "
+                         f'ctx_plugin cannot switch its attention, yet "{SECTION}" shards its sequences: pass '
+                         "attention=fn to ctx_plugin.deepspeed.initialize; fn(groups) must make the model's "
+                         "attention call ctx_plugin.cp_attention(q, k, v, config=groups.config, groups=groups)")
+    if attention is not None and not callable(attention):
+        raise TypeError(f"attention= must be a callable taking the CPGroups, got {type(attention).__name__}")
+    layers = None if section.recompute.preset == Recompute.NONE else _decoder_layers(model)
+    if layers is not None:
+        refuse_hf_checkpointing(layers, section.recompute)
+    config = _zero_config(config, section.recompute)
     deepspeed.init_distributed()        # wraps an already initialised torch.distributed; else starts it
     world = dist.get_world_size()
     if world % section.size:
         raise ValueError(f'"{SECTION}.size" ({section.size}) must divide the number of ranks ({world})')
+    config = batch_sizes(config, world=world, size=section.size)
     cp, alone = _cp_group(section.size)
     groups = build_cp_groups(section.cp_config, group=cp)
-    if hasattr(model, "set_attn_implementation"):
+    if attention is not None:
+        attention(groups)
+    else:
         hf.enable(model, section.cp_config, groups)
-    if str(section.recompute) != "none":
-        apply(_decoder_layers(model), section.recompute, groups=groups)
+    if section.size > 1:
+        _require_cp_attention(model, groups)
+    if layers is not None:
+        apply(layers, section.recompute, groups=groups)
+    if section.recompute.preset == Recompute.SELECTIVE:
+        model.register_forward_pre_hook(_refuse_patched_linear)
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
         mpu=ContextParallelMPU(alone), dist_init_required=False, config=config)

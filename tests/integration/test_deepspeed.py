@@ -20,8 +20,7 @@ PLAIN = [b.value for b in Backend if b != Backend.ULYSSES_RING]
 # (world, backend, ulysses_size, cp size, micro batch per rank): dp = world / cp replicas of micro batches.
 RUNS = ([(2, b, 1, 2, 2) for b in PLAIN] + [(4, b, 1, 4, 2) for b in PLAIN] + [(4, "ulysses_ring", 2, 4, 2)]
         + [(4, b, 1, 2, 2) for b in PLAIN])
-CASES = [(*run, zero, "none") for run in RUNS for zero in (1, 3)]
-CASES += [(2, "zigzag", 1, 2, 2, 1, "selective"), (2, "ulysses", 1, 2, 2, 3, "full")]   # presets on HF layers
+CASES = [(*run, zero, "none") for run in RUNS for zero in (1, 3)]    # presets: test_deepspeed_presets.py
 _results: dict[int, list] = {}
 
 
