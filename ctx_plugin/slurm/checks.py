@@ -108,26 +108,14 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
             f"sequence {args.seq_length}, recompute {settings.recompute}")
 
 
-def _batch_check(config: dict, world: int) -> None:
-    """DeepSpeed's own batch rule, checked early: ``train_batch_size = micro × accumulation × ranks``, where its
-    data-parallel size is every rank (ctx_plugin hands it data × context ranks)."""
-    tb, micro = config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu")
-    gas = config.get("gradient_accumulation_steps")
-    if tb is None:
-        if micro is None:
-            raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu")
-        return
-    per_rank = tb / world
-    if micro is not None and gas is not None:
-        ok = tb == micro * gas * world
-    else:
-        ok = per_rank == int(per_rank) and (micro is None or per_rank % micro == 0) and \
-            (gas is None or per_rank % gas == 0)
-    if not ok:
-        raise ValueError(f"train_batch_size {tb} must equal train_micro_batch_size_per_gpu × "
-                         f"gradient_accumulation_steps × {world} ranks (DeepSpeed counts every data × context rank; "
-                         f"the ranks of one context-parallel group share each sample), got micro={micro}, "
-                         f"accumulation={gas}")
+def _batch_check(config: dict, world: int, size: int) -> None:
+    """The batch rule ``ctx_plugin.deepspeed.initialize`` applies, checked early: ``train_batch_size`` = micro ×
+    accumulation × data-parallel replicas (the ranks of one context-parallel group share each sample)."""
+    from ..deepspeed import batch_sizes
+
+    if config.get("train_batch_size") is None and config.get("train_micro_batch_size_per_gpu") is None:
+        raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu")
+    batch_sizes(config, world=world, size=size)
 
 
 def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: str) -> str:
@@ -149,7 +137,7 @@ def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: s
     if world % section.size:
         raise ValueError(f'{world} ranks (nodes × processes per node) are not a multiple of "{SECTION}.size" '
                          f"{section.size}")
-    _batch_check(config, world)
+    _batch_check(config, world, section.size)
     if not program:
         raise ValueError("give the training program after '--': a script (train.py ...) or a module (-m name ...)")
     if "--deepspeed_config" in program or "--deepspeed-config" in program:

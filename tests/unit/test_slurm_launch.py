@@ -199,12 +199,12 @@ def test_deepspeed_script_program(tmp_path, ds_config):
      r"unknown key\(s\) \['bakend'\]"),
     ({"train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 4}},
      r'2 ranks .* not a multiple of "context_parallel.size" 4'),
-    ({"train_batch_size": 3, "train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}},
-     r"train_batch_size 3 must equal .* × 2 ranks"),
-    ({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-      "context_parallel": {"size": 2}}, "train_batch_size 4 must equal"),
-    ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 2}},
-     "train_batch_size 6 must equal"),
+    ({"train_batch_size": 3, "train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 2}},
+     r'"train_batch_size" \(3\) must be .*: a multiple of train_micro_batch_size_per_gpu \(2\) × 1'),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+      "context_parallel": {"size": 2}}, r'"train_batch_size" is 8 \(it counts the context-parallel ranks\); give 4'),
+    ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+      "context_parallel": {"size": 2}}, r'"train_batch_size" is 6; give 4'),
     ({"context_parallel": {"size": 2}}, "sets neither train_batch_size nor train_micro_batch_size_per_gpu"),
 ], ids=["json", "no-section", "unknown-key", "world", "batch-3-1", "batch-gas", "batch-6-2", "no-batch"])
 def test_deepspeed_config_errors(config, message, ds_config, model_json):
@@ -218,11 +218,11 @@ def test_deepspeed_missing_config(tmp_path, model_json):
 
 
 @pytest.mark.parametrize("batch", [
-    {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1},
-    {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2},          # accumulation 2
-    {"train_batch_size": 8},
-    {"train_batch_size": 8, "gradient_accumulation_steps": 4},
-], ids=["tb4-m2-g1", "tb8-m2", "tb8", "tb8-g4"])
+    {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1},
+    {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2},          # accumulation 2
+    {"train_batch_size": 4},
+    {"train_batch_size": 4, "gradient_accumulation_steps": 4},
+], ids=["tb2-m2-g1", "tb4-m2", "tb4", "tb4-g4"])    # 2 ranks, CP 2: one data-parallel replica
 def test_deepspeed_consistent_batches(batch, ds_config, model_json):
     config = {**batch, "context_parallel": {"size": 2}}
     assert "CP 2" in deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(config))
