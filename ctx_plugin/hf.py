@@ -232,14 +232,20 @@ class _InputCheck:
         arguments = self.signature.bind_partial(*args, **kwargs).arguments
         tokens = arguments.get("input_ids")
         tokens = arguments.get("inputs_embeds") if tokens is None else tokens
-        device = tokens.device if isinstance(tokens, torch.Tensor) else torch.device("cpu")
-        if self.groups.size > 1 and device.type not in self.groups.device_types:
-            device = torch.device("cpu")
-        groups, mine = self.groups, torch.stack(self._flags(model, arguments, tokens, device)).to(torch.int32)
+        groups = self.groups
+        # The CPU-side group of the rank-agreement check when there is one (no GPU synchronisation), else the
+        # context-parallel group itself, on a device its backend serves.
+        group, device = groups.check_group, torch.device("cpu")
+        if group is None:
+            group = groups.group
+            device = tokens.device if isinstance(tokens, torch.Tensor) else device
+            if groups.size > 1 and device.type not in groups.device_types:
+                device = torch.device("cpu")
+        mine = torch.stack(self._flags(model, arguments, tokens, device)).to(torch.int32)
         flags = torch.zeros(len(self.PROBLEMS), groups.size, dtype=torch.int32, device=device)
         flags[:, groups.rank] = mine
         if groups.size > 1:
-            dist.all_reduce(flags, group=groups.group)
+            dist.all_reduce(flags, group=group)
         found = [f"{text} (CP ranks {[r for r, f in enumerate(row) if f]})"
                  for text, row in zip(self.PROBLEMS.values(), flags.tolist()) if any(row)]
         if found:

@@ -80,12 +80,13 @@ def _parity(kind: str, backend: str, u: int, reference: dict) -> dict:
             "n_grads": len(grad_errs), "n_ref_grads": len(reference["grads"])}
 
 
-def _refused_inputs(backend: str, rank: int, world: int) -> dict:
+def _refused_inputs(setup: str, rank: int, world: int) -> dict:
     """What each bad input does on this rank: the error text and how long it took to come."""
     import ctx_plugin
     import ctx_plugin.hf
 
-    cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch")
+    backend, _, check = setup.partition("-")   # "ring-nocheck": the decision travels on the CP group itself
+    cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch", check_ranks=check != "nocheck")
     groups = ctx_plugin.build_cp_groups(cfg)
     m = model("llama", None)
     ctx_plugin.hf.enable(m, cfg, groups)
