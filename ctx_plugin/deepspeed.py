@@ -139,8 +139,9 @@ def _zero_config(config: dict, recompute: RecomputeConfig) -> dict:
     zero = config.get("zero_optimization")
     if not isinstance(zero, dict) or zero.get("stage") != 3:
         return config
-    if zero.get("memory_efficient_linear", False) is not False:
-        raise ValueError(f'"zero_optimization.memory_efficient_linear": {json.dumps(zero["memory_efficient_linear"])} and '
+    given = zero.get("memory_efficient_linear", False)
+    if given is not False:
+        raise ValueError(f'"zero_optimization.memory_efficient_linear": {json.dumps(given)} and '
                          f'"{SECTION}.recompute": "selective" cannot be combined (DeepSpeed\'s linear changes a saved '
                          'matmul output in place, so the recomputed layer adds the bias twice); leave the key out '
                          '(ctx_plugin then turns it off) or set it to false, or use recompute "full" or "sqrt"')
