@@ -1,90 +1,27 @@
-"""DeepSpeed (CPU, gloo) training of a tiny Llama with a "context_parallel" section, on spawned ranks."""
+"""DeepSpeed (CPU, gloo) training of a tiny Qwen2 with a "context_parallel" section on spawned ranks, and its
+reference: the same two steps in plain PyTorch (one process, no DeepSpeed, no ctx_plugin)."""
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+import sys
 import warnings
 
 import torch
 
 SEQ, VOCAB, SAMPLES = 32, 128, 8
-
-
-def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                         attention_dropout=0.0, use_cache=False)
-    torch.manual_seed(1234)
-    return LlamaForCausalLM(config).float().train()
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OP_TIMEOUT_S = 600
+QWEN_LAYERS = 3                     # sqrt and full:uniform:2 make a two-layer region and a one-layer region
+OPTIM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.0}
+CLIP = 1.0                          # DeepSpeed's default "gradient_clipping"
 
 
 def _dataset():
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
     return [{"input_ids": t, "labels": t.clone()} for t in tokens]
-
-
-def ds_train(rank: int, world: int, payload: dict) -> dict:
-    """Two optimizer steps per case; rank 0 returns the losses and the full parameters afterwards."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))   # what torchrun would set
-    warnings.filterwarnings("ignore")
-    import deepspeed
-
-    import ctx_plugin.deepspeed as cpds
-
-    out = {}
-    for backend, u, size, zero, micro, *recompute in payload["cases"]:
-        recompute = recompute[0] if recompute else "none"
-        model = _model()
-        config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "eps": 1e-6, "torch_adam": True}},
-                  "zero_optimization": {"stage": zero}, "steps_per_print": 1000,
-                  "context_parallel": {"backend": backend, "size": size, "ulysses_size": u, "kernel": "torch",
-                                       "recompute": recompute}}
-        engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
-                                               training_data=_dataset(), config=config)
-        losses = []
-        for _, batch in zip(range(2), loader):
-            logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-            loss, report = cpds.causal_lm_loss(logits, batch["labels"], engine)
-            engine.backward(loss)
-            engine.step()
-            losses.append(report)
-        params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=zero == 3):
-            flat = torch.cat([p.detach().flatten().clone() for p in params])
-        suffix = "" if recompute == "none" else f"-{recompute}"
-        out[f"{backend}-u{u}-cp{size}-z{zero}-mb{micro}{suffix}"] = {"losses": losses,
-                                                            "params": flat.tolist() if rank == 0 else None}
-        engine.destroy()
-    return out
-
-
-def loader_shards(rank: int, world: int, payload) -> dict:
-    """ShardedLoader at dp=2 × cp=2: which samples each rank sees, and its shards gathered back."""
-    import torch.distributed as dist
-
-    import ctx_plugin
-    from ctx_plugin.deepspeed import ShardedLoader
-
-    cp, _ = dist.new_subgroups(group_size=2)
-    cfg = ctx_plugin.CPConfig(backend="zigzag")
-    groups = ctx_plugin.build_cp_groups(cfg, group=cp)
-    data = [{"input_ids": torch.arange(i * 100, i * 100 + 8), "labels": torch.arange(i * 100, i * 100 + 8),
-             "loss_mask": torch.arange(i * 100, i * 100 + 8) % 3} for i in range(4)]
-    loader = ShardedLoader(data, 2, groups, replicas=world // 2, replica=rank // 2)
-    batch = next(iter(loader))
-    full = {k: ctx_plugin.gather_sequence(v, config=cfg, groups=groups, dim=1).tolist() for k, v in batch.items()}
-    return {"full": full, "local_len": batch["input_ids"].shape[1], "batches": len(loader)}
-
-
-# --- Every recompute preset × ZeRO 0-3 on a model with biases, against plain PyTorch --------------------------------
-
-QWEN_LAYERS = 3                     # sqrt and full:uniform:2 make a two-layer region and a one-layer region
-OPTIM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.0}
-CLIP = 1.0                          # DeepSpeed's default "gradient_clipping"
 
 
 def qwen2():
@@ -106,9 +43,10 @@ def qwen2():
     return model
 
 
+@functools.cache
 def plain_train(batch: int, steps: int = 2) -> dict:
     """The reference: one process, no DeepSpeed, no ctx_plugin: HF sdpa attention, torch.optim.Adam and gradient
-    clipping as the DeepSpeed config has them, ``batch`` samples per step."""
+    clipping as the DeepSpeed config has them, ``batch`` samples per step (computed once per process)."""
     model = qwen2()
     model.set_attn_implementation("sdpa")
     opt = torch.optim.Adam(model.parameters(), lr=OPTIM["lr"], betas=tuple(OPTIM["betas"]), eps=OPTIM["eps"],
@@ -126,6 +64,85 @@ def plain_train(batch: int, steps: int = 2) -> dict:
         losses.append(loss.item())
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"losses": losses, "norms": norms, "params": params.tolist()}
+
+
+def check_against_plain(got: list, key: str, want: dict) -> None:
+    """Every rank's losses and gradient norms within 1e-5 relative of :func:`plain_train`'s, and rank 0's parameters
+    within 1e-5 of the largest."""
+    for rank in range(len(got)):
+        for what in ("losses", "norms"):
+            for a, b in zip(got[rank][key][what], want[what], strict=True):
+                if a is not None:              # ZeRO 0 keeps no gradient norm
+                    assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} {what}: {got[rank][key][what]} vs plain " \
+                                                        f"PyTorch {want[what]}"
+    have, ref = torch.tensor(got[0][key]["params"]), torch.tensor(want["params"])
+    err = ((have - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-5, f"parameters differ by {err:.2e} of the largest"
+
+
+def spawn(target: str, world: int, payload: dict) -> list:
+    """``run_spawned`` of a rank function of this module, after ``launch/deepspeed_ops.py`` has built (or found)
+    the comm op DeepSpeed compiles at its first start on CPU: a cold cache is built here, once, in bounded time,
+    and a lock a killed build left is removed, instead of every rank waiting on it forever."""
+    from tests.distributed.harness import run_spawned
+
+    ops = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "deepspeed_ops.py"),
+                          "--timeout", str(OP_TIMEOUT_S)], capture_output=True, text=True, timeout=OP_TIMEOUT_S + 120)
+    if ops.returncode != 0:
+        raise RuntimeError(f"launch/deepspeed_ops.py failed:\n{ops.stderr.strip()}")
+    return run_spawned(f"tests.integration.deepspeed_ranks:{target}", world, payload, timeout_s=900)
+
+
+def _start(rank: int, world: int) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))   # what torchrun would set
+    warnings.filterwarnings("ignore")
+
+
+def _config(micro: int, zero: int, section: dict, extra: dict) -> dict:
+    """The DeepSpeed config :func:`plain_train` reproduces: Adam (not AdamW), DeepSpeed's default clipping."""
+    return {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 1000,
+            "optimizer": {"type": "Adam", "params": {**OPTIM, "torch_adam": True, "adam_w_mode": False}},
+            "zero_optimization": {"stage": zero}, "context_parallel": {"kernel": "torch", **section}, **extra}
+
+
+def _two_steps(engine, loader, zero: int, rank: int) -> dict:
+    """Two optimizer steps: the reported losses and DeepSpeed's gradient norms, and on rank 0 the parameters after."""
+    import deepspeed
+
+    import ctx_plugin.deepspeed as cpds
+
+    losses, norms = [], []
+    for _, batch in zip(range(2), loader):
+        logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss, report = cpds.causal_lm_loss(logits, batch["labels"], engine)
+        engine.backward(loss)
+        engine.step()
+        losses.append(report)
+        norm = engine.get_global_grad_norm()          # None at ZeRO 0 (it clips without keeping the norm)
+        norms.append(None if norm is None else float(norm))
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=zero == 3):
+        flat = torch.cat([p.detach().flatten().clone() for p in params])
+    return {"losses": losses, "norms": norms, "params": flat.tolist() if rank == 0 else None}
+
+
+def ds_train(rank: int, world: int, payload: dict) -> dict:
+    """Each case (backend, ulysses_size, CP size, ZeRO stage, micro batch): two steps of :func:`qwen2` through
+    ``ctx_plugin.deepspeed.initialize`` at DP world/size × CP size, no recompute (see :func:`_two_steps`)."""
+    _start(rank, world)
+    import ctx_plugin.deepspeed as cpds
+
+    out = {}
+    for backend, u, size, zero, micro in payload["cases"]:
+        model = qwen2()
+        section = {"backend": backend, "size": size, "ulysses_size": u}
+        engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
+                                               training_data=_dataset(), config=_config(micro, zero, section, {}))
+        out[f"{backend}-u{u}-cp{size}-z{zero}-mb{micro}"] = _two_steps(engine, loader, zero, rank)
+        engine.destroy()
+        _restore_linear()
+    return out
 
 
 def _restore_linear() -> None:
@@ -154,11 +171,7 @@ def presets_train(rank: int, world: int, payload: dict) -> dict:
     Models: ``hf`` (:func:`qwen2`), ``wrapped`` (:class:`Wrapped`, whose ``attention=`` callback switches the inner
     model to ctx_plugin's attention on the engine's groups), ``unwired`` (a callback that does nothing: the error
     of the first forward is returned)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    warnings.filterwarnings("ignore")
-    import deepspeed
-
+    _start(rank, world)
     import ctx_plugin.deepspeed as cpds
     from ctx_plugin import hf
 
@@ -169,33 +182,34 @@ def presets_train(rank: int, world: int, payload: dict) -> dict:
             model = Wrapped(model)
             attention = (lambda groups: None) if kind == "unwired" else \
                 (lambda groups, inner=model.inner: hf.enable(inner, groups.config, groups))
-        config = {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 1000,
-                  "optimizer": {"type": "Adam", "params": {**OPTIM, "torch_adam": True, "adam_w_mode": False}},
-                  "zero_optimization": {"stage": zero},
-                  "context_parallel": {"backend": backend, "size": 2, "kernel": "torch", "recompute": preset},
-                  **extra}
+        config = _config(micro, zero, {"backend": backend, "size": 2, "recompute": preset}, extra)
         engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
                                                training_data=_dataset(), config=config, attention=attention)
-        key, losses, norms = f"{kind}-{backend}-z{zero}-{preset}", [], []
+        key = f"{kind}-{backend}-z{zero}-{preset}"
         try:
-            for _, batch in zip(range(2), loader):
-                logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-                loss, report = cpds.causal_lm_loss(logits, batch["labels"], engine)
-                engine.backward(loss)
-                engine.step()
-                losses.append(report)
-                norm = engine.get_global_grad_norm()          # None at ZeRO 0 (it clips without keeping the norm)
-                norms.append(None if norm is None else float(norm))
+            out[key] = _two_steps(engine, loader, zero, rank)
         except RuntimeError as e:
             if kind != "unwired":
                 raise
             out[key] = {"error": str(e)}
-            engine.destroy()
-            continue
-        params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=zero == 3):
-            flat = torch.cat([p.detach().flatten().clone() for p in params])
-        out[key] = {"losses": losses, "norms": norms, "params": flat.tolist() if rank == 0 else None}
         engine.destroy()
         _restore_linear()
     return out
+
+
+def loader_shards(rank: int, world: int, payload) -> dict:
+    """ShardedLoader at dp=2 × cp=2: which samples each rank sees, and its shards gathered back."""
+    import torch.distributed as dist
+
+    import ctx_plugin
+    from ctx_plugin.deepspeed import ShardedLoader
+
+    cp, _ = dist.new_subgroups(group_size=2)
+    cfg = ctx_plugin.CPConfig(backend="zigzag")
+    groups = ctx_plugin.build_cp_groups(cfg, group=cp)
+    data = [{"input_ids": torch.arange(i * 100, i * 100 + 8), "labels": torch.arange(i * 100, i * 100 + 8),
+             "loss_mask": torch.arange(i * 100, i * 100 + 8) % 3} for i in range(4)]
+    loader = ShardedLoader(data, 2, groups, replicas=world // 2, replica=rank // 2)
+    batch = next(iter(loader))
+    full = {k: ctx_plugin.gather_sequence(v, config=cfg, groups=groups, dim=1).tolist() for k, v in batch.items()}
+    return {"full": full, "local_len": batch["input_ids"].shape[1], "batches": len(loader)}
