@@ -66,8 +66,14 @@ def _value(x) -> str:
     return str(getattr(x, "name", x))
 
 
-def settings_from_args(args: argparse.Namespace) -> MegatronCPSettings:
-    """Validates the ``--cp-*`` flags against Megatron's and returns the settings (ValueError otherwise)."""
+def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True) -> MegatronCPSettings:
+    """Validates the ``--cp-*`` flags against Megatron's and returns the settings (ValueError otherwise).
+
+    Call it once per run, on the arguments as the user gave them and Megatron completed them (after
+    ``validate_args`` and ``set_global_variables``: ``budget:<GiB>`` is resolved from ``data_parallel_size`` and
+    ``padded_vocab_size``), never on arguments it has already written recompute fields into. With
+    ``resolve_budget=False`` a ``budget:`` preset is checked but returned unresolved (``megatron_recompute``
+    None): for checks made before the vocabulary is known (``ctx-plugin launch``)."""
     try:
         cp_config = CPConfig(backend=args.cp_backend, kernel=args.cp_kernel, ulysses_size=args.cp_ulysses_size,
                              check_ranks=not args.cp_no_rank_check)
@@ -112,34 +118,38 @@ def settings_from_args(args: argparse.Namespace) -> MegatronCPSettings:
 
     check_model_options(args, where="ctx_plugin's attention")
     check_data_options(args)
-    recompute = _recompute(args)
+    recompute = _recompute(args, resolve_budget)
     megatron_fields = None
     if recompute.preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN):
         megatron_fields = to_megatron(recompute, args.num_layers)
     return MegatronCPSettings(cp_config=cp_config, recompute=recompute, megatron_recompute=megatron_fields)
 
 
-def _recompute(args: argparse.Namespace) -> RecomputeConfig:
+def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfig:
     recompute = RecomputeConfig.parse(args.cp_recompute)
     own = [f"--{name.replace('_', '-')}" for name in ("recompute_granularity", "recompute_method",
                                                        "recompute_num_layers") if getattr(args, name, None)]
     if own and recompute.preset != Recompute.NONE:
         raise ValueError(f"--cp-recompute {recompute} and {', '.join(own)} both set what to recompute; keep one "
                          f"(--cp-recompute maps onto Megatron's fields where Megatron can express it)")
-    if recompute.preset != Recompute.BUDGET:
+    if recompute.preset != Recompute.BUDGET or not resolve_budget:
         return recompute
+    missing = [name for name in ("padded_vocab_size", "data_parallel_size") if not getattr(args, name, None)]
+    if missing:
+        raise ValueError(f"--cp-recompute {recompute} is resolved from Megatron's {' and '.join(missing)}, which "
+                         f"Megatron sets in validate_args/set_global_variables: call settings_from_args after them")
     from ..memory import ModelSpec, ParallelSpec, resolve
 
     model = ModelSpec(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
                       kv_heads=(args.num_query_groups if getattr(args, "group_query_attention", False)
                                 and args.num_query_groups else args.num_attention_heads),
-                      ffn=args.ffn_hidden_size or 4 * args.hidden_size, vocab=getattr(args, "padded_vocab_size", None)
-                      or getattr(args, "vocab_size", None) or 32000, gated=bool(getattr(args, "swiglu", False)),
+                      ffn=args.ffn_hidden_size or 4 * args.hidden_size, vocab=args.padded_vocab_size,
+                      gated=bool(getattr(args, "swiglu", False)),
                       norm="rms" if getattr(args, "normalization", "LayerNorm") == "RMSNorm" else "layer")
     parallel = ParallelSpec(cp=args.context_parallel_size, backend=args.cp_backend,
                             ulysses_size=args.cp_ulysses_size, tp=getattr(args, "tensor_model_parallel_size", 1),
                             sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-                            dp=getattr(args, "data_parallel_size", None) or 1,
+                            dp=args.data_parallel_size,
                             zero_stage=1 if getattr(args, "use_distributed_optimizer", False) else 0)
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
         else torch.float32

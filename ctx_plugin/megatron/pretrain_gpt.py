@@ -3,25 +3,94 @@
 Runs ``PATH/pretrain_gpt.py`` — the user's Megatron-LM checkout, unedited — with ctx_plugin switched on. Before
 the script starts, three seams are set up in memory (all in this process, nothing on disk):
 
-1. Megatron's ``parse_args`` gets the ``--cp-*`` flags, chained after the script's own ``extra_args_provider``;
-   right after parsing, the flags are validated against Megatron's (``settings_from_args``) and recompute
-   presets Megatron can express are written into its ``--recompute-*`` settings.
+1. Megatron's ``parse_args`` gets the ``--cp-*`` flags, chained after the script's own ``extra_args_provider``.
+   Once Megatron has validated and completed its arguments (``set_global_variables``: data-parallel size,
+   padded vocabulary), the flags are validated against Megatron's and resolved once (``settings_from_args``,
+   ``budget:<GiB>`` included); presets Megatron can express are written into its ``--recompute-*`` settings,
+   and every seam below reads these settings. A flag error prints once (rank 0), argparse style, exit code 2.
 2. ``GPTModel`` becomes a subclass that swaps ctx_plugin's core attention into whatever layer spec the script
    passes (local or Transformer Engine), gives RoPE the positions each rank holds, and applies the recompute
    presets Megatron cannot express (attention pinned).
 3. ``get_batch_on_this_cp_rank`` shards batches in the backend's layout instead of Megatron's zigzag.
+
+A script that trains with Megatron-LM's ``pretrain`` (``from megatron.training import pretrain``, in any form)
+needs CUDA; without it the entry point says so before Megatron starts.
 
 Loss reduction, gradient reduction over data × context ranks, optimizers and checkpoints stay Megatron's.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import os
 import runpy
 import sys
 from pathlib import Path
 
 from . import require_megatron
-from .args import add_arguments, settings_from_args
+from .args import MegatronCPSettings, add_arguments, settings_from_args
+
+PROG = "python -m ctx_plugin.megatron.pretrain_gpt"
+
+
+def fail(message: str, rank: int | None = None) -> None:
+    """Ends the run as argparse does (``prog: error: message``, exit code 2), printed by rank 0 only (every rank
+    exits: under torchrun the message appears once). ``rank`` defaults to torchrun's ``RANK``."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0") or 0)
+    if rank == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def uses_megatron_pretrain(script: Path) -> bool:
+    """Whether ``script`` imports Megatron-LM's ``pretrain`` (which needs CUDA): ``from megatron.training
+    import pretrain`` on one line or in a parenthesised block, ``from megatron.training.training import
+    pretrain``, a ``*`` import of either, or ``megatron.training.pretrain`` used after ``import megatron...``.
+    ValueError when the file is not Python."""
+    try:
+        tree = ast.parse(Path(script).read_text(), filename=str(script))
+    except (SyntaxError, ValueError) as e:
+        raise ValueError(f"{script}: not a Python script ({e})") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in ("megatron.training",
+                                                                                     "megatron.training.training"):
+            if any(alias.name in ("pretrain", "*") for alias in node.names):
+                return True
+        if isinstance(node, ast.Attribute) and node.attr == "pretrain" and ast.unparse(node.value) in (
+                "megatron.training", "megatron.training.training"):
+            return True
+    return False
+
+
+class RunSettings:
+    """The ``--cp-*`` settings of one run, computed once when Megatron's arguments are complete and shared by
+    the seams (the model, the batch sharder, ``--spec ctx_plugin.megatron.spec layer_spec``)."""
+
+    def __init__(self) -> None:
+        self._settings: MegatronCPSettings | None = None
+
+    def compute(self, args: argparse.Namespace) -> MegatronCPSettings:
+        """Validates and resolves the flags (a flag error ends the run, see :func:`fail`), and writes the
+        recompute fields Megatron applies into ``args``."""
+        if self._settings is not None:
+            raise RuntimeError("ctx_plugin's settings are computed once per run, and already were")
+        try:
+            settings = settings_from_args(args)
+        except ValueError as e:
+            fail(str(e), getattr(args, "rank", None))
+        for name, value in (settings.megatron_recompute or {}).items():
+            setattr(args, name, value)
+        self._settings = settings
+        return settings
+
+    @property
+    def settings(self) -> MegatronCPSettings:
+        if self._settings is None:
+            raise RuntimeError("ctx_plugin's settings are read before Megatron's set_global_variables completed "
+                               "the arguments; the script must parse its arguments through Megatron "
+                               "(parse_and_validate_args, or initialize_megatron inside pretrain)")
+        return self._settings
 
 
 def _chain(provider):
@@ -36,12 +105,13 @@ def _install_seams() -> None:
     import megatron.core.models.gpt.gpt_model as gpt_model_mod
     import megatron.core.utils as core_utils
     import megatron.training.arguments as arguments
+    import megatron.training.global_vars as global_vars
     from megatron.core import parallel_state
-    from megatron.training import get_args
 
     from .core_attention import GroupsProvider
     from .spec import gpt_layer_spec, prepare_model, shard_batch
 
+    run = RunSettings()
     providers: dict = {}              # one GroupsProvider per CP config, shared by model and batches
 
     def provider_for(settings):
@@ -50,11 +120,13 @@ def _install_seams() -> None:
     original_parse = arguments.parse_args
 
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-        args = original_parse(_chain(extra_args_provider), ignore_unknown_args)
-        settings = settings_from_args(args)
-        for name, value in (settings.megatron_recompute or {}).items():
-            setattr(args, name, value)
-        return args
+        return original_parse(_chain(extra_args_provider), ignore_unknown_args)
+
+    original_set_globals = global_vars.set_global_variables
+
+    def set_global_variables(args, *more, **kwargs):
+        original_set_globals(args, *more, **kwargs)
+        run.compute(args)
 
     base = gpt_model_mod.GPTModel
 
@@ -62,24 +134,28 @@ def _install_seams() -> None:
         """Megatron's GPTModel with ctx_plugin's core attention, layout-aware RoPE and recompute preset."""
 
         def __init__(self, config, transformer_layer_spec, *args, **kwargs):
-            settings = settings_from_args(get_args())
+            settings = run.settings
             provider = provider_for(settings)
             spec = gpt_layer_spec(settings.cp_config, base=transformer_layer_spec, groups_provider=provider)
             super().__init__(config, spec, *args, **kwargs)
             prepare_model(self, settings, provider, kwargs.get("pg_collection"))
 
     def get_batch_on_this_cp_rank(batch, *args, cp_group=None, **kwargs):
-        settings = settings_from_args(get_args())
+        settings = run.settings
         group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
         return shard_batch(batch, config=settings.cp_config, groups=provider_for(settings).get(group))
 
     get_batch_on_this_cp_rank.ctx_plugin_seam = True  # spec.layer_spec: batches and RoPE follow the backend's layout
+    get_batch_on_this_cp_rank.ctx_plugin_run = run    # spec.layer_spec: this run's settings
 
-    try:   # Megatron-LM's pretrain_gpt.py imports the sharder from here; load it so the rebinding reaches it
-        import megatron.training.utils  # noqa: F401
-    except ImportError:
-        pass
-    for name, old, new in (("parse_args", original_parse, parse_args), ("GPTModel", base, CPGPTModel),
+    for name in ("megatron.training.utils", "megatron.training.initialize"):
+        try:   # Megatron-LM's scripts import these names from here; load them so the rebinding reaches them
+            __import__(name)
+        except ImportError:
+            pass
+    for name, old, new in (("parse_args", original_parse, parse_args),
+                           ("set_global_variables", original_set_globals, set_global_variables),
+                           ("GPTModel", base, CPGPTModel),
                            ("get_batch_on_this_cp_rank", core_utils.get_batch_on_this_cp_rank,
                             get_batch_on_this_cp_rank)):
         _rebind(name, old, new)
@@ -94,14 +170,23 @@ def _rebind(name: str, old, new) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ctx_plugin.megatron.pretrain_gpt", add_help=False,
-                                     description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, description=__doc__.split("\n\n")[1])
     parser.add_argument("--megatron-lm", required=True, help="path of the Megatron-LM checkout (with pretrain_gpt.py)")
     ours, rest = parser.parse_known_args(argv)
     root = Path(ours.megatron_lm).resolve()
     script = root / "pretrain_gpt.py"
     if not script.is_file():
-        raise SystemExit(f"--megatron-lm {root}: no pretrain_gpt.py there; give the root of a Megatron-LM checkout")
+        fail(f"--megatron-lm {root}: no pretrain_gpt.py there; give the root of a Megatron-LM checkout")
+    try:
+        needs_cuda = uses_megatron_pretrain(script)
+    except ValueError as e:
+        fail(str(e))
+    import torch
+
+    if needs_cuda and not torch.cuda.is_available():
+        fail(f"{script} trains with Megatron-LM's pretrain() (megatron.training), whose training loop needs CUDA "
+             f"GPUs, and torch sees none here: run it on GPU nodes (ctx-plugin launch with sbatch "
+             f"--gpus-per-node N)")
     sys.path.insert(0, str(root))     # the checkout's own megatron package wins over an installed wheel
     _install_seams()
     sys.argv = [str(script), *rest]

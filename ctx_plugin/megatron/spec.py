@@ -43,7 +43,8 @@ def layer_spec(model_config=None, vp_stage=None) -> ModuleSpec:
     from .args import settings_from_args
 
     args = get_args()
-    settings = settings_from_args(args)
+    run = _entry_point_run()
+    settings = run.settings if run is not None else settings_from_args(args)   # the entry point's, computed once
     _check_seams(args, settings)
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -76,6 +77,13 @@ def _check_seams(args, settings: MegatronCPSettings) -> None:
         raise ValueError("--spec ctx_plugin.megatron.spec layer_spec without ctx_plugin's entry point "
                          "(python -m ctx_plugin.megatron.pretrain_gpt --megatron-lm PATH ...):\n  "
                          + "\n  ".join(problems))
+
+
+def _entry_point_run():
+    """The entry point's :class:`~ctx_plugin.megatron.pretrain_gpt.RunSettings` when it runs this process."""
+    import megatron.core.utils as core_utils
+
+    return getattr(core_utils.get_batch_on_this_cp_rank, "ctx_plugin_run", None)
 
 
 def _entry_point_running() -> bool:

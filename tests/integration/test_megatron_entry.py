@@ -44,19 +44,81 @@ def reference(tmp_path_factory):
     return got
 
 
-@pytest.mark.parametrize("backend", [b.value for b in Backend if b != Backend.ULYSSES_RING])
-def test_entry_point_trains_like_megatron(tmp_path, reference, backend):
-    got = _run(tmp_path, 2, "--cp-backend", backend, "--cp-recompute", "full" if backend == "zigzag" else "none")
+PRESETS = {Backend.ZIGZAG: "full", Backend.STRIPED: "core_attn"}     # core_attn: Megatron's own recompute
+MEGATRON_FIELDS = {"core_attn": ["selective", ["core_attn"]], "mlp": ["selective", ["mlp"]]}
+
+
+def _same_losses(got: dict, reference: dict) -> None:
     assert got["model_class"] == "CPGPTModel" and got["core_attention"] == "CPCoreAttention"
     assert got["rope_class"] == "LayoutRotaryEmbedding"
     for a, b in zip(got["losses"], reference["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], reference["losses"])
 
 
+@pytest.mark.parametrize("backend", [b.value for b in Backend if b != Backend.ULYSSES_RING])
+def test_entry_point_trains_like_megatron(tmp_path, reference, backend):
+    preset = PRESETS.get(backend, "none")
+    got = _run(tmp_path, 2, "--cp-backend", backend, "--cp-recompute", preset)
+    _same_losses(got, reference)
+    assert got["recompute"] == MEGATRON_FIELDS.get(preset, [None, None])    # what Megatron's config applies
+
+
+def _mlp_budget() -> str:
+    """A budget:<GiB> only the mlp preset fits for MODEL at CP 2 (padded vocabulary 128, DP 1, fp32)."""
+    import torch
+
+    from ctx_plugin.memory import ModelSpec, ParallelSpec
+    from ctx_plugin.memory.model import GiB, estimate
+    from ctx_plugin.recompute import candidates, resolve
+
+    model = ModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, gated=False, norm="layer")
+    parallel = ParallelSpec(cp=2, backend="zigzag", tp=1, dp=1)
+    peaks = sorted(estimate(model, parallel, c, seq_len=32, micro_batch=2, dtype=torch.float32).peak
+                   for c in candidates(2))
+    budget = f"budget:{(peaks[0] + peaks[1]) / 2 / GiB:.9f}"
+    assert str(resolve(budget, model, parallel, seq_len=32, micro_batch=2, dtype=torch.float32)) == "mlp"
+    return budget
+
+
+def test_entry_point_budget_resolves_once_to_megatrons_mlp(tmp_path):
+    """budget:<GiB> is resolved once, with Megatron's padded vocabulary and DP size, to mlp, which Megatron's
+    own recompute applies (it used to crash at model construction: the entry point validated its own output).
+    Without linear biases: Megatron's mlp recompute hangs on CPU with them."""
+    reference = _run(tmp_path, 1, "--disable-bias-linear", ctx_plugin=False)
+    got = _run(tmp_path, 2, "--disable-bias-linear", "--cp-recompute", _mlp_budget())
+    _same_losses(got, reference)
+    assert got["recompute"] == MEGATRON_FIELDS["mlp"] and got["padded_vocab_size"] == 128
+
+
+REAL_CHECKOUT = Path(__file__).parents[1] / "fixtures" / "megatron_lm_core_v0.19.0"    # Megatron-LM's own script
+ENTRY = [sys.executable, "-m", "ctx_plugin.megatron.pretrain_gpt"]
+PREFIX = "python -m ctx_plugin.megatron.pretrain_gpt: error: "
+
+
 def test_entry_point_rejects_bad_flags(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ctx_plugin.megatron.pretrain_gpt", "--megatron-lm", str(tmp_path)],
+    proc = subprocess.run([*ENTRY, "--megatron-lm", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"{PREFIX}--megatron-lm {tmp_path.resolve()}: no pretrain_gpt.py there" \
+        in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_flag_errors_print_once_without_traceback():
+    """Under torchrun with 2 ranks: one argparse-style message (rank 0), every rank exits 2, no rank traceback."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *ENTRY[1:],
+           "--megatron-lm", str(CHECKOUT), *MODEL, "--reset-attention-mask"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and out.count(PREFIX) == 1, out[-4000:]
+    assert "reset_attention_mask=True (--reset-attention-mask): document masks" in out
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-4000:]
+    assert "exitcode  : 2" in out, out[-4000:]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_megatron_pretrain_needs_cuda(tmp_path):
+    """Megatron-LM's own pretrain_gpt.py (pretrain imported in a parenthesised block) on a machine without CUDA:
+    one clear message before Megatron starts (not its argument validation's driver traceback at CP > 1)."""
+    proc = subprocess.run([*ENTRY, "--megatron-lm", str(REAL_CHECKOUT), *MODEL, "--context-parallel-size", "2"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "no pretrain_gpt.py there" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "ctx_plugin.megatron.pretrain_gpt", "--megatron-lm", str(CHECKOUT),
-                           *MODEL, "--reset-attention-mask"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "reset_attention_mask=True (--reset-attention-mask): document masks" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.stderr.startswith(PREFIX) and "pretrain() (megatron.training)" in proc.stderr
+    assert "needs CUDA GPUs" in proc.stderr

@@ -1,25 +1,30 @@
 """A stand-in for Megatron-LM's pretrain_gpt.py that runs on CPU.
 
 Megatron's own ``pretrain`` asserts CUDA, so this script keeps the parts of pretrain_gpt.py that ctx_plugin's
-entry point hooks into — ``parse_args`` with the script's own ``extra_args_provider``, ``GPTModel`` built from a
+entry point hooks into — Megatron's own ``parse_and_validate_args`` (parse, validate, set the global arguments
+and tokenizer: data-parallel size, padded vocabulary) with the script's own ``extra_args_provider``, as
+Megatron-LM's script calls it (core 0.19), ``GPTModel`` built from a
 layer spec by name, and ``get_batch_on_this_cp_rank`` imported by name, fed batches with the causal attention
 mask Megatron's dataloader builds by default — and replaces Megatron's training loop with a small CPU one (SGD;
 gradients all-reduced over data × context ranks, as Megatron's DDP does). Run directly (without ctx_plugin) it
 trains Megatron's own model: the reference; the CUDA calls of Megatron's local attention and RoPE are pointed at
-the CPU (``_cpu_shims``).
+the CPU (``_cpu_shims``), and so are the device queries of Megatron's argument validation. It does not import
+``megatron.training.pretrain``, so the entry point does not ask for CUDA.
 """
 import contextlib
 import json
+import os
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel import random
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_batch_on_this_cp_rank
-from megatron.training.arguments import parse_args
-from megatron.training.global_vars import set_args
+import megatron.training.arguments as megatron_arguments
+from megatron.training.arguments import parse_and_validate_args
 
 
 def extra_args(parser):
@@ -30,13 +35,24 @@ def extra_args(parser):
 
 def _cpu_shims():
     """Megatron's RoPE moves its frequencies to torch.cuda.current_device(); its local attention takes a buffer
-    there and forks the CUDA RNG tracker around dropout (0 here)."""
+    there and forks the CUDA RNG tracker around dropout (0 here); its recompute saves and restores RNG states."""
     class Tracker:
         def fork(self, *args, **kwargs):
             return contextlib.nullcontext()
 
+        def get_states(self):
+            return {}
+
+        def set_states(self, states):
+            pass
+
     torch.cuda.current_device = lambda: "cpu"
-    tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: Tracker()
+    tensor_parallel.get_cuda_rng_tracker = random.get_cuda_rng_tracker = lambda *args, **kwargs: Tracker()
+    # Megatron's recompute (tensor_parallel.checkpoint: --recompute-modules mlp/core_attn) saves the CUDA RNG state
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0)
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
+    megatron_arguments.get_device_arch_version = lambda: 9      # validate_args asks the GPU's generation at CP > 1
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"              # and then wants this set (as on a pre-Blackwell GPU)
 
 
 def model_provider(args):
@@ -49,7 +65,7 @@ def model_provider(args):
                                recompute_granularity=args.recompute_granularity,
                                recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                                recompute_modules=args.recompute_modules)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab_size,
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.seq_length, position_embedding_type=args.position_embedding_type)
 
 
@@ -64,9 +80,8 @@ def get_batch(step, args):
 
 
 if __name__ == "__main__":
-    args = parse_args(extra_args_provider=extra_args)
-    set_args(args)
     _cpu_shims()
+    args = parse_and_validate_args(extra_args_provider=extra_args, args_defaults={"tokenizer_type": "NullTokenizer"})
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
     torch.manual_seed(1234)
@@ -88,7 +103,8 @@ if __name__ == "__main__":
     if dist.get_rank() == 0 and args.fake_report:
         with open(args.fake_report, "w") as f:
             json.dump({"losses": losses, "rope_class": type(getattr(model, "rotary_pos_emb", None)).__name__,
-                       "model_class": type(model).__name__,
+                       "model_class": type(model).__name__, "padded_vocab_size": args.padded_vocab_size,
+                       "recompute": [model.config.recompute_granularity, model.config.recompute_modules],
                        "core_attention": type(model.decoder.layers[0].self_attention.core_attention).__name__}, f)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
