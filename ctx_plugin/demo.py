@@ -14,6 +14,7 @@ import resource
 import sys
 import time
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,11 @@ import torch.nn.functional as F
 import ctx_plugin
 from ctx_plugin import recompute
 from ctx_plugin.models import DecoderConfig, DecoderLM
-from ctx_plugin.names import Backend, Kernel
+from ctx_plugin.attention import check_heads
+from ctx_plugin.cliargs import nonnegative_float, output_file, positive_float, positive_int, tokens
+from ctx_plugin.layouts import shard_layout
+from ctx_plugin.names import Backend, Kernel, Recompute
+from ctx_plugin.recompute.presets import RecomputeConfig
 
 
 def sample_batch(generator: torch.Generator, batch: int, seq_len: int, vocab: int) -> torch.Tensor:
@@ -66,22 +71,50 @@ def _peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # process peak RSS (Linux: KiB)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+MODEL = DecoderConfig(vocab=128, hidden=64, heads=4, kv_heads=2, ffn=256, layers=2)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's options (``ctx-plugin demo`` parses and checks them before it starts any process)."""
     p.add_argument("--backend", default=Backend.ZIGZAG.value, choices=[b.value for b in Backend])
-    p.add_argument("--ulysses-size", type=int, default=1, help="Ulysses group size for --backend ulysses_ring")
+    p.add_argument("--ulysses-size", type=positive_int, default=1, help="Ulysses group size for --backend ulysses_ring")
     p.add_argument("--kernel", default=Kernel.AUTO.value, choices=[k.value for k in Kernel])
     p.add_argument("--recompute", default="none", help="recompute preset for the context-parallel run (e.g. "
                                                          "selective, full, sqrt; see ctx_plugin.recompute)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: CUDA when every rank can have its own GPU, else CPU with gloo")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--seq-len", type=tokens, default=256)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rtol", type=float, default=1e-5, help="allowed relative loss difference (fp32)")
-    p.add_argument("--json", default=None, help="write the report of rank 0 to this file")
+    p.add_argument("--rtol", type=nonnegative_float, default=1e-5, help="allowed relative loss difference (fp32)")
+    p.add_argument("--json", type=output_file, default=None, help="write the report of rank 0 to this file")
+
+
+def check(args: argparse.Namespace, world: int) -> None:
+    """``ValueError`` naming the fix for options that cannot run on ``world`` ranks (before any process starts)."""
+    cp_config = ctx_plugin.CPConfig(backend=args.backend, kernel=args.kernel, ulysses_size=args.ulysses_size)
+    if cp_config.backend == Backend.ULYSSES_RING and world % cp_config.ulysses_size:
+        raise ValueError(f"--ulysses-size {cp_config.ulysses_size} does not divide --nproc {world}; give a divisor "
+                         f"of {world}")
+    try:
+        shard_layout(cp_config).check_seq_len(args.seq_len, world)
+    except ValueError as e:
+        raise ValueError(f"--seq-len {args.seq_len} over --nproc {world}: {e}") from None
+    u = world if cp_config.backend == Backend.ULYSSES else cp_config.ulysses_size
+    check_heads(MODEL.heads, MODEL.kv_heads, SimpleNamespace(ulysses=SimpleNamespace(size=u), config=cp_config))
+    preset = RecomputeConfig.parse(args.recompute)
+    if preset.preset == Recompute.BUDGET:
+        raise ValueError("--recompute budget:<GiB> is for real models (ctx_plugin.recompute.resolve picks a preset "
+                         "from the memory model); give a preset such as selective or full")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no GPU is visible; use --device cpu or auto")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -89,6 +122,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     dist.init_process_group()            # torchrun's env:// rendezvous; gloo for CPU, plus nccl when CUDA exists
     rank, world = dist.get_rank(), dist.get_world_size()
+    check(args, world)                   # ctx-plugin demo checked it before starting the ranks; torchrun -m did not
     gpus = torch.cuda.device_count()
     use_cuda = args.device == "cuda" or (args.device == "auto" and gpus >= world)
     if use_cuda and gpus == 0:
@@ -101,7 +135,7 @@ def main(argv=None) -> int:
     alone, _ = dist.new_subgroups(group_size=1)                         # a group of one for the reference run
     ref_config = ctx_plugin.CPConfig(kernel=args.kernel)                # on one rank every backend is plain attention
     ref_groups = ctx_plugin.build_cp_groups(ref_config, group=alone)
-    model_cfg = DecoderConfig(vocab=128, hidden=64, heads=4, kv_heads=2, ffn=256, layers=2)
+    model_cfg = MODEL
     runs = {}
     for name, config, groups in (("reference", ref_config, ref_groups), ("context_parallel", cp_config, cp_groups)):
         torch.manual_seed(args.seed)

@@ -27,7 +27,7 @@ from ..groups import build_cp_groups
 from ..kernels import accum_dtype
 from ..names import Kernel
 from .harness import Shape, attention_step, ideal_time, median_time
-from .report import add_arguments, configs, row, shape_from_args, write_outputs
+from .report import add_arguments, configs, row, settle, shape_from_args, write_outputs
 from .simulated import SILENT, simulated_groups
 
 
@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ctx-plugin bench --distributed")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    args.distributed = True              # ctx-plugin bench --distributed checked these arguments before starting us
+    settle(args)
     dist.init_process_group()
     rank, size = dist.get_rank(), dist.get_world_size()
     use_cuda = args.device != "cpu" and torch.cuda.device_count() >= size and not args.smoke

@@ -13,34 +13,43 @@ from pathlib import Path
 
 import torch
 
+from ..cliargs import output_file, positive_int, tokens
 from ..config import CPConfig
-from ..memory.report import parse_tokens
+from ..layouts import shard_layout
+from ..memory.report import need_matplotlib
 from ..kernels import kernel_unavailable, select_kernel
 from ..names import Backend, Kernel
 from .harness import PASSES, Shape, ideal_time, rank_times
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+DEFAULTS = dict(seq_len=131072, heads=32, kv_heads=None, head_dim=128, dtype="bf16", device="auto", reps=5, ranks=[8])
+"""The shape options' defaults (``None`` in the parser, so that :func:`settle` sees which ones were given)."""
+SMOKE = dict(seq_len=256, heads=4, kv_heads=2, head_dim=16, dtype="fp32", device="cpu", reps=1, ranks=[2, 4])
+"""What ``--smoke`` sets (none of these options may be given with it)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", nargs="+", default=[b.value for b in Backend], choices=[b.value for b in Backend])
-    p.add_argument("--ranks", nargs="+", type=int, default=[8], help="group sizes N (default 8)")
-    p.add_argument("--ulysses-size", type=int, default=2, help="Ulysses group size of ulysses_ring (default 2)")
-    p.add_argument("--seq-len", type=parse_tokens, default=131072, help="global sequence length, e.g. 128k")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--ranks", nargs="+", type=positive_int, default=None, help="group sizes N (default 8)")
+    p.add_argument("--ulysses-size", type=positive_int, default=2,
+                   help="Ulysses group size of ulysses_ring (default 2)")
+    p.add_argument("--seq-len", type=tokens, default=None,
+                   help="global sequence length, e.g. 128k (default); must split evenly over every N")
+    p.add_argument("--heads", type=positive_int, default=None, help="default 32")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="default: --heads (MHA)")
+    p.add_argument("--head-dim", type=positive_int, default=None, help="default 128")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bf16")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="default auto")
     p.add_argument("--kernel", choices=[k.value for k in Kernel], default=Kernel.AUTO.value)
     p.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
-    p.add_argument("--json", default=None, help="write the rows and the setup here")
-    p.add_argument("--plot", default=None, help="PNG: slowest-rank efficiency per backend and N")
+    p.add_argument("--reps", type=positive_int, default=None,
+                   help="timed repetitions per measurement (median; default 5)")
+    p.add_argument("--json", type=output_file, default=None, help="write the rows and the setup here")
+    p.add_argument("--plot", type=output_file, default=None, help="PNG: slowest-rank efficiency per backend and N")
     p.add_argument("--distributed", action="store_true", help="real processes under torchrun (--nproc of them)")
-    p.add_argument("--nproc", type=int, default=2, help="processes for --distributed (default 2)")
+    p.add_argument("--nproc", type=positive_int, default=None, help="processes for --distributed (default 2)")
     p.add_argument("--no-rank-check", action="store_true",
                    help="CPConfig(check_ranks=False): no agreement check among the ranks before each call "
                         "(--distributed; simulated ranks never check). With the check on, --distributed reports "
@@ -52,10 +61,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                         "N = 2 and 4, one repetition")
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def settle(args: argparse.Namespace) -> None:
+    """Fills in the defaults (or ``--smoke``'s values) once; ``ValueError`` for an option that would be ignored."""
+    given = [name for name in SMOKE if getattr(args, name) is not None]
+    if args.smoke and given:
+        raise ValueError(f"--smoke sets {', '.join(map(_flag, given))} itself: drop {'them' if len(given) > 1 else 'it'}"
+                         f" or --smoke")
+    if args.distributed:
+        for name, what in (("ranks", "the group size is --nproc"), ("compare_kernels", "it runs in simulated mode")):
+            if getattr(args, name):
+                raise ValueError(f"{_flag(name)} does not apply to --distributed ({what}): drop it")
+    else:
+        for name, what in (("nproc", "the number of processes"), ("no_rank_check", "simulated ranks never check")):
+            if getattr(args, name):
+                raise ValueError(f"{_flag(name)} applies to --distributed only ({what}): drop it or add --distributed")
+    for name, value in (SMOKE if args.smoke else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.nproc = 2 if args.nproc is None else args.nproc
+    if args.distributed:
+        args.ranks = [args.nproc]
+
+
+def check(args: argparse.Namespace, argv: list[str]) -> None:
+    """:func:`settle`, then ``ValueError`` naming the fix for what cannot run, before any timing or process start:
+    a sequence length some backend cannot split evenly over some N (nothing is rounded), a bad shape, ``--plot``
+    without matplotlib."""
+    settle(args)
+    shape_from_args(args)
+    for size in args.ranks:
+        for _, config in configs(args, size):
+            if not isinstance(config, str):
+                try:
+                    shard_layout(config).check_seq_len(args.seq_len, size)
+                except ValueError as e:
+                    raise ValueError(f"--seq-len {args.seq_len}: {e}") from None
+    if args.plot:
+        need_matplotlib()
+
+
 def shape_from_args(args: argparse.Namespace, device: torch.device | None = None) -> Shape:
-    if args.smoke:
-        args.seq_len, args.heads, args.kv_heads, args.head_dim, args.dtype = 256, 4, 2, 16, "fp32"
-        args.device, args.reps, args.ranks = "cpu", 1, [2, 4] if not args.distributed else args.ranks
+    """The benchmarked attention (from settled ``args``, see :func:`settle`)."""
     if device is None:
         device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     if args.device == "cuda" and device.type != "cuda":
@@ -191,19 +241,18 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """The CLI: simulated in this process, or, for --distributed, torchrun starting
+    """The CLI (``args`` passed :func:`check`): simulated in this process, or, for --distributed, torchrun starting
     :mod:`ctx_plugin.bench.distributed` with the same arguments (``argv``)."""
-    if args.reps < 1 or any(n < 1 for n in args.ranks) or args.nproc < 1 or args.ulysses_size < 1:
-        raise ValueError("--reps, --ranks, --ulysses-size and --nproc must be positive")
-    shape = shape_from_args(args)                      # checks the shape before any process starts
+    shape = shape_from_args(args)
     if args.distributed:
         import os
 
         from torch.distributed.run import main as torchrun
 
+        from ..cliargs import without_option
+
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        worker = [a for i, a in enumerate(argv) if a != "--distributed" and not a.startswith("--nproc")
-                  and (i == 0 or argv[i - 1] != "--nproc")]    # the launcher's own options (torchrun reads --nproc*)
+        worker = without_option([a for a in argv if a != "--distributed"], "--nproc")   # torchrun reads --nproc*
         torchrun(["--standalone", "--nproc-per-node", str(args.nproc), "-m", "ctx_plugin.bench.distributed", *worker])
         return 0
     if args.compare_kernels:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from ..cliargs import output_file, positive_float, positive_int, read_json_object, tokens
 from ..names import Backend
 from ..recompute.presets import RecomputeConfig
 from .model import GiB, MemoryEstimate, estimate, resolve
@@ -21,31 +22,51 @@ def table_presets(layers: int) -> list[RecomputeConfig]:
     return [RecomputeConfig.parse(p) for p in (*names, "full", "sqrt")]
 
 
-def parse_tokens(text: str) -> int:
-    text = text.strip().lower()
-    scale = {"k": 1024, "m": 1024 ** 2}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+parse_tokens = tokens      # ``--seq-len``: 131072, 128k or 1m; a fraction or a non-number is an error
+
+
+def model_arg(text: str) -> ModelSpec:
+    """``--model``: a preset name or the path of a Hugging Face ``config.json`` (argparse ``type=``)."""
+    if text in MODEL_PRESETS:
+        return ModelSpec.preset(text)
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a model preset ({', '.join(MODEL_PRESETS)}) nor an "
+                                         f"existing config.json; pick a preset or give the config's path")
+    try:
+        return ModelSpec.from_hf_config(read_json_object(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", required=True, type=model_arg,
                    help=f"a model preset ({', '.join(MODEL_PRESETS)}) or the path of a Hugging Face config.json")
     p.add_argument("--seq-len", type=parse_tokens, required=True, help="tokens per sequence, e.g. 131072 or 128k")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--micro-batch", type=positive_int, default=1)
+    p.add_argument("--cp", type=positive_int, default=1, help="context-parallel size")
     p.add_argument("--backend", default=Backend.ZIGZAG.value, choices=[b.value for b in Backend])
-    p.add_argument("--ulysses-size", type=int, default=1, help="Ulysses group size for --backend ulysses_ring")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--ulysses-size", type=positive_int, default=1, help="Ulysses group size for --backend ulysses_ring")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (tp > 1)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel size")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage (distributed optimizer = 1)")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    p.add_argument("--budget", type=float, default=None, help="GiB per GPU: also report the preset budget:<GiB> picks")
-    p.add_argument("--plot", default=None, help="write a PNG of peak memory vs. sequence length per preset")
+    p.add_argument("--budget", type=positive_float, default=None, help="GiB per GPU: also report the preset budget:<GiB> picks")
+    p.add_argument("--plot", type=output_file, default=None, help="write a PNG of peak memory vs. sequence length per preset")
 
 
-def model_from(text: str) -> ModelSpec:
+def model_from(text: str | ModelSpec) -> ModelSpec:
+    if isinstance(text, ModelSpec):
+        return text
     return ModelSpec.preset(text) if text in MODEL_PRESETS else ModelSpec.from_hf_config(Path(text))
+
+
+def need_matplotlib() -> None:
+    """``ValueError`` naming the install when ``--plot`` is given without matplotlib (checked before any work)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'ctx-plugin[plot]'") from None
 
 
 def _row(name: str, est: MemoryEstimate) -> str:
@@ -61,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
                             sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero)
     dtype = DTYPES[args.dtype]
     kw = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=dtype)
+    if args.plot:
+        need_matplotlib()
+    rows = [_row(str(preset), estimate(model, parallel, preset, **kw)) for preset in table_presets(model.layers)]
+    chosen = None if args.budget is None else resolve(f"budget:{args.budget}", model, parallel, **kw)
     gpus = parallel.cp * parallel.tp * parallel.dp
     print(f"{model.name}: {model.layers} layers, hidden {model.hidden}, {model.heads} heads ({model.kv_heads} K/V), "
           f"ffn {model.ffn}, vocab {model.vocab}; {args.seq_len:,} tokens × {args.micro_batch}, {args.dtype}")
@@ -68,10 +93,8 @@ def run(args: argparse.Namespace) -> int:
           f"ZeRO-{parallel.zero_stage}; GiB per GPU")
     print(f"{'preset':<16} {'activations':>11} {'recompute':>10} {'cp bufs':>8} {'logits':>8} "
           f"{'params+grad+opt':>14} {'peak':>9} {'extra FLOPs':>10}")
-    for preset in table_presets(model.layers):
-        print(_row(str(preset), estimate(model, parallel, preset, **kw)))
-    if args.budget is not None:
-        chosen = resolve(f"budget:{args.budget}", model, parallel, **kw)
+    print("\n".join(rows))
+    if chosen is not None:
         print(f"budget:{args.budget:g} → {chosen} (fewest extra FLOPs among the presets that fit)")
     if args.plot:
         plot(model, parallel, args, dtype, Path(args.plot))
@@ -85,7 +108,7 @@ def plot(model: ModelSpec, parallel: ParallelSpec, args: argparse.Namespace, dty
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'ctx-plugin[plot]'") from None
+        raise ValueError("--plot needs matplotlib: pip install 'ctx-plugin[plot]'") from None
     unit = 2 * parallel.cp * parallel.ulysses
     lens = sorted({max(unit, int(args.seq_len * 2.0 ** k) // unit * unit) for k in range(-6, 3)})
     fig, ax = plt.subplots(figsize=(8, 5))

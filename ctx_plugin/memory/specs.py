@@ -55,8 +55,11 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, config: dict | str | Path) -> ModelSpec:
         """From a Hugging Face ``config.json`` (a path or its parsed dict): Llama, Mistral, Qwen2 and the like."""
-        if not isinstance(config, dict):
+        if isinstance(config, (str, Path)):
             config = json.loads(Path(config).read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"a Hugging Face config is a JSON object ({{\"num_hidden_layers\": ...}}), got a "
+                             f"{type(config).__name__}")
         try:
             heads = config["num_attention_heads"]
             spec = dict(layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,

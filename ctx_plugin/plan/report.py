@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import json
+import math
 from pathlib import Path
 
-from ..memory.report import DTYPES, parse_tokens, model_from
+from ..cliargs import output_file, positive_float, positive_int, read_json_object, tokens
+from ..memory.report import DTYPES, model_arg, model_from, need_matplotlib
 from ..memory.specs import MODEL_PRESETS, ModelSpec
 from .predict import Cluster, Prediction
 from .search import best_per_layout, enumerate_plans, explain
@@ -14,29 +15,29 @@ _DEFAULTS = Cluster(nodes=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", required=True, type=model_arg,
                    help=f"a model preset ({', '.join(MODEL_PRESETS)}) or the path of a Hugging Face config.json")
-    p.add_argument("--seq-len", type=parse_tokens, required=True, help="tokens per sequence, e.g. 131072 or 128k")
-    p.add_argument("--nodes", type=int, required=True, help="number of nodes")
-    p.add_argument("--gpus-per-node", type=int, default=_DEFAULTS.gpus_per_node)
-    p.add_argument("--gpu-memory", type=float, default=_DEFAULTS.gpu_memory_gib, help="GiB per GPU the plan must fit")
-    p.add_argument("--intra-bw", type=float, default=_DEFAULTS.intra_bw_gbs,
+    p.add_argument("--seq-len", type=tokens, required=True, help="tokens per sequence, e.g. 131072 or 128k")
+    p.add_argument("--nodes", type=positive_int, required=True, help="number of nodes")
+    p.add_argument("--gpus-per-node", type=positive_int, default=_DEFAULTS.gpus_per_node)
+    p.add_argument("--gpu-memory", type=positive_float, default=_DEFAULTS.gpu_memory_gib, help="GiB per GPU the plan must fit")
+    p.add_argument("--intra-bw", type=positive_float, default=_DEFAULTS.intra_bw_gbs,
                    help="intra-node GB/s per GPU and direction (NVLink)")
-    p.add_argument("--inter-bw", type=float, default=_DEFAULTS.inter_bw_gbs,
+    p.add_argument("--inter-bw", type=positive_float, default=_DEFAULTS.inter_bw_gbs,
                    help="inter-node GB/s per GPU and direction (InfiniBand: 400 Gb/s = 50)")
-    p.add_argument("--attention-tflops", type=float, default=None,
+    p.add_argument("--attention-tflops", type=positive_float, default=None,
                    help=f"attention kernel TFLOP/s per GPU (default {_DEFAULTS.attention_tflops:g}, bf16 on H200)")
-    p.add_argument("--matmul-tflops", type=float, default=_DEFAULTS.matmul_tflops, help="dense matmul TFLOP/s per GPU")
-    p.add_argument("--bench", default=None,
+    p.add_argument("--matmul-tflops", type=positive_float, default=_DEFAULTS.matmul_tflops, help="dense matmul TFLOP/s per GPU")
+    p.add_argument("--bench", type=read_json_object, default=None,
                    help="a JSON file from `ctx-plugin bench`: its attention_tflops replaces --attention-tflops")
-    p.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes to try, e.g. --tp 1 2 4")
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--tp", type=positive_int, nargs="+", default=[1], help="tensor-parallel sizes to try, e.g. --tp 1 2 4")
+    p.add_argument("--micro-batch", type=positive_int, default=1)
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage (distributed optimizer = 1)")
-    p.add_argument("--top", type=int, default=15, help="rows of the table (default 15)")
+    p.add_argument("--top", type=positive_int, default=15, help="rows of the table (default 15)")
     p.add_argument("--all-presets", action="store_true",
                    help="one row per layout × preset (default: each layout's best preset only)")
-    p.add_argument("--plot", default=None, help="write a PNG of step time against memory for every configuration")
+    p.add_argument("--plot", type=output_file, default=None, help="write a PNG of step time against memory for every configuration")
 
 
 def _attention_tflops(args: argparse.Namespace) -> float:
@@ -44,17 +45,18 @@ def _attention_tflops(args: argparse.Namespace) -> float:
         return _DEFAULTS.attention_tflops if args.attention_tflops is None else args.attention_tflops
     if args.attention_tflops is not None:
         raise ValueError("give --attention-tflops or --bench, not both")
-    try:
-        data = json.loads(Path(args.bench).read_text())
-    except OSError as e:
-        raise ValueError(f"--bench {args.bench}: cannot read it ({e.strerror})") from None
-    if not isinstance(data, dict) or "attention_tflops" not in data:
-        raise ValueError(f"--bench {args.bench} has no 'attention_tflops' key; write it with `ctx-plugin bench` or "
-                         f"give --attention-tflops")
-    return data["attention_tflops"]
+    data = args.bench                  # the JSON object (read_json_object)
+    if "attention_tflops" not in data:
+        raise ValueError("the --bench file has no 'attention_tflops' key; write it with `ctx-plugin bench` or give "
+                         "--attention-tflops")
+    rate = data["attention_tflops"]
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+        raise ValueError(f"the --bench file's attention_tflops is {rate!r}, not a positive number; rerun "
+                         f"`ctx-plugin bench --json` or give --attention-tflops")
+    return float(rate)
 
 
-def _model(text: str) -> ModelSpec:
+def _model(text: str | ModelSpec) -> ModelSpec:
     try:
         return model_from(text)
     except OSError as e:
@@ -74,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     model = _model(args.model)
     if args.top < 1:
         raise ValueError(f"--top must be at least 1, got {args.top}")
+    if args.plot:
+        need_matplotlib()
     cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
                       intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, attention_tflops=_attention_tflops(args),
                       matmul_tflops=args.matmul_tflops)

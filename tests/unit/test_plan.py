@@ -210,11 +210,11 @@ def test_cli_plot(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--nodes", "0"], "nodes must be a positive int"),
-    (["--model", "gpt5"], "neither a preset"),
+    (["--nodes", "0"], "argument --nodes: '0' is not a whole number ≥ 1"),
+    (["--model", "gpt5"], "neither a model preset"),
     (["--tp", "3"], "valid tp"),
     (["--bench", "missing.json"], "cannot read"),
-    (["--top", "0"], "--top must be at least 1"),
+    (["--top", "0"], "argument --top"),
 ])
 def test_cli_bad_input(args, message, capsys, tmp_path):
     argv = list(PLAN)

@@ -1,0 +1,146 @@
+"""Every ``ctx-plugin`` error is one line on stderr (``ctx-plugin <command>: error: ...``), exit status 2, nothing on
+stdout, no traceback, and is raised before any work: bad numbers, fractions that would be rounded, missing files,
+folders, JSON that is not an object, output paths in missing folders, options that would be ignored, and shapes
+the ranks cannot split."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ctx_plugin.cli import main
+
+MEMORY = ["memory", "--model", "llama3-8b", "--seq-len", "4k"]
+PLAN = ["plan", "--model", "llama3-8b", "--seq-len", "32k", "--nodes", "1"]
+BENCH = ["bench", "--device", "cpu", "--passes", "fwd", "--backends", "zigzag"]   # would time S = 128k: must not
+SMOKE = ["bench", "--smoke", "--passes", "fwd", "--backends", "zigzag"]
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "notjson.json").write_text("num_hidden_layers = 2")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "bench.json").write_text(json.dumps({"attention_tflops": "fast"}))
+    return tmp_path
+
+
+# (command line with {d} for the fixture folder, a word the one-line message must contain)
+CASES = [
+    (["memory", "--model", "nosuch", "--seq-len", "4k"], "neither a model preset"),
+    (["memory", "--model", "{d}/missing.json", "--seq-len", "4k"], "neither a model preset"),
+    (["memory", "--model", "{d}/adir", "--seq-len", "4k"], "is a folder"),
+    (["memory", "--model", "{d}/list.json", "--seq-len", "4k"], "JSON list, not an object"),
+    (["memory", "--model", "{d}/notjson.json", "--seq-len", "4k"], "is not JSON"),
+    ([*MEMORY, "--micro-batch", "0"], "--micro-batch"),
+    ([*MEMORY, "--cp", "-2"], "--cp"),
+    ([*MEMORY, "--tp", "1.5"], "not a whole number"),
+    ([*MEMORY, "--budget", "nan"], "not finite"),
+    ([*MEMORY, "--budget", "0"], "must be > 0"),
+    ([*MEMORY, "--budget", "1"], "no recompute preset fits"),
+    (["memory", "--model", "llama3-8b", "--seq-len", "inf"], "not finite"),
+    (["memory", "--model", "llama3-8b", "--seq-len", "4096.5"], "not a whole number of tokens"),
+    (["memory", "--model", "llama3-8b", "--seq-len", "1000", "--cp", "8"], "multiple of 16"),
+    ([*MEMORY, "--plot", "{d}/nofolder/m.png"], "does not exist"),
+    ([*MEMORY, "--plot", "{d}/adir"], "is a folder"),
+    ([*MEMORY, "stray"], "unrecognized arguments"),
+    ([*PLAN, "--gpus-per-node", "0"], "--gpus-per-node"),
+    ([*PLAN, "--gpu-memory", "inf"], "not finite"),
+    ([*PLAN, "--inter-bw", "-1"], "must be > 0"),
+    ([*PLAN, "--tp", "0"], "--tp"),
+    ([*PLAN, "--top", "0"], "--top"),
+    ([*PLAN, "--nodes", "1.5"], "--nodes"),
+    ([*PLAN, "--bench", "{d}/adir"], "is a folder"),
+    ([*PLAN, "--bench", "{d}/notjson.json"], "is not JSON"),
+    ([*PLAN, "--bench", "{d}/list.json"], "JSON list"),
+    ([*PLAN, "--bench", "{d}/bench.json"], "not a positive number"),
+    ([*PLAN, "--plot", "{d}/nofolder/p.png"], "does not exist"),
+    ([*BENCH, "--seq-len", "63", "--ranks", "2"], "multiple of 4, got 63"),
+    ([*BENCH, "--backends", "ring", "--seq-len", "63", "--ranks", "2"], "multiple of 2, got 63"),
+    ([*BENCH, "--seq-len", "nan"], "not finite"),
+    ([*BENCH, "--heads", "0"], "--heads"),
+    ([*BENCH, "--kv-heads", "0"], "--kv-heads"),
+    ([*BENCH, "--heads", "3", "--kv-heads", "2"], "multiple of kv_heads"),
+    ([*BENCH, "--reps", "0"], "--reps"),
+    ([*BENCH, "--ranks", "2", "0"], "--ranks"),
+    ([*SMOKE, "--seq-len", "64"], "--smoke sets --seq-len"),
+    ([*SMOKE, "--heads", "8", "--reps", "3"], "--smoke sets --heads, --reps"),
+    ([*SMOKE, "--json", "{d}/nofolder/b.json"], "does not exist"),
+    ([*SMOKE, "--json", "{d}/adir"], "is a folder"),
+    ([*SMOKE, "--plot", "{d}/nofolder/b.png"], "does not exist"),
+    ([*SMOKE, "--nproc", "2"], "--nproc applies to --distributed"),
+    ([*SMOKE, "--no-rank-check"], "--no-rank-check applies to --distributed"),
+    ([*BENCH, "--distributed", "--ranks", "2"], "--ranks does not apply"),
+    ([*SMOKE, "--distributed", "--compare-kernels"], "--compare-kernels does not apply"),
+    ([*SMOKE, "--distributed", "--nproc", "3"], "multiple of 6, got 256"),
+    ([*SMOKE, "--distributed", "--nproc", "0"], "--nproc"),
+    (["demo", "--nproc", "0"], "--nproc"),
+    (["demo", "--nproc", "3"], "--seq-len 256 over --nproc 3"),
+    (["demo", "--seq-len", "63"], "multiple of 8"),
+    (["demo", "--seq-len", "256.5"], "not a whole number of tokens"),
+    (["demo", "--backend", "ulysses", "--nproc", "8"], "4 query heads"),
+    (["demo", "--backend", "ulysses_ring", "--ulysses-size", "3"], "does not divide --nproc 4"),
+    (["demo", "--recompute", "bogus"], "recompute preset"),
+    (["demo", "--recompute", "budget:10"], "budget"),
+    (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--lr", "nan"], "not finite"),
+    (["demo", "--rtol", "-1"], "must be ≥ 0"),
+    (["demo", "--json", "{d}/nofolder/d.json"], "does not exist"),
+    (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+    (["launch", "--dry-run", "sbatch"], "no job script"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_one_line_error_before_any_work(argv, message, files, capsys, monkeypatch):
+    import torch.distributed.run
+
+    def no_processes(_):
+        raise AssertionError("torchrun started although the arguments are bad")
+    monkeypatch.setattr(torch.distributed.run, "main", no_processes)      # demo/bench --distributed check first
+    argv = [a.replace("{d}", str(files)) for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2
+    assert out == ""
+    command = argv[0]
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith(f"ctx-plugin {command}: error: ") and message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["memory", "--model", "{d}/adir", "--seq-len", "4k"],
+    ["memory", "--model", "llama3-8b", "--seq-len", "4k", "--plot", "{d}/nofolder/m.png"],
+    ["demo", "--nproc", "3"],
+])
+def test_subprocess_no_traceback(argv, files):
+    """The real command: one stderr line, exit 2, no ChildFailedError from torchrun (demo checks first)."""
+    argv = [a.replace("{d}", str(files)) for a in argv]
+    proc = subprocess.run([sys.executable, "-m", "ctx_plugin.cli", *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"ctx-plugin {argv[0]}: error: "), proc.stderr
+
+
+def test_whole_token_counts_are_kept():
+    """128k and 1e3 are whole token counts (kept exactly); the tokens type rounds nothing."""
+    from ctx_plugin.cliargs import tokens
+    assert tokens("128k") == 131072 and tokens("1e3") == 1000 and tokens("0.5k") == 512 and tokens("1m") == 2 ** 20
+
+
+def test_demo_and_bench_pass_their_own_arguments_to_the_ranks(monkeypatch):
+    """Checked arguments reach the ranks as given, without the launcher's --nproc/--distributed."""
+    import torch.distributed.run
+    seen = []
+    monkeypatch.setattr(torch.distributed.run, "main", seen.append)
+    assert main(["demo", "--nproc", "2", "--steps", "3", "--seq-len=64"]) == 0
+    assert seen[-1] == ["--standalone", "--nproc-per-node", "2", "-m", "ctx_plugin.demo", "--steps", "3",
+                        "--seq-len=64"]
+    assert main(["bench", "--smoke", "--distributed", "--nproc=2", "--backends", "zigzag"]) == 0
+    assert seen[-1] == ["--standalone", "--nproc-per-node", "2", "-m", "ctx_plugin.bench.distributed", "--smoke",
+                        "--backends", "zigzag"]
