@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import re
 from pathlib import Path
 
 from ..megatron.args import add_arguments, settings_from_args
+from ..megatron.pretrain_gpt import uses_megatron_pretrain
+from ..names import Recompute
 
 
 def _file(path: str, what: str) -> Path:
@@ -42,7 +43,7 @@ def _megatron_parser() -> argparse.ArgumentParser:
                                 ("--recompute-method", str, None), ("--recompute-num-layers", int, None),
                                 ("--load", str, None), ("--data-args-path", str, None),
                                 ("--tokenizer-model", str, None), ("--vocab-file", str, None),
-                                ("--merge-file", str, None)):
+                                ("--merge-file", str, None), ("--make-vocab-size-divisible-by", int, 128)):
         p.add_argument(flag, type=kind, default=default)
     for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--cp-comm-type",
                  "--hierarchical-context-parallel-sizes"):
@@ -70,7 +71,7 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
     if not script.is_file():
         raise ValueError(f"--megatron-lm {megatron_lm}: no pretrain_gpt.py there; give the root of a Megatron-LM "
                          f"checkout")
-    if device == "cpu" and re.search(r"from megatron\.training import[^\n]*\bpretrain\b", script.read_text()):
+    if device == "cpu" and uses_megatron_pretrain(script):      # the entry point's own CUDA check
         raise ValueError(f"{script} trains with Megatron-LM's pretrain(), which needs CUDA, and this job has no GPU: "
                          f"request GPUs (sbatch --gpus-per-node N) or use a CPU-capable training script")
     try:
@@ -93,8 +94,12 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
     if gbs is not None and gbs % (args.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size × DP = "
                          f"{args.micro_batch_size} × {dp}")
-    args.data_parallel_size = dp
-    settings = settings_from_args(args)           # the --cp-* checks the job itself makes at start
+    args.data_parallel_size = dp                  # as Megatron's validate_args and tokenizer set them
+    multiple = args.make_vocab_size_divisible_by * tp
+    args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple if args.vocab_size else None
+    # the --cp-* checks the job itself makes at start; budget:<GiB> needs the vocabulary, which only a given
+    # --vocab-size tells before the job builds its tokenizer
+    settings = settings_from_args(args, resolve_budget=args.padded_vocab_size is not None)
     for prefix in _data_prefixes(args.data_path) + _data_prefixes(args.train_data_path) + \
             _data_prefixes(args.valid_data_path) + _data_prefixes(args.test_data_path):
         for suffix in (".bin", ".idx"):
@@ -105,7 +110,9 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
     if args.load and not Path(args.load).expanduser().is_dir():
         raise ValueError(f"--load {args.load}: no such checkpoint directory")
     return (f"Megatron: {world} ranks = TP {tp} × PP {pp} × CP {cp} ({settings.cp_config.backend}) × DP {dp}, "
-            f"sequence {args.seq_length}, recompute {settings.recompute}")
+            f"sequence {args.seq_length}, recompute {settings.recompute}"
+            + ("" if args.padded_vocab_size or settings.recompute.preset != Recompute.BUDGET else
+               " (chosen when the job starts: the tokenizer gives the vocabulary size)"))
 
 
 def _batch_check(config: dict, world: int, size: int) -> None:

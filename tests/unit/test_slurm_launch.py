@@ -106,6 +106,48 @@ def test_megatron_cuda_only_pretrain_rejected_on_cpu(tmp_path):
     assert "CP 2" in megatron(GOOD, device="cuda", megatron_lm=tmp_path)
 
 
+REAL_MEGATRON = REPO / "tests" / "fixtures" / "megatron_lm_core_v0.19.0"   # Megatron-LM's own pretrain_gpt.py
+
+
+def test_megatron_real_pretrain_gpt_rejected_on_cpu():
+    """Megatron-LM's script imports pretrain in a parenthesised block (core 0.17-0.20)."""
+    with pytest.raises(ValueError, match=r"pretrain\(\), which needs CUDA"):
+        megatron(GOOD, device="cpu", megatron_lm=REAL_MEGATRON)
+    assert "CP 2" in megatron(GOOD, device="cuda", megatron_lm=REAL_MEGATRON)
+
+
+@pytest.mark.parametrize("source, uses", [
+    ("from megatron.training import (\n    get_args,\n    pretrain,\n    print_rank_0,\n)\n", True),
+    ("from megatron.training import pretrain as train\n", True),
+    ("from megatron.training.training import pretrain\n", True),
+    ("from megatron.training import *\n", True),
+    ("import megatron.training\nmegatron.training.pretrain(None)\n", True),
+    ("from megatron.training import get_args  # pretrain\n# from megatron.training import pretrain\n", False),
+    ("from mytrainer.training import pretrain\n", False),
+])
+def test_megatron_pretrain_import_forms(tmp_path, source, uses):
+    from ctx_plugin.megatron.pretrain_gpt import uses_megatron_pretrain
+
+    (tmp_path / "pretrain_gpt.py").write_text(source)
+    assert uses_megatron_pretrain(tmp_path / "pretrain_gpt.py") is uses
+    assert not uses_megatron_pretrain(FAKE_MEGATRON / "pretrain_gpt.py")      # the CPU stand-in trains itself
+
+
+def test_megatron_recompute_presets_as_the_job():
+    """The presets Megatron applies pass (the job used to crash on them), both ways of setting recompute do not,
+    and budget:<GiB> resolves with the padded vocabulary and DP size the job uses."""
+    assert megatron(GOOD + ["--cp-recompute", "mlp"]).endswith("recompute mlp")
+    assert megatron(GOOD + ["--cp-recompute", "core_attn"]).endswith("recompute core_attn")
+    with pytest.raises(ValueError, match="both set what to recompute"):
+        megatron(GOOD + ["--cp-recompute", "mlp", "--recompute-granularity", "full"])
+    with pytest.raises(ValueError, match="no recompute preset fits"):
+        megatron(GOOD + ["--cp-recompute", "budget:0.000001"])
+    assert megatron(GOOD + ["--cp-recompute", "budget:80"]).endswith("recompute none")
+    unknown_vocab = megatron(good(vocab_size=None) + ["--cp-recompute", "budget:0.000001"])
+    assert unknown_vocab.endswith("recompute budget:1e-06 (chosen when the job starts: the tokenizer gives the "
+                                  "vocabulary size)")
+
+
 @pytest.mark.parametrize("flag", ["seq_length", "num_layers", "hidden_size", "num_attention_heads"])
 def test_megatron_required_flags(flag):
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} is required"):
