@@ -9,9 +9,9 @@ build ends. A build killed mid-way leaves that file behind and every later DeepS
 This script is the visible install step (``launch/env.sh`` runs it; the DeepSpeed tests run it before they start
 ranks): it removes a stale lock (one no process holds open: the builder is gone), waits a bounded time for a live
 builder, then runs DeepSpeed's own ``build_shm_op()`` in a child process under the same time limit, killing the child
-and removing the lock it leaves if the limit passes. Concurrent runs of this script take turns (``fcntl.flock``,
-released by the kernel if a run dies). Exit status 0: the op is built (or DeepSpeed does not need it); 1: a one-line
-reason and what to do, on stderr. ``DS_ACCELERATOR`` defaults to ``cpu``, the accelerator the CPU tests use.
+(with ninja and its compilers) and removing the lock it leaves if the limit passes. Concurrent runs of this script
+take turns (``fcntl.flock``, released by the kernel if a run dies). Exit status 0: the op is built (or DeepSpeed does
+not need it); 1: a one-line reason and what to do, on stderr. ``DS_ACCELERATOR`` defaults to ``cpu``, the accelerator the CPU tests use.
 
 Usage: python launch/deepspeed_ops.py [--timeout SECONDS] [--print-dir]
 """
@@ -92,13 +92,39 @@ def _clear_lock(lock: str, deadline: float, timeout: float) -> None:
         time.sleep(0.5)
 
 
+def _kill_session(sid: int) -> None:
+    """SIGKILL every live process of session ``sid`` (the build child started one; ninja puts each compiler in a
+    process group of its own, but they stay in the session)."""
+    if not os.path.isdir("/proc"):
+        os.killpg(sid, signal.SIGKILL)
+        return
+    for _ in range(50):
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state, _ppid, _pgrp, session = f.read().rsplit(")", 1)[1].split()[:4]
+            except (OSError, ValueError):
+                continue
+            if int(session) == sid and state != "Z":
+                alive.append(int(pid))
+        if not alive:
+            return
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+
+
 def _build(directory: str, deadline: float, timeout: float) -> str:
     child = subprocess.Popen([sys.executable, "-c", BUILD], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, start_new_session=True)      # its own group: ninja and the compilers too
+                             text=True, start_new_session=True)      # its own session: ninja and the compilers too
     try:
         out, _ = child.communicate(timeout=max(deadline - time.monotonic(), 1.0))
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
+        _kill_session(child.pid)
         child.communicate()
         lock = os.path.join(directory, "lock")
         if os.path.exists(lock) and holders(lock) == []:

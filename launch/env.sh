@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (once) and checks the project's virtual environment: .venv with Python 3.12, ctx_plugin installed
 # in editable mode with the extras given as arguments (default: test), torch pinned by constraints.txt.
-# Usage: source launch/env.sh [extra,...]   → sets CTX_PY to the venv's python.
+# With the deepspeed extra it also builds DeepSpeed's CPU comm op (launch/deepspeed_ops.py; CTX_DS_BUILD_TIMEOUT
+# seconds, default 900). Usage: source launch/env.sh [extra,...]   → sets CTX_PY to the venv's python.
 set -euo pipefail
 CTX_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CTX_VENV="${CTX_VENV:-$CTX_ROOT/.venv}"
@@ -37,6 +38,11 @@ if [ ! -f "$stamp" ] || [ "$CTX_ROOT/setup.py" -nt "$stamp" ] || [ "$CTX_ROOT/co
   echo "[ctx_plugin] installing ctx_plugin[$CTX_EXTRAS] (torch pinned by constraints.txt)" >&2
   "$CTX_VENV/bin/python" -m pip install -q -c "$CTX_ROOT/constraints.txt" -e "${CTX_ROOT}[$CTX_EXTRAS]"
   touch "$stamp"
+fi
+if [[ ",$CTX_EXTRAS," == *",deepspeed,"* ]]; then
+  # DeepSpeed on CPU compiles a comm op at its first start (1-5 min on 2 cores) under a lock file that a killed build
+  # leaves behind, hanging every later start: build it here, once, visibly and in bounded time (a stale lock removed).
+  "$CTX_VENV/bin/python" "$CTX_ROOT/launch/deepspeed_ops.py" --timeout "${CTX_DS_BUILD_TIMEOUT:-900}"
 fi
 CTX_PY="$CTX_VENV/bin/python"
 export CTX_PY CTX_ROOT

@@ -1,8 +1,9 @@
 """launch/deepspeed_ops.py, the install step for the comm op DeepSpeed JIT-compiles at its first start on CPU, on
 separate ``TORCH_EXTENSIONS_DIR``s (the shared cache is only read): a lock left by a killed build (torch's
 ``FileBaton``: created, then the builder SIGKILLed) is removed and the op loads; a lock a live builder holds is
-waited for a bounded time, then named with its process, and left alone; a cold cache's build that runs out of time is
-stopped and leaves no lock behind."""
+waited for a bounded time, then named with its process, and left alone; a cold cache's build that runs out of time (a
+compiler that never finishes, through torch's ``CXX``) is stopped, compiler included, and leaves no lock behind. A
+real cold build (1-5 min on 2 cores) is what ``launch/env.sh`` and the DeepSpeed tests' first run do."""
 from __future__ import annotations
 
 import os
@@ -27,8 +28,14 @@ BATON = ("import os, signal, sys, time\n"
          "time.sleep(300)\n")
 
 
-def _ops(ext_dir, timeout: float, limit_s: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir)) if ext_dir else None
+SLOW_CXX = """#!/bin/sh
+case " $* " in *" -c "*) echo $$ >> "$(dirname "$0")/compiling"; sleep 300;; esac
+exec c++ "$@"
+"""
+
+
+def _ops(ext_dir, timeout: float, limit_s: float, **env) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext_dir), **env) if ext_dir else None
     return subprocess.run([sys.executable, SCRIPT, "--timeout", str(timeout)], env=env, capture_output=True,
                           text=True, timeout=limit_s)
 
@@ -75,11 +82,18 @@ def test_a_live_builder_is_waited_for_a_bounded_time_then_named(built):
 
 
 def test_a_cold_build_out_of_time_is_stopped_and_leaves_no_lock(tmp_path):
-    started = time.monotonic()
-    run = _ops(tmp_path, 30, 240)
+    cxx = tmp_path / "bin" / "c++"
+    cxx.parent.mkdir()
+    cxx.write_text(SLOW_CXX)
+    cxx.chmod(0o755)
+    ext, started = tmp_path / "extensions", time.monotonic()
+    run = _ops(ext, 45, 240, CXX=str(cxx))
     assert run.returncode == 1
     assert "building DeepSpeed's deepspeed_shm_comm op once, into" in run.stderr
-    assert "did not finish within 30 s" in run.stderr, run.stderr
-    assert (tmp_path / "deepspeed_shm_comm" / "build.ninja").exists(), "the build had not started: no lock to test"
-    assert not (tmp_path / "deepspeed_shm_comm" / "lock").exists()
+    assert "did not finish within 45 s" in run.stderr, run.stderr
+    compilers = [int(p) for p in (cxx.parent / "compiling").read_text().split()]   # the build had started
+    assert not (ext / "deepspeed_shm_comm" / "lock").exists()
     assert time.monotonic() - started < 120
+    for pid in compilers:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], \
+            f"compiler {pid} still running"
