@@ -11,7 +11,8 @@ ranks): it removes a stale lock (one no process holds open: the builder is gone)
 builder, then runs DeepSpeed's own ``build_shm_op()`` in a child process under the same time limit, killing the child
 (with ninja and its compilers) and removing the lock it leaves if the limit passes. Concurrent runs of this script
 take turns (``fcntl.flock``, released by the kernel if a run dies). Exit status 0: the op is built (or DeepSpeed does
-not need it); 1: a one-line reason and what to do, on stderr. ``DS_ACCELERATOR`` defaults to ``cpu``, the accelerator the CPU tests use.
+not need it); 1: a one-line reason and what to do, on stderr. ``DS_ACCELERATOR`` defaults to ``cpu``, the accelerator
+the CPU tests use.
 
 Usage: python launch/deepspeed_ops.py [--timeout SECONDS] [--print-dir]
 """
