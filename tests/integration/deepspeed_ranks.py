@@ -80,16 +80,22 @@ def check_against_plain(got: list, key: str, want: dict) -> None:
     assert err <= 1e-5, f"parameters differ by {err:.2e} of the largest"
 
 
-def spawn(target: str, world: int, payload: dict) -> list:
-    """``run_spawned`` of a rank function of this module, after ``launch/deepspeed_ops.py`` has built (or found)
-    the comm op DeepSpeed compiles at its first start on CPU: a cold cache is built here, once, in bounded time,
-    and a lock a killed build left is removed, instead of every rank waiting on it forever."""
-    from tests.distributed.harness import run_spawned
-
+@functools.cache
+def _deepspeed_op() -> None:
+    """``launch/deepspeed_ops.py``, once per test process: builds (or finds) the comm op DeepSpeed compiles at its
+    first start on CPU, in bounded time, and removes a lock a killed build left, instead of every rank waiting on it
+    forever."""
     ops = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "deepspeed_ops.py"),
                           "--timeout", str(OP_TIMEOUT_S)], capture_output=True, text=True, timeout=OP_TIMEOUT_S + 120)
     if ops.returncode != 0:
         raise RuntimeError(f"launch/deepspeed_ops.py failed:\n{ops.stderr.strip()}")
+
+
+def spawn(target: str, world: int, payload: dict) -> list:
+    """``run_spawned`` of a rank function of this module, DeepSpeed's comm op ready first (:func:`_deepspeed_op`)."""
+    from tests.distributed.harness import run_spawned
+
+    _deepspeed_op()
     return run_spawned(f"tests.integration.deepspeed_ranks:{target}", world, payload, timeout_s=900)
 
 
