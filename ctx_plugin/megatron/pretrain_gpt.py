@@ -25,21 +25,27 @@ import ast
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 
 from . import require_megatron
 from .args import MegatronCPSettings, add_arguments, settings_from_args
 
 PROG = "python -m ctx_plugin.megatron.pretrain_gpt"
+PEER_GRACE_S = 20.0
+"""How long a rank other than 0 waits before it exits on a flag error (see :func:`fail`)."""
 
 
 def fail(message: str, rank: int | None = None) -> None:
-    """Ends the run as argparse does (``prog: error: message``, exit code 2), printed by rank 0 only (every rank
-    exits: under torchrun the message appears once). ``rank`` defaults to torchrun's ``RANK``."""
+    """Ends the run as argparse does (``prog: error: message``, exit code 2), printed by rank 0 only, so the
+    message appears once. The other ranks first give rank 0 up to :data:`PEER_GRACE_S` seconds: exiting at once
+    could make torchrun stop rank 0 before it printed. ``rank`` defaults to torchrun's ``RANK``."""
     if rank is None:
         rank = int(os.environ.get("RANK", "0") or 0)
     if rank == 0:
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(PEER_GRACE_S)     # torchrun ends this rank as soon as rank 0 has exited with the message
     raise SystemExit(2)
 
 
