@@ -1,10 +1,11 @@
 """DeepSpeed integration (DS_ACCELERATOR=cpu, gloo): a tiny Qwen2 (q/k/v biases, GQA, init std 0.1) trained two
 Adam steps through ``ctx_plugin.deepspeed.initialize`` with a "context_parallel" section, for every backend at
-CP = 2 and 4 and at data parallel 2 × CP 2, ZeRO 1 and 3, against plain PyTorch training of the same model on the
-same global batch (one process, no DeepSpeed, no ctx_plugin: HF's sdpa attention, ``torch.optim.Adam``, DeepSpeed's
-default clipping to 1.0): every rank's losses and gradient norms within 1e-5 relative, every parameter within 1e-5 of
-the largest (fp32). Adam's eps is 1e-6: with 1e-8, parameters whose gradient is ~0 take steps of ±lr decided by
-rounding noise (a sum over ranks in another order), ~1e-5 differences that say nothing about correctness."""
+CP = 2 and 4 (data parallel 2 × CP 2: test_deepspeed_presets.py), ZeRO 1 and 3, against plain PyTorch training of
+the same model on the same global batch (one process, no DeepSpeed, no ctx_plugin: HF's sdpa attention,
+``torch.optim.Adam``, DeepSpeed's default clipping to 1.0): every rank's losses and gradient norms within 1e-5
+relative, every parameter within 1e-5 of the largest (fp32). Adam's eps is 1e-6: with 1e-8, parameters whose gradient
+is ~0 take steps of ±lr decided by rounding noise (a sum over ranks in another order), ~1e-5 differences that say
+nothing about correctness."""
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,8 @@ from tests.integration.deepspeed_ranks import check_against_plain, plain_train, 
 
 PLAIN = [b.value for b in Backend if b != Backend.ULYSSES_RING]
 # (world, backend, ulysses_size, cp size, micro batch per rank): dp = world / cp replicas of micro batches.
-RUNS = ([(2, b, 1, 2, 2) for b in PLAIN] + [(4, b, 1, 4, 2) for b in PLAIN] + [(4, "ulysses_ring", 2, 4, 2)]
-        + [(4, b, 1, 2, 2) for b in PLAIN])
+# Data parallel 2 × CP 2 for every backend and ZeRO 0-3: the presets matrix of test_deepspeed_presets.py.
+RUNS = [(2, b, 1, 2, 2) for b in PLAIN] + [(4, b, 1, 4, 2) for b in PLAIN] + [(4, "ulysses_ring", 2, 4, 2)]
 CASES = [(*run, zero) for run in RUNS for zero in (1, 3)]    # recompute presets: test_deepspeed_presets.py
 _results: dict = {}
 
