@@ -93,7 +93,7 @@ def test_entry_point_budget_resolves_once_to_megatrons_mlp(tmp_path):
     assert got["recompute"] == MEGATRON_FIELDS["mlp"] and got["padded_vocab_size"] == 128
 
 
-REAL_CHECKOUT = Path(__file__).parents[1] / "fixtures" / "megatron_lm_core_v0.19.0"    # Megatron-LM's own script
+REAL_CHECKOUT = Path(__file__).parents[1] / "fixtures" / "megatron_lm_imports"    # Megatron-LM's import layout
 ENTRY = [sys.executable, "-m", "ctx_plugin.megatron.pretrain_gpt"]
 PREFIX = "python -m ctx_plugin.megatron.pretrain_gpt: error: "
 

@@ -106,7 +106,7 @@ def test_megatron_cuda_only_pretrain_rejected_on_cpu(tmp_path):
     assert "CP 2" in megatron(GOOD, device="cuda", megatron_lm=tmp_path)
 
 
-REAL_MEGATRON = REPO / "tests" / "fixtures" / "megatron_lm_core_v0.19.0"   # Megatron-LM's own pretrain_gpt.py
+REAL_MEGATRON = REPO / "tests" / "fixtures" / "megatron_lm_imports"   # Megatron-LM's import layout
 
 
 def test_megatron_real_pretrain_gpt_rejected_on_cpu():
