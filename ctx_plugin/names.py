@@ -63,6 +63,26 @@ class Recompute(StrEnum):
     """``budget:<GiB>``: the least-recompute preset whose estimate fits the budget."""
 
 
+class Modifier(StrEnum):
+    """Memory modifiers added to a recompute preset with ``+`` (``full+tile_mlp+offload:64``); see
+    :class:`ctx_plugin.recompute.RecomputeConfig`."""
+
+    TILE_LOSS = "tile_loss"
+    """``tile_loss[:<tokens>]``: the LM head and cross-entropy over sequence chunks of ``<tokens>`` tokens (automatic
+    when omitted), each chunk's logits recomputed in backward: the full ``[tokens, vocab]`` logits never exist."""
+    TILE_MLP = "tile_mlp"
+    """``tile_mlp[:<tokens>]``: every layer's MLP over sequence chunks of ``<tokens>`` tokens (automatic when
+    omitted), each chunk recomputed in backward: one layer's MLP intermediates exist for one chunk at a time."""
+    RECOMPUTE_ATTN = "recompute_attn"
+    """With ``full``/``sqrt``: the attention is recomputed with its region (not pinned), re-running its ring /
+    all-to-all communication in backward (Megatron's full recompute)."""
+    OFFLOAD = "offload"
+    """``offload:<GiB>`` with ``full``/``sqrt``: each checkpoint region's input is moved to host memory after the
+    region's forward and brought back one region ahead in backward; at most ``<GiB>`` of host memory per rank."""
+    OFFLOAD_ATTN = "offload_attn"
+    """``offload_attn:<GiB>``: as ``offload``, and the pinned attention tensors too (same host budget)."""
+
+
 def parse_enum(enum_cls: type[StrEnum], value: object, what: str) -> StrEnum:
     """``value`` as a member of ``enum_cls``; a clear TypeError/ValueError listing the valid names otherwise."""
     if isinstance(value, enum_cls):

@@ -172,6 +172,9 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     """Memory per GPU of one training step (mixed-precision Adam: params and grads in ``dtype``, fp32 master
     weights and moments; float32 training keeps no master copy)."""
     recompute = RecomputeConfig.parse(recompute)
+    if recompute.has_modifiers:
+        raise ValueError(f"the memory model does not describe recompute modifiers yet ({recompute}); estimate "
+                         f"{recompute.base}")
     if not isinstance(model, ModelSpec) or not isinstance(parallel, ParallelSpec):
         raise TypeError("estimate(model=ModelSpec, parallel=ParallelSpec, ...)")
     unit = shard_layout(CPConfig(backend=parallel.backend, ulysses_size=parallel.ulysses_size)).unit(parallel.cp)
@@ -219,6 +222,9 @@ def resolve(recompute: RecomputeConfig | str, model: ModelSpec, parallel: Parall
     recompute = RecomputeConfig.parse(recompute)
     if recompute.preset != Recompute.BUDGET:
         return recompute
+    if recompute.has_modifiers:
+        raise ValueError(f"the memory model does not describe recompute modifiers yet ({recompute}); resolve "
+                         f"{recompute.base}")
     budget = recompute.budget_gib * GiB
     estimates = [(candidate, estimate(model, parallel, candidate, seq_len=seq_len, micro_batch=micro_batch,
                                       dtype=dtype)) for candidate in candidates(model.layers)]

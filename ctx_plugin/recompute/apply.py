@@ -192,6 +192,9 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
         raise ValueError("a recompute preset is already applied to these layers; call "
                          "ctx_plugin.recompute.remove(layers) first")
     preset = config.preset
+    if config.has_modifiers:
+        raise ValueError(f"recompute modifiers ({config}) are not applied by this version of ctx_plugin.recompute.apply; "
+                         f"use {config.base}")
     if preset == Recompute.BUDGET:
         raise ValueError(f"{config} must be resolved to a concrete preset first: "
                          "ctx_plugin.recompute.resolve(config, model=..., parallel=..., ...)")

@@ -18,6 +18,8 @@ def to_megatron(config: RecomputeConfig | str, num_layers: int) -> dict:
     Megatron's own full recompute re-runs the core attention, so full presets are not mapped (ctx_plugin
     applies them itself, attention pinned); op-level ``selective`` has no Megatron equivalent."""
     config = RecomputeConfig.parse(config)
+    if config.has_modifiers:
+        raise _apply_instead(config, "Megatron", "its recompute settings have no sequence tiling or offload")
     off = {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
     if config.preset in (Recompute.NONE, Recompute.ATTN_OUT):
         return off
@@ -38,6 +40,9 @@ def to_deepspeed(config: RecomputeConfig | str, num_layers: int) -> dict | None:
     DeepSpeed checkpoints whole layers the model hands to ``deepspeed.checkpointing.checkpoint``; its section
     sets how (``number_checkpoints`` = regions of the stack). Partial presets have no DeepSpeed equivalent."""
     config = RecomputeConfig.parse(config)
+    if config.has_modifiers:
+        raise _apply_instead(config, "DeepSpeed", "its activation_checkpointing section has no sequence tiling and "
+                                                  "offloads no ctx_plugin attention")
     if config.preset in (Recompute.NONE, Recompute.ATTN_OUT):
         return None
     if config.preset in (Recompute.FULL, Recompute.SQRT):

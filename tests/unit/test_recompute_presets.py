@@ -57,6 +57,55 @@ def test_bad_types_and_fields():
         RecomputeConfig(preset="mlp", num_layers=2)
 
 
+MODIFIED = ["none+tile_loss", "selective+tile_mlp:512", "full:block:4+tile_loss:8192+tile_mlp+recompute_attn+offload:64",
+            "sqrt+offload_attn:96.5", "budget:60+tile_loss+tile_mlp"]
+
+
+@pytest.mark.parametrize("text", MODIFIED)
+def test_modifiers_round_trip(text):
+    cfg = RecomputeConfig.parse(text)
+    assert str(cfg) == text and RecomputeConfig.parse(str(cfg)) == cfg and cfg.has_modifiers
+    assert not cfg.base.has_modifiers and str(cfg.base) == text.split("+")[0]
+
+
+def test_modifier_fields():
+    cfg = RecomputeConfig.parse("full:uniform:2+offload_attn:12+tile_mlp:256+tile_loss")
+    assert (cfg.tile_loss, cfg.loss_tokens, cfg.tile_mlp, cfg.mlp_tokens) == (True, None, True, 256)
+    assert (cfg.offload_gib, cfg.offload_attention, cfg.recompute_attention) == (12.0, True, False)
+    assert RecomputeConfig.parse("sqrt+tile_mlp+recompute_attn").modifiers == dict(
+        tile_loss=False, loss_tokens=None, tile_mlp=True, mlp_tokens=None, recompute_attention=True,
+        offload_gib=None, offload_attention=False)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("full+sparkle", "unknown recompute modifier 'sparkle'"),
+    ("none+offload:4", "apply to whole-layer checkpoint regions"),
+    ("mlp+recompute_attn", "apply to whole-layer checkpoint regions"),
+    ("budget:9+offload:4", "give an explicit full or sqrt preset"),
+    ("full+offload", "needs a host-memory budget"),
+    ("full+offload:lots", "bad recompute modifier"),
+    ("full+offload:0", "positive number of GiB"),
+    ("full+tile_mlp:0", "positive integer"),
+    ("full+tile_loss:1.5", "bad recompute modifier"),
+    ("full+recompute_attn:2", "bad recompute modifier"),
+    ("full+tile_mlp+tile_mlp", "given twice"),
+    ("full+offload:2+offload_attn:2", "given twice"),
+    ("full+recompute_attn+offload_attn:8", "nothing is pinned"),
+])
+def test_bad_modifiers(text, message):
+    with pytest.raises(ValueError, match=message):
+        RecomputeConfig.parse(text)
+
+
+def test_bad_modifier_fields():
+    with pytest.raises(ValueError, match="mlp_tokens applies with tile_mlp=True only"):
+        RecomputeConfig(preset="none", mlp_tokens=4)
+    with pytest.raises(TypeError, match="tile_loss must be True or False"):
+        RecomputeConfig(preset="none", tile_loss=1)
+    with pytest.raises(ValueError, match="needs a host budget"):
+        RecomputeConfig(preset="full", offload_attention=True)
+
+
 def test_regions():
     assert recompute.regions(RecomputeConfig.parse("full"), 3) == [(0, 1), (1, 2), (2, 3)]
     assert recompute.regions(RecomputeConfig.parse("full:uniform:2"), 5) == [(0, 2), (2, 4), (4, 5)]
