@@ -143,6 +143,11 @@ class RecomputeConfig:
         return self != self.base
 
     @property
+    def for_layers(self) -> RecomputeConfig:
+        """This config without ``+tile_loss`` (the loss applies that; :func:`ctx_plugin.recompute.apply` the rest)."""
+        return replace(self, tile_loss=False, loss_tokens=None)
+
+    @property
     def base(self) -> RecomputeConfig:
         """This preset without modifiers."""
         return replace(self, **{name: getattr(RecomputeConfig, name) for name in _MODIFIER_FIELDS})
