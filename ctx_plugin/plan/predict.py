@@ -10,9 +10,13 @@ of its accumulation dtype (fp32 for bf16), u the Ulysses size and r the ring siz
     dense                6·t·W (2 forward, 4 backward), W = QKV, o_proj and MLP weights per TP rank; plus the LM
                          head 6·t·h·V/tp once per step. Time / matmul rate. (FLOPs from memory.model.layer_flops.)
     recompute            the memory model's recompute_fraction × its step FLOPs 3·L·(W-FLOPs + F): at the attention
-                         rate for the attention core_attn re-runs (whose forward communication runs again too), at
-                         the matmul rate for the rest; `full`/`sqrt` regions and `mlp` repeat their TP collectives.
-                         Selective's elementwise recompute has no FLOPs and counts zero.
+                         rate for the attention that core_attn and +recompute_attn re-run (whose forward
+                         communication, 4 all-to-alls included, runs again too), at the matmul rate for the rest;
+                         `full`/`sqrt` regions and `mlp` repeat their TP collectives. Selective's elementwise
+                         recompute has no FLOPs and counts zero. +tile_loss, +tile_mlp, activation and optimizer
+                         offload: see :mod:`ctx_plugin.plan.costs`.
+    MFU                  model FLOPs without any recompute, 3·L·(W-FLOPs + F) + 6·t·h·V/tp per GPU, over the step
+                         time × the GPU's peak (Cluster.peak_tflops); causal attention counts half a full one.
     ring (r > 1)         K/V step T = 2·t·u·g_u·d·e / bw, g_u = max(g, u)/u (K/V heads after Ulysses); dK/dV hop
                          T' = T·e_acc/e (they travel in fp32). Each step computes c = F/r (forward), 2.5·c
                          (backward). Forward: r−1 steps of ring_step(c, T). Backward, as ring.py schedules it:
@@ -46,10 +50,14 @@ from ..attention import check_heads
 from ..config import CPConfig
 from ..groups import CPGroups, RankGroup
 from ..kernels import accum_dtype
-from ..memory.model import estimate, layer_flops
+from ..memory.model import MemoryEstimate, estimate, layer_flops, param_count
 from ..memory.specs import ModelSpec, ParallelSpec, ceil_div
 from ..names import Backend, Recompute
-from ..recompute.presets import RecomputeConfig, regions
+from ..recompute.presets import RecomputeConfig
+from .cluster import Cluster
+from .costs import (attention_recompute_layers, copy_exposed, optimizer_offload, region_layers, tile_loss_flops,
+                    tile_mlp_layers)
+from .prediction import Prediction
 
 BACKWARD = 2.5
 """Backward attention FLOPs relative to forward (flash-style: scores recomputed inside the kernel)."""
@@ -60,130 +68,6 @@ def ring_step(compute_s: float, transfer_s: float) -> float:
     if compute_s < 0 or transfer_s < 0:
         raise ValueError(f"ring_step needs non-negative times, got compute {compute_s!r}, transfer {transfer_s!r}")
     return max(0.0, transfer_s - compute_s)
-
-
-def _positive_number(obj, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cluster:
-    """The machines a plan runs on. Rates are per GPU, bandwidths per direction per GPU."""
-
-    nodes: int
-    """Number of nodes."""
-    gpus_per_node: int = 8
-    """GPUs per node (the NVLink domain)."""
-    gpu_memory_gib: float = 80.0
-    """Memory budget per GPU in GiB that the memory model's peak must fit under (leave headroom for the CUDA
-    context and fragmentation by giving less than the card has)."""
-    intra_bw_gbs: float = 450.0
-    """Intra-node bandwidth per GPU and direction in GB/s (NVLink 4 on H100/H200: 450)."""
-    inter_bw_gbs: float = 50.0
-    """Inter-node bandwidth per GPU and direction in GB/s (one 400 Gb/s InfiniBand NIC per GPU: 50)."""
-    attention_tflops: float = 480.0
-    """Attention kernel rate per GPU in TFLOP/s, counting only the FLOPs of unmasked scores (a causal block counts
-    half a full one): bf16 flash attention on H200. Measure it with ``ctx-plugin bench``."""
-    matmul_tflops: float = 600.0
-    """Dense matmul rate per GPU in TFLOP/s (bf16 GEMMs of a transformer layer on H200)."""
-
-    def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        _positive_number(self, "gpu_memory_gib", "intra_bw_gbs", "inter_bw_gbs", "attention_tflops", "matmul_tflops")
-
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    def crosses_nodes(self, group: int) -> bool:
-        """Whether some group of ``group`` consecutive ranks (groups start at multiples of ``group``) spans two
-        nodes; such a group communicates at the inter-node bandwidth."""
-        g = self.gpus_per_node
-        return any(start // g != (start + group - 1) // g for start in range(0, self.gpus, group))
-
-    def bandwidth(self, inter: bool) -> float:
-        """Bytes per second of the link a group uses."""
-        return (self.inter_bw_gbs if inter else self.intra_bw_gbs) * 1e9
-
-
-@dataclass(frozen=True, kw_only=True)
-class Prediction:
-    """One configuration's predicted memory and step time (one micro-batch, forward and backward)."""
-
-    backend: Backend
-    """Context-parallel backend (the CPConfig default when cp = 1: no context parallelism)."""
-    cp: int
-    """Context-parallel size."""
-    ulysses_size: int
-    """Ranks of the all-to-all axis (cp for ``ulysses``, 1 for the ring family and ``allgather``)."""
-    ring_size: int
-    """Ranks of the ring (cp / ulysses_size; 1 for ``ulysses`` and ``allgather``, which have no ring)."""
-    tp: int
-    """Tensor-parallel size (with Megatron sequence parallelism when > 1)."""
-    dp: int
-    """Data-parallel size: GPUs / (tp·cp)."""
-    recompute: RecomputeConfig
-    """Recompute preset."""
-    memory_bytes: int
-    """Peak bytes per GPU: ``ctx_plugin.memory.estimate(...).peak``."""
-    fits: bool
-    """memory_bytes ≤ the cluster's GPU memory."""
-    compute_ms: float
-    """Attention, dense and recompute time of one micro-batch step."""
-    recompute_ms: float
-    """The part of compute_ms spent recomputing."""
-    exposed_ms: float
-    """Communication not hidden under compute (ring steps, all-to-alls, all-gathers, TP collectives)."""
-    ring_exposed_ms: float
-    """The part of exposed_ms from ring steps (including the last dK/dV hop, which nothing hides)."""
-    tokens_per_gpu: int
-    """micro_batch · seq_len / cp."""
-    ring_hidden: bool | None
-    """Every overlapped ring step hides its transfer (None: no ring)."""
-    min_tokens_to_hide: int | None
-    """Tokens per GPU from which every overlapped ring step hides its transfer on this link (None: no ring)."""
-    cp_inter_node: bool
-    """The context-parallel group spans nodes (its ring or all-gather runs at the inter-node bandwidth)."""
-    ulysses_inter_node: bool
-    """The Ulysses group spans nodes (its all-to-alls run at the inter-node bandwidth)."""
-    reason: str
-    """One line: what limits this configuration."""
-
-    def __post_init__(self) -> None:
-        for name in ("cp", "ulysses_size", "ring_size", "tp", "dp", "tokens_per_gpu"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if min(self.compute_ms, self.recompute_ms, self.exposed_ms, self.ring_exposed_ms) < 0:
-            raise ValueError("times must be non-negative")
-        if self.cp % (self.ulysses_size * self.ring_size):
-            raise ValueError(f"ulysses_size × ring_size must divide cp ({self.cp})")
-
-    @property
-    def step_ms(self) -> float:
-        return self.compute_ms + self.exposed_ms
-
-    @property
-    def memory_gib(self) -> float:
-        return self.memory_bytes / 2**30
-
-    @property
-    def tokens_per_s_per_gpu(self) -> float:
-        """Training throughput: the tokens of a step (b·s·dp) over the step time and all GPUs (tp·cp·dp)."""
-        return self.tokens_per_gpu / self.tp / (self.step_ms / 1e3)
-
-    @property
-    def layout(self) -> str:
-        """``zigzag cp=8 tp=1 dp=2`` (with ``u×r`` for the hybrid; ``no CP`` when cp = 1)."""
-        axes = f" {self.ulysses_size}×{self.ring_size}" if self.backend == Backend.ULYSSES_RING else ""
-        name = f"{self.backend.value}{axes} cp={self.cp}" if self.cp > 1 else "no CP"
-        return f"{name} tp={self.tp} dp={self.dp}"
 
 
 def check_heads_split(model: ModelSpec, parallel: ParallelSpec) -> None:
@@ -206,25 +90,72 @@ def _ring(t: int, r: int, c_fwd: float, kv_s: float, dkv_s: float) -> tuple[floa
     return sum(steps) + dkv_s, not any(steps), math.ceil(round(t * need, 6))
 
 
-def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
-            cluster: Cluster, micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> Prediction:
-    """Memory and step time of one configuration; ValueError (naming the fix) when it cannot run."""
+def _activation_host(est: MemoryEstimate) -> int:
+    """Host bytes per rank of activation offload. FIXME(memory model): ``est.host`` once estimate() describes
+    the offload modifiers; until then it refuses them and nothing is offloaded."""
+    return getattr(est, "host", 0)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Where one configuration's state lives: the memory model's estimate, the GPU peak, the host bytes."""
+
+    estimate: MemoryEstimate
+    gpu_bytes: int
+    """Peak bytes per GPU (the estimate's peak less the optimizer state under optimizer offload)."""
+    host_bytes: int
+    """Host bytes per rank: activation offload + optimizer offload."""
+    optimizer_s: float
+    """Exposed seconds per step of optimizer offload (0 without it)."""
+    gpu_fits: bool
+    host_fits: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_fits and self.host_fits
+
+
+def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
+              cluster: Cluster, micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16,
+              offload_optimizer: bool = False) -> Footprint:
+    """Memory of one configuration on the GPU and the host, without timing it (what :func:`predict` fits; the
+    longest-sequence search checks only this); ValueError (naming the fix) when the configuration cannot run."""
     recompute = RecomputeConfig.parse(recompute)
     if recompute.preset == Recompute.BUDGET:
         raise ValueError("the planner compares concrete presets; give one (none, selective, full, ...) not budget")
-    est = estimate(model, parallel, recompute, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype)
-    check_heads_split(model, parallel)
+    if not isinstance(offload_optimizer, bool):
+        raise TypeError(f"offload_optimizer must be True or False, got {offload_optimizer!r}")
     p, c = parallel, cluster
+    if offload_optimizer and p.zero_stage < 1:
+        raise ValueError("optimizer offload (DeepSpeed offload_optimizer) needs ZeRO stage 1, 2 or 3, not 0")
+    est = estimate(model, p, recompute, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype)
+    check_heads_split(model, p)
     if p.tp * p.cp * p.dp != c.gpus:
         raise ValueError(f"tp × cp × dp = {p.tp * p.cp * p.dp} must equal the cluster's {c.gpus} GPUs")
     if c.gpus_per_node % p.tp:
         raise ValueError(f"tp ({p.tp}) must divide gpus_per_node ({c.gpus_per_node}): TP stays inside a node")
+    gpu, host, opt_s = est.peak, _activation_host(est), 0.0
+    if offload_optimizer:
+        opt_host, opt_s = optimizer_offload(param_count(model, p.tp), p.shard_degree, dtype.itemsize, c)
+        gpu, host = gpu - est.optimizer, host + opt_host
+    return Footprint(estimate=est, gpu_bytes=gpu, host_bytes=host, optimizer_s=opt_s,
+                     gpu_fits=gpu <= c.gpu_memory_gib * 2**30, host_fits=host <= c.host_bytes_per_rank)
+
+
+def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
+            cluster: Cluster, micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16,
+            offload_optimizer: bool = False) -> Prediction:
+    """Memory and step time of one configuration; ValueError (naming the fix) when it cannot run."""
+    recompute = RecomputeConfig.parse(recompute)
+    mem = footprint(model, parallel, recompute, seq_len=seq_len, cluster=cluster, micro_batch=micro_batch,
+                    dtype=dtype, offload_optimizer=offload_optimizer)
+    est, p, c = mem.estimate, parallel, cluster
     e = dtype.itemsize
     acc = accum_dtype(dtype).itemsize
     t, d, L = micro_batch * seq_len // p.cp, model.head_dim, model.layers
     a, g = model.heads // p.tp, max(model.kv_heads // p.tp, 1)
     rate_a, rate_m = c.attention_tflops * 1e12, c.matmul_tflops * 1e12
-    dense, _, attn = layer_flops(model, p, t, seq_len)
+    dense, mlp, attn = layer_flops(model, p, t, seq_len)
     u = p.ulysses
     r = 1 if p.backend in (Backend.ULYSSES, Backend.ALLGATHER) else p.cp // u
     attn_s = attn * ((2 * r - 1) / r if p.backend == Backend.RING else 1.0) / rate_a
@@ -245,23 +176,33 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
     tp_s = t * model.hidden * e * (p.tp - 1) / p.tp / c.bandwidth(False)
 
     extra = est.recompute_fraction * 3 * L * (dense + attn)      # the memory model's convention, back to FLOPs
-    core_attn = recompute.preset == Recompute.CORE_ATTN
-    extra_attn = L * attn if core_attn else 0.0
-    recompute_s = max(extra - extra_attn, 0.0) / rate_m + (L * attn_s if core_attn else 0.0)
-    recompute_comm = L * (ring_fwd_s + a2a_s + ag_fwd) if core_attn else 0.0
-    tp_layers = sum(stop - start for start, stop in regions(recompute, L)) * 4
+    attn_layers = attention_recompute_layers(recompute, L)         # core_attn, +recompute_attn
+    recompute_s = max(extra - attn_layers * attn, 0.0) / rate_m + attn_layers * attn_s
+    recompute_s += (tile_loss_flops(t, model.hidden, model.vocab, p.tp) if recompute.tile_loss else 0.0) / rate_m
+    recompute_s += tile_mlp_layers(recompute, L) * mlp / rate_m
+    recompute_comm = attn_layers * (ring_fwd_s + 4 * a2a_s + ag_fwd)
+    tp_layers = region_layers(recompute, L) * 4
     tp_layers += 2 * L if recompute.preset == Recompute.MLP else 0
     recompute_comm += tp_layers * tp_s
 
     head_s = 6 * t * model.hidden * ceil_div(model.vocab, p.tp) / rate_m
     compute = L * (1 + BACKWARD) * attn_s + 3 * L * dense / rate_m + head_s + recompute_s
-    exposed = L * (ring_s + 2 * 4 * a2a_s + ag_fwd + ag_bwd + 8 * tp_s) + recompute_comm
-    fits = est.peak <= c.gpu_memory_gib * 2**30
+    layer_fwd = dense / rate_m + attn_s                            # a checkpointed layer's forward; its backward
+    layer_bwd = 2 * dense / rate_m + BACKWARD * attn_s + dense / rate_m + (attn_s if recompute.recompute_attention
+                                                                          else 0.0)      # recomputes the region
+    offload_s = copy_exposed(_activation_host(est), region_layers(recompute, L), layer_fwd, layer_bwd,
+                             c.host_bandwidth)
+    exposed = L * (ring_s + 2 * 4 * a2a_s + ag_fwd + ag_bwd + 8 * tp_s) + recompute_comm + offload_s + mem.optimizer_s
+    model_flops = 3 * L * (dense + attn) + 6 * t * model.hidden * ceil_div(model.vocab, p.tp)
     parts = {"ring": L * ring_s, "all-to-all": L * 8 * a2a_s, "all-gather": L * (ag_fwd + ag_bwd),
-             "TP collectives": L * 8 * tp_s, "recompute": recompute_s + recompute_comm}
+             "TP collectives": L * 8 * tp_s, "recompute": recompute_s + recompute_comm, "activation offload": offload_s,
+             "optimizer offload": mem.optimizer_s}
     worst = max(parts, key=parts.get)
-    if not fits:
-        reason = f"needs {est.peak / 2**30:.1f} GiB > {c.gpu_memory_gib:g} GiB"
+    if not mem.gpu_fits:
+        reason = f"needs {mem.gpu_bytes / 2**30:.1f} GiB > {c.gpu_memory_gib:g} GiB"
+    elif not mem.host_fits:
+        reason = (f"needs {mem.host_bytes / 2**30:.1f} GiB of host memory per rank > "
+                  f"{c.host_bytes_per_rank / 2**30:.1f} GiB")
     elif parts[worst] <= 0:
         reason = "no overhead"
     else:
@@ -270,8 +211,13 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
         reason = f"largest overhead: {worst}{where} {parts[worst] * 1e3:.1f} ms"
         if hidden is not None:
             reason += f"; ring {'hidden' if hidden else 'exposed'} ({t:,} vs {min_tokens:,} tokens/GPU)"
-    return Prediction(backend=p.backend, cp=p.cp, ulysses_size=u, ring_size=r, tp=p.tp, dp=p.dp, recompute=recompute,
-                      memory_bytes=est.peak, fits=fits, compute_ms=compute * 1e3, recompute_ms=recompute_s * 1e3,
-                      exposed_ms=exposed * 1e3, ring_exposed_ms=L * ring_s * 1e3, tokens_per_gpu=t,
-                      ring_hidden=hidden, min_tokens_to_hide=min_tokens, cp_inter_node=cp_inter,
-                      ulysses_inter_node=a2a_inter, reason=reason)
+    step = compute + exposed
+    return Prediction(backend=p.backend, cp=p.cp, ulysses_size=u, ring_size=r, tp=p.tp, dp=p.dp,
+                      zero_stage=p.zero_stage, recompute=recompute, offload_optimizer=offload_optimizer,
+                      memory_bytes=mem.gpu_bytes, host_bytes=mem.host_bytes, gpu_fits=mem.gpu_fits,
+                      host_fits=mem.host_fits, compute_ms=compute * 1e3, recompute_ms=recompute_s * 1e3,
+                      exposed_ms=exposed * 1e3, offload_ms=offload_s * 1e3, optimizer_ms=mem.optimizer_s * 1e3,
+                      model_flops=model_flops, mfu=model_flops / (step * c.peak_tflops * 1e12),
+                      ring_exposed_ms=L * ring_s * 1e3, tokens_per_gpu=t, ring_hidden=hidden,
+                      min_tokens_to_hide=min_tokens, cp_inter_node=cp_inter, ulysses_inter_node=a2a_inter,
+                      reason=reason, estimate=est)
