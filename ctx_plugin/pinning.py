@@ -5,7 +5,8 @@ repeat its ring / all-to-all communication, so while a checkpointed region runs 
 *records*: it runs with its saved tensors kept out of the checkpoint (plain saved tensors, kept until
 backward) and remembers its output; while the region is *replayed* in backward, ``cp_attention`` returns the
 remembered output without computing or communicating. The state lives on the :class:`CPGroups` object the
-attention is called with (no module-level state); :mod:`ctx_plugin.recompute` drives it.
+attention is called with (no module-level state); :mod:`ctx_plugin.recompute` drives it. Regions under the
+``+recompute_attn`` modifier run their attention :meth:`~AttentionPins.unpinned`: recomputed with the region.
 """
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ class Recording:
     checkpoint that holds it (until that region's backward is done and the graph is freed), so a second backward
     with ``retain_graph=True`` replays the same outputs again."""
 
-    def __init__(self, *, once: bool = False) -> None:
-        self.outputs: list[torch.Tensor] = []
+    def __init__(self, *, once: bool = False, hooks: tuple[Callable, Callable] | None = None) -> None:
+        self.outputs: list = []
         self.replays = 0
         self.once = once
         """Set for regions whose recomputation PyTorch allows only once (selective checkpointing)."""
+        self.pack, self.unpack = hooks or (_identity, _identity)
+        """How the attention's saved tensors and remembered outputs are kept until backward: as they are, or
+        (``+offload_attn``) in host memory (:mod:`ctx_plugin.recompute.offload`)."""
 
 
 class Reusable:
@@ -94,6 +98,14 @@ class AttentionPins:
             yield
 
     @contextmanager
+    def unpinned(self) -> Iterator[None]:
+        """A region whose attention is recomputed with it (``+recompute_attn``), in its forward and its
+        recomputation: attention calls run plainly (their tensors saved by the region's checkpoint, their
+        communication repeated in backward), whatever mode an enclosing region had set."""
+        with self._set(None, None):
+            yield
+
+    @contextmanager
     def recomputing_core(self) -> Iterator[None]:
         """``core_attn``: attention calls checkpoint themselves (re-run, with communication, in backward)."""
         saved, self._recompute_core = self._recompute_core, True
@@ -110,15 +122,15 @@ class AttentionPins:
                 raise RuntimeError("a recomputed region called cp_attention more often than its forward did; "
                                    "the layer's forward must call attention the same way every time")
             self._next += 1
-            return remembered[self._next - 1]
+            return self._region.unpack(remembered[self._next - 1])
         if self._mode == "record" and torch.is_grad_enabled():
-            with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            with torch.autograd.graph.saved_tensors_hooks(self._region.pack, self._region.unpack):
                 self._in_attention = True
                 try:
                     out = compute()
                 finally:
                     self._in_attention = False
-            self._region.outputs.append(out)
+            self._region.outputs.append(self._region.pack(out))
             return out
         if self._recompute_core and torch.is_grad_enabled():
             return checkpoint(compute, use_reentrant=False)

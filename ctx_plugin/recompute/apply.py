@@ -3,7 +3,13 @@
 Layers keep their identity, parameters and state-dict keys: ``apply`` replaces each layer's ``forward`` on the
 instance (``remove`` restores it). Regions use non-reentrant ``torch.utils.checkpoint``; ``selective`` adds
 PyTorch's selective-checkpoint policy. Every region pins the CP attention (see :mod:`ctx_plugin.pinning`), so
-only ``core_attn`` ever re-runs attention — and with it, its communication — in backward.
+only ``core_attn`` and the ``+recompute_attn`` modifier ever re-run attention — and with it, its communication —
+in backward.
+
+Modifiers applied here: ``+tile_mlp[:<tokens>]`` replaces every layer's ``.mlp`` forward by the chunked,
+per-chunk-checkpointed one of :mod:`ctx_plugin.recompute.tiling` (with any preset; under ``mlp`` it replaces the
+plain MLP checkpoint); ``+recompute_attn`` (``full``/``sqrt``) leaves the attention unpinned inside the regions.
+``+tile_loss`` belongs to the loss (pass ``config.for_layers`` here).
 """
 from __future__ import annotations
 
@@ -19,7 +25,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..groups import CPGroups
 from ..names import Recompute
 from ..pinning import AttentionPins, Recording, Reusable
+from .offload import HostOffload, attach, detach
 from .presets import RecomputeConfig, regions
+from .tiling import TilingState, check_mlp, tiled_forward
 
 _ORIGINAL = "_ctx_plugin_original_forward"
 _aten = torch.ops.aten
@@ -44,6 +52,14 @@ def _selective_policy(pins: AttentionPins, ctx, op, *args, **kwargs) -> Checkpoi
     if pins.in_attention:      # the pinned attention is replayed whole, never op by op
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _tiled_selective_policy(tiling: TilingState, pins: AttentionPins, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """:func:`_selective_policy`, recomputing everything inside a tiled MLP (its chunks are checkpointed
+    themselves; saving their matrix products would keep every chunk's tokens × ffn outputs)."""
+    if tiling.active:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return _selective_policy(pins, ctx, op, *args, **kwargs)
 
 
 @contextmanager
@@ -72,20 +88,27 @@ def _with_input(hidden, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 class _Region:
     """Layers ``forwards`` checkpointed as one region: only the region's input is stored (plus the pinned
-    attention); in backward the region's forward runs again with attention replayed."""
+    attention); in backward the region's forward runs again with attention replayed. ``pinned=False``
+    (``+recompute_attn``): the attention is part of the region, re-run (communication included) with it.
+    ``policy``: the selective policy (``selective`` regions only)."""
 
-    def __init__(self, forwards: list, pins: AttentionPins, selective: bool) -> None:
-        self.forwards, self.pins, self.selective = forwards, pins, selective
+    def __init__(self, forwards: list, pins: AttentionPins, selective: bool, *, pinned: bool = True,
+                 policy=None, offload: HostOffload | None = None) -> None:
+        self.forwards, self.pins, self.selective, self.pinned = forwards, pins, selective, pinned
+        self.offload = offload          # +offload/+offload_attn: the region's input (and attention) in host memory
+        self.policy = policy if policy is not None else partial(_selective_policy, pins)
         self.last = None
 
-    def _contexts(self):
+    def _contexts(self, hooks=None):
+        if not self.pinned:
+            return self.pins.unpinned(), Reusable(self.pins.unpinned)
         # One Recording per forward run (several may be in flight before their backwards); the recompute context
         # is entered once per backward (more than once with retain_graph=True), so it is built anew each time.
-        run = Recording(once=self.selective)
+        run = Recording(once=self.selective, hooks=hooks)    # hooks: how the attention keeps its tensors (offload)
         record = self.pins.recording(run)
         if not self.selective:
             return record, Reusable(partial(self.pins.replaying, run))
-        sac_fwd, sac_recompute = create_selective_checkpoint_contexts(partial(_selective_policy, self.pins))
+        sac_fwd, sac_recompute = create_selective_checkpoint_contexts(self.policy)
         return _entered(sac_fwd, record), Reusable(lambda: _entered(self.pins.replaying(run), sac_recompute))
 
     def _body(self, *args, **kwargs):
@@ -96,7 +119,9 @@ class _Region:
         return out
 
     def run(self, *args, **kwargs):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.offload is not None:
+            out = self.offload.checkpoint(self, self._body, self._contexts, args, kwargs)
+        elif torch.is_grad_enabled():
             out = checkpoint(self._body, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
         else:
             out = self._body(*args, **kwargs)
@@ -178,12 +203,16 @@ def _core_recompute(forward, pins: AttentionPins):
     return patched
 
 
-def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups: CPGroups | None = None) -> None:
+def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups: CPGroups | None = None,
+          sequence_dim: int = 1) -> None:
     """Applies ``config`` to ``layers`` (in the order the model calls them), in place.
 
     ``groups`` are the :class:`CPGroups` the layers' attention runs with (``None`` only for models without
     ctx_plugin attention, and then only for presets that do not recompute attention-bearing regions).
-    ``budget:<GiB>`` must first be resolved with :func:`ctx_plugin.recompute.resolve`."""
+    ``budget:<GiB>`` must first be resolved with :func:`ctx_plugin.recompute.resolve`. ``sequence_dim``: the
+    sequence dimension of the hidden states the layers' MLPs get, for ``+tile_mlp`` (1 for ``[batch, seq,
+    hidden]`` models, 0 for Megatron's ``[seq, batch, hidden]``). ``+tile_loss`` is refused: the loss applies it,
+    the layers take ``config.for_layers``."""
     config = RecomputeConfig.parse(config)
     layers = list(layers)
     if not all(isinstance(layer, nn.Module) for layer in layers):
@@ -192,28 +221,40 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
         raise ValueError("a recompute preset is already applied to these layers; call "
                          "ctx_plugin.recompute.remove(layers) first")
     preset = config.preset
-    if config.has_modifiers:
-        raise ValueError(f"recompute modifiers ({config}) are not applied by this version of ctx_plugin.recompute.apply; "
-                         f"use {config.base}")
+    if config.tile_loss:
+        raise ValueError(f"+tile_loss in {config} is applied by the loss (the LM head and cross-entropy over "
+                         f"sequence chunks: ctx_plugin's tiled loss), not by the layers; pass config.for_layers "
+                         f"({config.for_layers}) here and compute the loss with the tiled loss")
     if preset == Recompute.BUDGET:
         raise ValueError(f"{config} must be resolved to a concrete preset first: "
                          "ctx_plugin.recompute.resolve(config, model=..., parallel=..., ...)")
     if groups is not None and not isinstance(groups, CPGroups):
         raise TypeError(f"groups must come from ctx_plugin.build_cp_groups, got {type(groups).__name__}")
+    if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int) or sequence_dim < 0:
+        raise ValueError(f"sequence_dim must be a non-negative int (1 for [batch, seq, hidden], 0 for Megatron's "
+                         f"[seq, batch, hidden]), got {sequence_dim!r}")
     refuse_hf_checkpointing(layers, config)
-    patch = partial(_patch, layers=layers, config=config)
-    if preset in (Recompute.NONE, Recompute.ATTN_OUT):
-        return      # nothing is recomputed; the CP attention already keeps only q, k, v, out and LSE
-    if preset == Recompute.MLP:
+    if config.tile_mlp:
+        for i, layer in enumerate(layers):
+            check_mlp(getattr(layer, "mlp", None), i)
+    elif preset == Recompute.MLP:
         missing = [i for i, layer in enumerate(layers) if not isinstance(getattr(layer, "mlp", None), nn.Module)]
         if missing:
             raise ValueError(f"the mlp preset needs layers with an `.mlp` submodule; layers {missing} have none")
-        for i, layer in enumerate(layers):
-            patch(layer.mlp, _checkpointed_module(layer.mlp), index=i)
-        return
-    if groups is None:
+    if groups is None and preset not in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP):
         raise ValueError(f"the {config} preset re-runs or pins the attention; pass groups= (the CPGroups the "
                          "layers' cp_attention uses)")
+    patch = partial(_patch, layers=layers, config=config)
+    tiling = TilingState()
+    for i, layer in enumerate(layers):            # +tile_mlp: every preset; under `mlp` it replaces the checkpoint
+        if config.tile_mlp:
+            tiled = tiled_forward(layer.mlp, layer.mlp.forward, tokens=config.mlp_tokens, sequence_dim=sequence_dim,
+                                  state=tiling)
+            patch(layer.mlp, tiled, index=i)
+        elif preset == Recompute.MLP:
+            patch(layer.mlp, _checkpointed_module(layer.mlp), index=i)
+    if preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP):
+        return      # nothing else is recomputed; the CP attention already keeps only q, k, v, out and LSE
     if preset == Recompute.CORE_ATTN:
         warnings.warn("recompute preset core_attn re-runs the context-parallel attention in backward, repeating "
                       "its ring/all-to-all communication, and saves no memory over 'none' with ctx_plugin's "
@@ -222,11 +263,15 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
             patch(layer, _core_recompute(layer.forward, groups.pins), index=i)
         return
     if preset == Recompute.SELECTIVE:
+        policy = partial(_tiled_selective_policy, tiling, groups.pins) if config.tile_mlp else None
         for i, layer in enumerate(layers):
-            patch(layer, _Region([layer.forward], groups.pins, selective=True).run, index=i)
+            patch(layer, _Region([layer.forward], groups.pins, selective=True, policy=policy).run, index=i)
         return
+    offload = HostOffload.from_config(config)      # one host budget for the whole stack
     for start, stop in regions(config, len(layers)):      # full, full:uniform:N, full:block:N, sqrt
-        region = _Region([layer.forward for layer in layers[start:stop]], groups.pins, selective=False)
+        region = _Region([layer.forward for layer in layers[start:stop]], groups.pins, selective=False,
+                         pinned=not config.recompute_attention, offload=offload)
+        attach(layers[start:stop], offload)
         patch(layers[start], region.run, index=start)
         for position in range(1, stop - start):
             patch(layers[start + position], partial(region.pass_through, position), index=start + position)
@@ -235,6 +280,7 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
 def remove(layers: Sequence[nn.Module]) -> None:
     """Undoes :func:`apply` on ``layers`` (no-op for layers without a preset)."""
     for layer in layers:
+        detach(layer)
         for module in (layer, getattr(layer, "mlp", None)):
             if module is not None and hasattr(module, _ORIGINAL):
                 del module.forward           # the instance attribute; the class's forward shows again

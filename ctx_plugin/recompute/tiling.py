@@ -1,0 +1,115 @@
+"""Tiled MLP (the ``+tile_mlp[:<tokens>]`` recompute modifier): a layer's MLP run over chunks of the sequence,
+each chunk recomputed in backward (Arctic Long Sequence Training's TiledMLP).
+
+Each chunk runs under its own non-reentrant ``torch.utils.checkpoint``: the forward keeps only the MLP's input
+(the chunks are views of it: one copy), and backward recomputes one chunk's MLP and runs its backward before the
+next chunk's (the chunks are independent branches; autograd finishes the later one first). So the MLP's
+intermediates (tokens × ffn: the up/gate projections and the activation) exist for one chunk at a time — in the
+forward, in backward, and when an enclosing checkpoint region (``full``, ``sqrt``) recomputes the layer, whose
+recomputation re-runs the chunked forward. Exact: each token's MLP is computed by the same operations; only
+the parameters' gradients are sums over chunks (a different summation order, float64 round-off).
+
+A checkpoint per chunk rather than DeepSpeed's ``TiledMLP`` (a custom autograd function calling
+``torch.autograd.backward`` per chunk) because the parameters' gradients then reach them through autograd as for
+any module called several times: summed before accumulation, so gradient hooks of DDP, Megatron's DDP and ZeRO fire
+once per step; and checkpoint restores the RNG state for each chunk (dropout recomputes identically).
+
+Chunk size: ``+tile_mlp:<tokens>`` gives at most that many tokens (of this rank's sequence) per chunk; plain
+``+tile_mlp`` uses the MLP's input width h (ALST's ``ceil(seq / h)`` chunks): a chunk's intermediates
+(about h × ffn values) are then about one MLP weight matrix, small next to the weights at long sequences and
+large enough to keep the matrix products efficient. Chunks are balanced (sizes differ by at most one token).
+
+The sequence dimension is 1 for ``[batch, seq, hidden]`` models (Hugging Face, ctx_plugin's own) and 0 for
+Megatron's ``[seq, batch, hidden]``. Under Megatron's tensor parallelism each chunk is gathered/reduced by the
+MLP's own linears (with sequence parallelism: the same chunk of every rank's sequence shard is gathered, then
+scattered back), all ranks using the same chunks because their shards have the same length: per-token work,
+exact per chunk. MoE layers (an ``.experts`` submodule) are refused: routing statistics and auxiliary losses
+are computed over the tokens of a call, so chunking changes them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(eq=False)
+class TilingState:
+    """Whether a tiled MLP's forward is running now: the ``selective`` policy recomputes everything inside it
+    (saving its matrix products would keep every chunk's tokens × ffn outputs, which tiling exists to avoid)."""
+
+    depth: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
+
+
+def check_mlp(mlp, index: int) -> None:
+    """A ValueError if layer ``index``'s ``.mlp`` cannot be tiled exactly."""
+    if not isinstance(mlp, nn.Module):
+        raise ValueError(f"+tile_mlp needs layers with an `.mlp` submodule; layer {index} has none")
+    if isinstance(getattr(mlp, "experts", None), nn.Module):
+        raise ValueError(f"+tile_mlp cannot tile layer {index}'s {type(mlp).__name__}: a mixture-of-experts layer "
+                         "routes tokens with statistics and auxiliary losses over all tokens of a call, which "
+                         "chunking would change; drop +tile_mlp for MoE models")
+
+
+def chunk_sizes(tokens: int, per_chunk: int) -> list[int]:
+    """Balanced chunk sizes of ``tokens`` tokens with at most ``per_chunk`` each."""
+    n = max(1, math.ceil(tokens / per_chunk))
+    return [tokens // n + (1 if i < tokens % n else 0) for i in range(n)]
+
+
+def tiled_forward(mlp: nn.Module, forward, *, tokens: int | None, sequence_dim: int, state: TilingState):
+    """The replacement ``mlp.forward``: ``forward`` (the original) over chunks of the sequence, each chunk
+    checkpointed. ``tokens``: tokens per chunk, ``None`` for the input width."""
+
+    def run(hidden_states, *args, **kwargs):
+        extra = [name for name, value in [*enumerate(args, 1), *kwargs.items()] if isinstance(value, torch.Tensor)]
+        if extra:
+            raise ValueError(f"+tile_mlp chunks only the hidden states, but {type(mlp).__name__} was called with "
+                             f"tensor argument(s) {extra} (per-token masks or scales?); drop +tile_mlp for this model")
+        x = hidden_states
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or not 0 <= sequence_dim < x.dim() - 1:
+            raise ValueError(f"+tile_mlp: {type(mlp).__name__} got {tuple(getattr(x, 'shape', ()))}, which has no "
+                             f"sequence dimension {sequence_dim} before the hidden one; pass apply(..., "
+                             "sequence_dim=) matching the model ([batch, seq, hidden]: 1, Megatron's [seq, batch, "
+                             "hidden]: 0)")
+        sizes = chunk_sizes(x.shape[sequence_dim], tokens or x.shape[-1])
+        state.depth += 1
+        try:
+            outs = [_chunk(forward, chunk, args, kwargs) for chunk in x.split(sizes, dim=sequence_dim)]
+        finally:
+            state.depth -= 1
+        return _join(mlp, outs, sequence_dim)
+
+    return run
+
+
+def _chunk(forward, chunk: torch.Tensor, args: tuple, kwargs: dict):
+    if torch.is_grad_enabled():
+        return checkpoint(forward, chunk, *args, use_reentrant=False, **kwargs)
+    return forward(chunk, *args, **kwargs)
+
+
+def _join(mlp: nn.Module, outs: list, sequence_dim: int):
+    """The chunks' outputs as one: hidden states concatenated; other outputs (Megatron's bias, added by the layer
+    after the MLP) must be the same object for every chunk, ``None`` or a parameter of the MLP."""
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs, dim=sequence_dim) if len(outs) > 1 else outs[0]
+    if not isinstance(outs[0], (tuple, list)) or not outs[0] or not isinstance(outs[0][0], torch.Tensor):
+        raise ValueError(f"+tile_mlp: {type(mlp).__name__} returned {type(outs[0]).__name__}; it tiles MLPs that "
+                         "return the hidden states (or a tuple starting with them)")
+    params = {id(p) for p in mlp.parameters()}
+    for position in range(1, len(outs[0])):
+        values = [out[position] for out in outs]
+        if not all(v is values[0] for v in values) or not (values[0] is None or id(values[0]) in params):
+            raise ValueError(f"+tile_mlp: output {position} of {type(mlp).__name__} depends on the tokens (router "
+                             "logits?); it tiles MLPs whose other outputs are None or their own parameters (as "
+                             "Megatron's bias); drop +tile_mlp for this model")
+    first = torch.cat([out[0] for out in outs], dim=sequence_dim) if len(outs) > 1 else outs[0][0]
+    return type(outs[0])([first, *outs[0][1:]])
