@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import ctx_plugin
 from ctx_plugin import recompute
@@ -38,8 +37,12 @@ def sample_batch(generator: torch.Generator, batch: int, seq_len: int, vocab: in
     return (start + stride * torch.arange(seq_len + 1)) % vocab
 
 
-def train(model, cp_config, groups, steps: int, batch: int, seq_len: int, vocab: int, lr: float, seed: int):
-    """Trains on seeded synthetic sequences; returns (global mean loss per step, tokens per second)."""
+def train(model, cp_config, groups, steps: int, batch: int, seq_len: int, vocab: int, lr: float, seed: int, *,
+          recompute: RecomputeConfig | None = None):
+    """Trains on seeded synthetic sequences; returns (global mean loss per step, tokens per second). With
+    ``recompute.tile_loss`` (``+tile_loss[:<tokens>]``) the head and loss run over chunks of tokens."""
+    tile = recompute is not None and recompute.tile_loss
+    loss_tokens = recompute.loss_tokens if tile else None
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     device = next(model.parameters()).device
     data = torch.Generator().manual_seed(seed)
@@ -49,8 +52,7 @@ def train(model, cp_config, groups, steps: int, batch: int, seq_len: int, vocab:
     for _ in range(steps):
         tokens = sample_batch(data, batch, seq_len, vocab)
         inputs, labels = shard(tokens[:, :-1]).to(device), shard(tokens[:, 1:]).to(device)  # labels pre-shifted
-        logits = model(inputs, positions)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / (batch * seq_len)
+        loss = model.loss(inputs, positions, labels, tile=tile, loss_tokens=loss_tokens) / (batch * seq_len)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         report = loss.detach().clone()
@@ -80,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ulysses-size", type=positive_int, default=1, help="Ulysses group size for --backend ulysses_ring")
     p.add_argument("--kernel", default=Kernel.AUTO.value, choices=[k.value for k in Kernel])
     p.add_argument("--recompute", default="none", help="recompute preset for the context-parallel run (e.g. "
-                                                         "selective, full, sqrt; see ctx_plugin.recompute)")
+                                                         "selective, full, sqrt, full+tile_loss; see "
+                                                         "ctx_plugin.recompute)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: CUDA when every rank can have its own GPU, else CPU with gloo")
     p.add_argument("--steps", type=positive_int, default=10)
@@ -136,14 +139,15 @@ def main(argv=None) -> int:
     ref_config = ctx_plugin.CPConfig(kernel=args.kernel)                # on one rank every backend is plain attention
     ref_groups = ctx_plugin.build_cp_groups(ref_config, group=alone)
     model_cfg = MODEL
+    preset = RecomputeConfig.parse(args.recompute)
     runs = {}
     for name, config, groups in (("reference", ref_config, ref_groups), ("context_parallel", cp_config, cp_groups)):
         torch.manual_seed(args.seed)
         model = DecoderLM(model_cfg, config, groups).to(device)
-        if name == "context_parallel":
-            recompute.apply(model.blocks, args.recompute, groups=groups)
+        if name == "context_parallel":      # the layers' part of the preset; the loss applies +tile_loss
+            recompute.apply(model.blocks, preset.for_layers, groups=groups)
         runs[name] = train(model, config, groups, args.steps, args.batch, args.seq_len, model_cfg.vocab, args.lr,
-                           args.seed)
+                           args.seed, recompute=preset if name == "context_parallel" else None)
     (ref_losses, _), (cp_losses, tokens_per_s) = runs["reference"], runs["context_parallel"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(cp_losses, ref_losses))
     memory = torch.tensor([_peak_memory_mib(device)], device=device)

@@ -160,8 +160,30 @@ class DecoderLM(nn.Module):
         self.norm = _norm(c)
         self.head = nn.Linear(c.hidden, c.vocab, bias=False)
 
-    def forward(self, tokens, positions):
+    def hidden_states(self, tokens, positions):
+        """The final-norm output ``[B, S, hidden]``: what the LM head reads."""
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, positions)
-        return self.head(self.norm(x))
+        return self.norm(x)
+
+    def forward(self, tokens, positions):
+        return self.head(self.hidden_states(tokens, positions))
+
+    def loss(self, tokens, positions, labels, *, tile: bool = False, loss_tokens: int | None = None,
+             ignore_index: int = -100):
+        """The token sum (at least fp32) of the cross-entropy of pre-shifted ``labels`` (``ignore_index`` targets
+        count nothing); the caller divides by its token count. ``tile=True`` (``+tile_loss[:<tokens>]``): head and
+        loss over chunks of ``loss_tokens`` tokens (``None``: automatic), never holding the whole logits
+        (:mod:`ctx_plugin.tiled_loss`)."""
+        from .tiled_loss import lm_loss_sum, upcast
+
+        if not isinstance(tile, bool):
+            raise TypeError(f"tile must be True or False, got {tile!r}")
+        if loss_tokens is not None and not tile:
+            raise ValueError("loss_tokens sizes the chunks of the tiled loss: give it with tile=True")
+        hidden = self.hidden_states(tokens, positions)
+        if tile:
+            return lm_loss_sum(hidden, labels, self.head, tokens=loss_tokens, ignore_index=ignore_index)
+        return F.cross_entropy(upcast(self.head(hidden)).flatten(0, -2), labels.flatten(), ignore_index=ignore_index,
+                               reduction="sum")
