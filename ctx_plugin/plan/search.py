@@ -16,6 +16,7 @@ of equal predicted time the one that recomputes less (selective's elementwise re
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
@@ -23,7 +24,8 @@ from ..config import CPConfig
 from ..memory.specs import ModelSpec, ParallelSpec
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig, candidates
-from .predict import Cluster, Prediction, predict
+from .predict import Cluster, Prediction, check_heads_split, predict
+from .variants import Checker, fitting
 
 
 def divisors(n: int) -> list[int]:
@@ -62,12 +64,20 @@ def _check_tp(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int]) -> 
 
 def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_batch: int = 1,
                     dtype: torch.dtype = torch.bfloat16, tp_options: Iterable[int] = (1,),
-                    presets: Iterable[RecomputeConfig | str] | None = None, zero_stage: int = 1) -> list[Prediction]:
+                    presets: Iterable[RecomputeConfig | str] | None = None, zero_stage: int | Iterable[int] = 1,
+                    modifiers: bool = False) -> list[Prediction]:
     """Every valid configuration's prediction, best first (see the module docstring). ``zero_stage`` 1 is Megatron's
-    distributed optimizer; ``presets`` defaults to the memory model's candidates."""
+    distributed optimizer (several stages: each is tried); ``presets`` defaults to the memory model's candidates.
+    ``modifiers``: each layout × preset also with the memory modifiers, activation offload and optimizer offload
+    that make it fit (:func:`ctx_plugin.plan.variants.fitting`: the settings that may be fastest, at the lowest
+    ZeRO stage given that fits), and the plain preset at the highest stage where nothing makes it fit."""
     if not isinstance(model, ModelSpec) or not isinstance(cluster, Cluster):
         raise TypeError("enumerate_plans(model=ModelSpec, seq_len, cluster=Cluster, ...)")
-    ParallelSpec(zero_stage=zero_stage)    # checks the stage once, before anything is enumerated
+    stages = tuple(sorted(set([zero_stage] if isinstance(zero_stage, int) else zero_stage)))
+    if not stages:
+        raise ValueError("give at least one ZeRO stage")
+    for z in stages:
+        ParallelSpec(zero_stage=z)    # checks the stages once, before anything is enumerated
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
     options = _check_tp(model, cluster, tp_options)
@@ -80,9 +90,14 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
             for backend, u in layouts(cp):
                 try:
                     parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
-                                            dp=cluster.gpus // (tp * cp), zero_stage=zero_stage)
-                    row = [predict(model, parallel, preset, seq_len=seq_len, cluster=cluster,
-                                   micro_batch=micro_batch, dtype=dtype) for preset in presets]
+                                            dp=cluster.gpus // (tp * cp), zero_stage=stages[-1])
+                    check_heads_split(model, parallel)
+                    if modifiers:
+                        row = _with_modifiers(model, parallel, presets, stages, seq_len, cluster, micro_batch, dtype)
+                    else:
+                        row = [predict(model, replace(parallel, zero_stage=z), preset, seq_len=seq_len,
+                                       cluster=cluster, micro_batch=micro_batch, dtype=dtype)
+                               for z in stages for preset in presets]
                 except ValueError as e:
                     skipped.append(f"{backend.value} cp={cp} tp={tp}: {e}")
                     continue
@@ -90,6 +105,16 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
     if not plans:
         raise ValueError("no configuration can run: " + "; ".join(skipped[:3]))
     return sorted(plans, key=rank_key)
+
+
+def _with_modifiers(model: ModelSpec, parallel: ParallelSpec, presets: list[RecomputeConfig], stages: tuple[int, ...],
+                    seq_len: int, cluster: Cluster, micro_batch: int, dtype: torch.dtype) -> list[Prediction]:
+    check = Checker(model, cluster, seq_len, micro_batch=micro_batch, dtype=dtype)
+    kw = dict(seq_len=seq_len, cluster=cluster, micro_batch=micro_batch, dtype=dtype)
+    found = list(fitting(check, parallel, presets, stages))
+    fitted = {rec.base for _, rec, _, _ in found}
+    return [predict(model, par, rec, offload_optimizer=opt, **kw) for par, rec, opt, _ in found] + \
+        [predict(model, parallel, preset, **kw) for preset in presets if preset not in fitted]
 
 
 def _key(p: Prediction) -> tuple:

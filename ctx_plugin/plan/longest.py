@@ -1,0 +1,194 @@
+"""The longest sequence a model trains on a cluster, the fastest configuration at that length, and what binds.
+
+Lengths are multiples of every layout's unit (the least common multiple, so each length is valid for each layout).
+A length is feasible when some configuration — layout × recompute preset × modifiers × ZeRO stage × optimizer
+offload — fits in GPU memory and in host memory (:mod:`ctx_plugin.plan.variants`, rule 1). Memory grows with the
+length, so feasibility is monotone: the search doubles the length until it fails, then bisects. At the longest
+feasible length every configuration that may be fastest (rule 2) is timed with :func:`ctx_plugin.plan.predict`
+and ranked like ``ctx-plugin plan``; at the next length the configuration that comes closest to fitting says what
+binds (GPU memory and its largest part, or host memory) and by how much.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..config import CPConfig
+from ..layouts import shard_layout
+from ..memory.specs import ModelSpec, ParallelSpec
+from ..recompute.presets import RecomputeConfig, candidates
+from .cluster import Cluster
+from .predict import Footprint, check_heads_split, predict
+from .prediction import Prediction
+from .search import _check_tp, divisors, layouts, rank_key
+from .variants import Checker, fitting, memory_presets, saving_sets
+
+MAX_TOKENS = 2**34
+"""The search gives up above this many tokens (a model that still fits there is not bounded by memory)."""
+
+
+def parallel_layouts(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int]) -> list[ParallelSpec]:
+    """Every layout (tp × cp × backend × Ulysses size, dp the rest) whose heads split; ZeRO stage 0."""
+    out = []
+    for tp in _check_tp(model, cluster, tp_options):
+        for cp in divisors(cluster.gpus // tp):
+            for backend, u in layouts(cp):
+                parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
+                                        dp=cluster.gpus // (tp * cp))
+                if model.heads % (tp * parallel.ulysses):
+                    continue
+                try:
+                    check_heads_split(model, parallel)
+                except ValueError:
+                    continue
+                out.append(parallel)
+    return out
+
+
+def unit(parallels: Iterable[ParallelSpec]) -> int:
+    """The least common multiple of the layouts' sequence units."""
+    return math.lcm(*(shard_layout(CPConfig(backend=p.backend, ulysses_size=p.ulysses_size)).unit(p.cp)
+                      for p in parallels))
+
+
+@dataclass(frozen=True)
+class Longest:
+    """The answer of :func:`longest`."""
+
+    seq_len: int
+    """The longest sequence (tokens) some configuration fits."""
+    unit: int
+    """Lengths searched are multiples of this."""
+    plans: list[Prediction]
+    """The configurations that fit at ``seq_len`` and may be fastest, best first."""
+    next_len: int
+    """``seq_len + unit``: the shortest length that does not fit."""
+    closest: Prediction
+    """Of the memory-saving configurations (rule 1) that fit at ``seq_len``, the one that comes closest to fitting
+    at ``next_len`` (the one over ``next_len``'s limit by the least)."""
+    checked: int
+    """Configurations whose memory the search computed."""
+
+    @property
+    def winner(self) -> Prediction:
+        return self.plans[0]
+
+
+def _overflow(fp: Footprint, cluster: Cluster) -> float:
+    return max(fp.gpu_bytes / (cluster.gpu_memory_gib * 2**30), fp.host_bytes / cluster.host_bytes_per_rank)
+
+
+def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (1,),
+            zero_stages: Iterable[int] = (0, 1, 2, 3), presets: Iterable[RecomputeConfig | str] | None = None,
+            micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> Longest:
+    """The longest sequence that fits, its fastest configurations and the one closest to fitting one unit longer
+    (see the module docstring); ValueError when nothing fits even one unit."""
+    if not isinstance(model, ModelSpec) or not isinstance(cluster, Cluster):
+        raise TypeError("longest(model=ModelSpec, cluster=Cluster, ...)")
+    stages = tuple(sorted(set(zero_stages)))
+    if not stages:
+        raise ValueError("give at least one ZeRO stage")
+    for z in stages:
+        ParallelSpec(zero_stage=z)
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
+    presets = candidates(model.layers) if presets is None else [RecomputeConfig.parse(p) for p in presets]
+    if not presets:
+        raise ValueError("give at least one recompute preset")
+    parallels = parallel_layouts(model, cluster, tp_options)
+    if not parallels:
+        raise ValueError(f"no parallel layout splits {model.name}'s heads over {cluster.gpus} GPUs")
+    step = unit(parallels)
+    checked = 0
+    # rule 1's configurations, each tried until it first fails: memory grows with the length, so a configuration
+    # that does not fit k units fits no longer length (``fails_at``); the last one that fitted is tried first
+    tops = [replace(p, zero_stage=stages[-1]) for p in parallels]
+    trials = [(i, base, s) for i, top in enumerate(tops) for base in memory_presets(presets)
+              for s in saving_sets(base, optimizer=top.zero_stage >= 1, offload=True)]
+    fails_at = [math.inf] * len(trials)
+    order = list(range(len(trials)))
+
+    def feasible(k: int) -> bool:
+        nonlocal checked
+        check = Checker(model, cluster, k * step, micro_batch=micro_batch, dtype=dtype)
+        try:
+            for pos, j in enumerate(order):
+                if fails_at[j] <= k:
+                    continue
+                i, base, setting = trials[j]
+                found = check(tops[i], setting, base)
+                if found is not None and found[3].fits:
+                    order.insert(0, order.pop(pos))
+                    return True
+                fails_at[j] = k
+            return False
+        finally:
+            checked += check.checked
+
+    if not feasible(1):
+        closest = _closest(model, cluster, step, [(tops[i], base, s) for i, base, s in trials], micro_batch, dtype)
+        raise ValueError(f"nothing fits even {step:,} tokens (the shortest length every layout can split): the "
+                         f"closest, {closest.setup}, {closest.reason}")
+    lo, hi = 1, 2
+    while feasible(hi):
+        lo, hi = hi, 2 * hi
+        if hi * step > MAX_TOKENS:
+            raise ValueError(f"{lo * step:,} tokens still fit: memory does not bound this model on this cluster "
+                             f"below {MAX_TOKENS:,} tokens")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
+    seq_len = lo * step
+    check = Checker(model, cluster, seq_len, micro_batch=micro_batch, dtype=dtype)
+    plans = [predict(model, par, rec, seq_len=seq_len, cluster=cluster, micro_batch=micro_batch, dtype=dtype,
+                     offload_optimizer=opt)
+             for p in parallels for par, rec, opt, _ in fitting(check, p, presets, stages)]
+    checked += check.checked
+    alive = [trials[j] for j in range(len(trials)) if fails_at[j] > lo]
+    closest = _closest(model, cluster, seq_len + step, [(tops[i], base, s) for i, base, s in alive], micro_batch,
+                       dtype)
+    return Longest(seq_len=seq_len, unit=step, plans=sorted(plans, key=rank_key), next_len=seq_len + step,
+                   closest=closest, checked=checked)
+
+
+def _closest(model: ModelSpec, cluster: Cluster, seq_len: int, trials: list, micro_batch: int,
+             dtype: torch.dtype) -> Prediction:
+    """Of ``trials`` (layout, preset, setting), the one that overflows its GPU or host memory least at
+    ``seq_len``."""
+    check = Checker(model, cluster, seq_len, micro_batch=micro_batch, dtype=dtype)
+    best = None
+    for parallel, base, setting in trials:
+        found = check(parallel, setting, base)
+        if found is not None and (best is None or _overflow(found[3], cluster) < _overflow(best[3], cluster)):
+            best = found
+    if best is None:
+        raise ValueError(f"no configuration can run {seq_len:,} tokens on {cluster.gpus} GPUs")
+    par, rec, opt, _ = best
+    return predict(model, par, rec, seq_len=seq_len, cluster=cluster, micro_batch=micro_batch, dtype=dtype,
+                   offload_optimizer=opt)
+
+
+def binding(p: Prediction, cluster: Cluster) -> str:
+    """What keeps ``p`` (a configuration that does not fit) from fitting, and by how much, in one line."""
+    gib = 2**30
+    gpu_over = p.memory_bytes / (cluster.gpu_memory_gib * gib)
+    host_over = p.host_bytes / cluster.host_bytes_per_rank
+    if host_over > gpu_over:
+        node = p.host_bytes * cluster.gpus_per_node / gib
+        room = cluster.host_memory_gib - cluster.host_reserve_gib
+        return (f"host memory binds: {node:,.1f} GiB per node > {room:,.1f} GiB ({cluster.host_memory_gib:g} less "
+                f"{cluster.host_reserve_gib:g} reserved), {100 * (host_over - 1):.1f}% over")
+    est = p.estimate
+    transient_name = "logits at the loss" if est.logits_peak >= est.recompute_peak + est.cp_buffers else \
+        "one region's recompute + CP buffers"
+    parts = {"activations kept for backward": est.activations,
+             f"transient ({transient_name})": max(est.logits_peak, est.recompute_peak + est.cp_buffers),
+             "parameters": est.params, "gradients": est.grads,
+             "optimizer state": 0 if p.offload_optimizer else est.optimizer}
+    largest = max(parts, key=parts.get)
+    text = ", ".join(f"{name} {value / gib:,.1f}" for name, value in sorted(parts.items(), key=lambda kv: -kv[1]))
+    return (f"GPU memory binds: {p.memory_gib:,.2f} GiB > {cluster.gpu_memory_gib:g} GiB per GPU "
+            f"({100 * (gpu_over - 1):.2f}% over), largest part {largest} ({text} GiB)")
