@@ -16,10 +16,14 @@ from . import agreement
 from .config import CPConfig
 from .groups import CPGroups
 from .kernels import select_kernel
-from .attention import check_heads, run_backend
+from .attention import run_backend
 from .comm import reduce_scatter
 from .layouts import Layout, shard_layout
+from .rules import SettingNames, check_heads, check_seq_len
 
+
+_GLOBAL = SettingNames(seq_len="the global sequence length (the local length × ranks)")
+_FULL = SettingNames(seq_len="the sequence length of x along dim")
 
 def _check_groups(groups: CPGroups) -> None:
     if not isinstance(groups, CPGroups):
@@ -91,8 +95,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
         elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
                 or not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
-        shard_layout(config).check_seq_len(q.shape[1] * groups.size, groups.size)
-        check_heads(q.shape[2], k.shape[2], groups)
+        check_seq_len(config, q.shape[1] * groups.size, groups.size, _GLOBAL)
+        check_heads(config, q.shape[2], k.shape[2], groups.size)
         _check_device(q, groups)
         key = (q.device, q.dtype, q.shape[-1])
         if key not in groups.kernels:
@@ -129,7 +133,7 @@ def sequence_positions(seq_len: int, *, config: CPConfig, groups: CPGroups,
     layout = _check_setup(config, groups)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int):
         raise TypeError(f"seq_len must be an int, got {type(seq_len).__name__}")
-    layout.check_seq_len(seq_len, groups.size)
+    check_seq_len(config, seq_len, groups.size)
     return layout.local_indices(seq_len, groups.rank, groups.size).to(device)
 
 
@@ -137,7 +141,7 @@ def shard_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: 
     """This rank's tokens of ``x`` (the full sequence along ``dim``), in the backend's layout. Differentiable."""
     layout = _check_setup(config, groups)
     dim = _seq_dim(x, dim)
-    layout.check_seq_len(x.shape[dim], groups.size)
+    check_seq_len(config, x.shape[dim], groups.size, _FULL)
     return x.index_select(dim, layout.local_indices(x.shape[dim], groups.rank, groups.size).to(x.device))
 
 
@@ -186,7 +190,7 @@ def gather_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim:
     try:
         layout = _check_setup(config, groups)
         dim = _seq_dim(x, dim)
-        layout.check_seq_len(x.shape[dim] * groups.size, groups.size)
+        check_seq_len(config, x.shape[dim] * groups.size, groups.size, _GLOBAL)
         if groups.size > 1:
             _check_device(x, groups)
     except (TypeError, ValueError) as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .allgather import AllGatherAttention
+from . import rules
 from .config import CPConfig
 from .groups import CPGroups
 from .kernels import AttentionKernel
@@ -20,18 +21,8 @@ from .ulysses import AllToAll, kv_replicas
 
 
 def check_heads(heads: int, kv_heads: int, groups: CPGroups) -> None:
-    """ValueError naming valid sizes when the heads cannot be split over the Ulysses axis."""
-    u = groups.ulysses.size
-    if u == 1:
-        return
-    what = "context-parallel size" if groups.config.backend == Backend.ULYSSES else "ulysses_size"
-    if heads % u:
-        valid = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise ValueError(f"Ulysses splits heads over {u} ranks, but there are {heads} query heads; use a {what} "
-                         f"that divides {heads}: {valid}")
-    if kv_heads % u and u % kv_heads:
-        raise ValueError(f"Ulysses over {u} ranks needs kv_heads ({kv_heads}) to divide {u} or be divisible by it; "
-                         f"use a {what} that is a multiple or a divisor of {kv_heads}")
+    """:func:`ctx_plugin.rules.check_heads` for ``groups`` (its Ulysses axis has ``groups.ulysses.size`` ranks)."""
+    rules.check_heads(groups.config, heads, kv_heads, groups.ulysses.size)
 
 
 def run_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CPConfig, groups: CPGroups,

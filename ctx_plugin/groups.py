@@ -10,6 +10,7 @@ import torch.distributed as dist
 from .config import CPConfig
 from .names import Backend
 from .pinning import AttentionPins
+from .rules import check_ulysses_size
 
 
 @dataclass(eq=False)
@@ -147,11 +148,8 @@ def build_cp_groups(config: CPConfig, group: dist.ProcessGroup | None = None) ->
             raise ValueError("this process is not a member of the given process group; call build_cp_groups with "
                              "a group that contains it (every rank passes its own context-parallel group)")
         cp, device_types = RankGroup(group, rank, dist.get_world_size(group)), _device_types(group)
+    check_ulysses_size(config, cp.size)
     u = config.ulysses_size
-    if cp.size % u:
-        valid = [d for d in range(1, cp.size + 1) if cp.size % d == 0]
-        raise ValueError(f"ulysses_size={u} does not divide the context-parallel size {cp.size}; "
-                         f"valid ulysses_size values: {valid}")
     if config.backend == Backend.ULYSSES:
         ulysses, ring = cp, ALONE
     else:

@@ -17,6 +17,7 @@ from ..api import cp_attention
 from ..config import CPConfig
 from ..kernels import select_kernel
 from ..layouts import shard_layout
+from ..rules import check_seq_len
 from ..names import Kernel
 from .simulated import SILENT, run_threaded, simulated_groups
 
@@ -123,7 +124,7 @@ def simulated_outputs(config: CPConfig, size: int, q: torch.Tensor, k: torch.Ten
     real data in threads: what a distributed run computes."""
     layout = shard_layout(config)
     seq = q.shape[1]
-    layout.check_seq_len(seq, size)
+    check_seq_len(config, seq, size)
     index = [layout.local_indices(seq, r, size).to(q.device) for r in range(size)]
 
     def rank_work(rank: int, world) -> tuple[torch.Tensor, ...]:

@@ -15,7 +15,7 @@ import torch
 
 from ..cliargs import output_file, positive_int, tokens
 from ..config import CPConfig
-from ..layouts import shard_layout
+from ..rules import SettingNames, check_seq_len
 from ..memory.report import need_matplotlib
 from ..kernels import kernel_unavailable, select_kernel
 from ..names import Backend, Kernel
@@ -96,10 +96,7 @@ def check(args: argparse.Namespace, argv: list[str]) -> None:
     for size in args.ranks:
         for _, config in configs(args, size):
             if not isinstance(config, str):
-                try:
-                    shard_layout(config).check_seq_len(args.seq_len, size)
-                except ValueError as e:
-                    raise ValueError(f"--seq-len {args.seq_len}: {e}") from None
+                check_seq_len(config, args.seq_len, size, SettingNames(seq_len="--seq-len"))
     if args.plot:
         need_matplotlib()
 

@@ -21,6 +21,7 @@ import torch
 from ..config import CPConfig
 from ..groups import ALONE, CPGroups, RankGroup
 from ..names import Backend
+from ..rules import SettingNames, check_ulysses_size
 
 TIMEOUT_S = 120.0
 """A simulated rank waiting longer than this for its peers raises instead of hanging (a peer failed)."""
@@ -123,8 +124,7 @@ class SimGroup(RankGroup):
 
 def simulated_groups(config: CPConfig, rank: int, size: int, transport, device_type: str) -> CPGroups:
     """Rank ``rank`` of a simulated group of ``size`` ranks, grouped as ``build_cp_groups`` groups real ranks."""
-    if size % config.ulysses_size:
-        raise ValueError(f"ulysses_size={config.ulysses_size} does not divide the simulated size {size}")
+    check_ulysses_size(config, size, SettingNames(cp="simulated size"))
     everyone = tuple(range(size))
     cp = SimGroup(everyone, rank, transport)
     if config.backend == Backend.ULYSSES:

@@ -9,6 +9,7 @@ import torch
 
 from ..config import CPConfig
 from ..layouts import shard_layout
+from ..rules import SettingNames, check_seq_len
 
 
 def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor | None:
@@ -22,6 +23,5 @@ def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor | 
     if getattr(args, "cp_backend", None) is None:
         return None
     config = CPConfig(backend=args.cp_backend, ulysses_size=args.cp_ulysses_size)
-    layout = shard_layout(config)
-    layout.check_seq_len(seq_len, cp_size)
-    return layout.local_indices(seq_len, cp_rank, cp_size)
+    check_seq_len(config, seq_len, cp_size, SettingNames(seq_len="--seq-length"))
+    return shard_layout(config).local_indices(seq_len, cp_rank, cp_size)

@@ -15,8 +15,8 @@ EXPECTED = {
     "ulysses_heads": "Ulysses splits heads over 3 ranks, but there are 2 query heads; use a context-parallel size "
                      "that divides 2: [1, 2]",
     "ulysses_kv_heads": "needs kv_heads (2) to divide 3 or be divisible by it",
-    "ulysses_size_not_dividing": "ulysses_size=2 does not divide the context-parallel size 3; valid ulysses_size "
-                                 "values: [1, 3]",
+    "ulysses_size_not_dividing": "ulysses_size 2 must divide context-parallel size 3; valid ulysses_size values: "
+                                 "[1, 3]",
 }
 
 

@@ -47,7 +47,7 @@ def test_ulysses_size_checks():
         ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=0)
     with pytest.raises(TypeError, match="ulysses_size must be an int"):
         ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=2.0)
-    with pytest.raises(ValueError, match=r"ulysses_size=2 does not divide the context-parallel size 1"):
+    with pytest.raises(ValueError, match=r"ulysses_size 2 must divide context-parallel size 1"):
         ctx_plugin.build_cp_groups(ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=2))
 
 

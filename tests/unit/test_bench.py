@@ -37,7 +37,7 @@ def test_hybrid_groups_are_laid_out_like_build_cp_groups():
     g = simulated_groups(cfg, 5, 8, SILENT, "cpu")             # rank 5 of 8: Ulysses {4, 5}, ring {1, 3, 5, 7}
     assert (g.ulysses.members, g.ulysses.rank) == ((4, 5), 1)
     assert (g.ring.members, g.ring.rank) == ((1, 3, 5, 7), 2)
-    with pytest.raises(ValueError, match="does not divide"):
+    with pytest.raises(ValueError, match="ulysses_size 2 must divide simulated size 3"):
         simulated_groups(cfg, 0, 3, SILENT, "cpu")
 
 

@@ -1,0 +1,90 @@
+"""How a sequence and its heads split over context-parallel ranks: one function per rule.
+
+Every surface checks its settings with these functions, once, naming its own settings in the messages
+(:class:`SettingNames`): the attention API (``cp_attention``, ``shard_sequence``, ...), Megatron's flags, the DeepSpeed
+section, the demo, the benchmark, the memory model and the planner. The rules:
+
+* **Ulysses size** — the all-to-all axis of ``ulysses_ring`` (``ulysses_size`` ranks) must divide the
+  context-parallel size; other backends take ``ulysses_size = 1`` (``CPConfig`` checks that).
+* **Sequence unit** — the global sequence length is a positive multiple of the layout's unit
+  (:meth:`ctx_plugin.layouts.Layout.unit`: P for contiguous, striped and Ulysses, 2·P for zigzag and the all-gather
+  backend, 2·P/u·u for the hybrid); nothing is padded.
+* **Head split** — over an all-to-all axis of u > 1 ranks, u divides the query heads, and the K/V heads either divide
+  by u or divide u (each rank then gets a replicated K/V head).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import CPConfig
+from .layouts import shard_layout
+from .names import Backend
+
+
+@dataclass(frozen=True)
+class SettingNames:
+    """What a surface calls each setting, for its error messages (e.g. ``seq_len="--seq-length"``)."""
+
+    seq_len: str = "seq_len"
+    cp: str = "context-parallel size"
+    ulysses_size: str = "ulysses_size"
+    heads: str = "query heads"
+    kv_heads: str = "kv_heads"
+
+
+API = SettingNames()
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def ulysses_ranks(config: CPConfig, cp: int) -> int:
+    """Ranks of the all-to-all axis: the whole group for ``ulysses``, ``ulysses_size`` for the hybrid, else 1."""
+    return cp if config.backend == Backend.ULYSSES else config.ulysses_size
+
+
+def check_ulysses_size(config: CPConfig, cp: int, names: SettingNames = API) -> None:
+    """ValueError naming the valid sizes when ``config.ulysses_size`` does not divide ``cp``."""
+    if cp % config.ulysses_size:
+        raise ValueError(f"{names.ulysses_size} {config.ulysses_size} must divide {names.cp} {cp}; valid "
+                         f"{names.ulysses_size} values: {_divisors(cp)}")
+
+
+def sequence_unit(config: CPConfig, cp: int) -> int:
+    """The global sequence length must be a positive multiple of this (after :func:`check_ulysses_size`)."""
+    return shard_layout(config).unit(cp)
+
+
+def check_seq_len(config: CPConfig, seq_len: int, cp: int, names: SettingNames = API) -> None:
+    """ValueError naming the fix when a global sequence of ``seq_len`` tokens cannot be split over ``cp`` ranks."""
+    unit = sequence_unit(config, cp)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0 or seq_len % unit:
+        raise ValueError(f"{names.seq_len} must be a positive multiple of {unit}, got {seq_len!r} ({config.backend} "
+                         f"over {cp} rank(s)); pad the sequence (and mask the padding out of the loss) to a "
+                         f"multiple of {unit}")
+
+
+def check_heads(config: CPConfig, heads: int, kv_heads: int, cp: int, names: SettingNames = API) -> None:
+    """ValueError naming valid sizes when ``heads`` query and ``kv_heads`` K/V heads (per tensor-parallel rank)
+    cannot be split over the Ulysses axis."""
+    u = ulysses_ranks(config, cp)
+    if u == 1:
+        return
+    what = names.cp if config.backend == Backend.ULYSSES else names.ulysses_size
+    if heads % u:
+        raise ValueError(f"Ulysses splits heads over {u} ranks, but there are {heads} {names.heads}; use a {what} "
+                         f"that divides {heads}: {_divisors(heads)}")
+    if kv_heads % u and u % kv_heads:
+        raise ValueError(f"Ulysses over {u} ranks needs {names.kv_heads} ({kv_heads}) to divide {u} or be divisible "
+                         f"by it; use a {what} that is a multiple or a divisor of {kv_heads}")
+
+
+def check_split(config: CPConfig, cp: int, *, seq_len: int | None = None, heads: int | None = None,
+                kv_heads: int | None = None, names: SettingNames = API) -> None:
+    """All three rules, in order (Ulysses size, then sequence unit, then heads); ``None`` skips a rule's input."""
+    check_ulysses_size(config, cp, names)
+    if seq_len is not None:
+        check_seq_len(config, seq_len, cp, names)
+    if heads is not None:
+        check_heads(config, heads, heads if kv_heads is None else kv_heads, cp, names)
