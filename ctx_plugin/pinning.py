@@ -27,11 +27,14 @@ class Recording:
     checkpoint that holds it (until that region's backward is done and the graph is freed), so a second backward
     with ``retain_graph=True`` replays the same outputs again."""
 
-    def __init__(self, *, once: bool = False) -> None:
-        self.outputs: list[torch.Tensor] = []
+    def __init__(self, *, once: bool = False, hooks: tuple[Callable, Callable] | None = None) -> None:
+        self.outputs: list = []
         self.replays = 0
         self.once = once
         """Set for regions whose recomputation PyTorch allows only once (selective checkpointing)."""
+        self.pack, self.unpack = hooks or (_identity, _identity)
+        """How the attention's saved tensors and remembered outputs are kept until backward: as they are, or
+        (``+offload_attn``) in host memory (:mod:`ctx_plugin.recompute.offload`)."""
 
 
 class Reusable:
@@ -119,15 +122,15 @@ class AttentionPins:
                 raise RuntimeError("a recomputed region called cp_attention more often than its forward did; "
                                    "the layer's forward must call attention the same way every time")
             self._next += 1
-            return remembered[self._next - 1]
+            return self._region.unpack(remembered[self._next - 1])
         if self._mode == "record" and torch.is_grad_enabled():
-            with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            with torch.autograd.graph.saved_tensors_hooks(self._region.pack, self._region.unpack):
                 self._in_attention = True
                 try:
                     out = compute()
                 finally:
                     self._in_attention = False
-            self._region.outputs.append(out)
+            self._region.outputs.append(self._region.pack(out))
             return out
         if self._recompute_core and torch.is_grad_enabled():
             return checkpoint(compute, use_reentrant=False)

@@ -8,7 +8,9 @@ in backward.
 
 Modifiers applied here: ``+tile_mlp[:<tokens>]`` replaces every layer's ``.mlp`` forward by the chunked,
 per-chunk-checkpointed one of :mod:`ctx_plugin.recompute.tiling` (with any preset; under ``mlp`` it replaces the
-plain MLP checkpoint); ``+recompute_attn`` (``full``/``sqrt``) leaves the attention unpinned inside the regions.
+plain MLP checkpoint); ``+recompute_attn`` (``full``/``sqrt``) leaves the attention unpinned inside the regions;
+``+offload:<GiB>`` / ``+offload_attn:<GiB>`` (``full``/``sqrt``) keep each region's input (and the pinned attention's
+tensors) in host memory until backward (:mod:`ctx_plugin.recompute.offload`).
 ``+tile_loss`` belongs to the loss (pass ``config.for_layers`` here).
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..groups import CPGroups
 from ..names import Recompute
 from ..pinning import AttentionPins, Recording, Reusable
+from .offload import HostOffload, attach, detach
 from .presets import RecomputeConfig, regions
 from .tiling import TilingState, check_mlp, tiled_forward
 
@@ -92,17 +95,18 @@ class _Region:
     ``policy``: the selective policy (``selective`` regions only)."""
 
     def __init__(self, forwards: list, pins: AttentionPins, selective: bool, *, pinned: bool = True,
-                 policy=None) -> None:
+                 policy=None, offload: HostOffload | None = None) -> None:
         self.forwards, self.pins, self.selective, self.pinned = forwards, pins, selective, pinned
+        self.offload = offload          # +offload/+offload_attn: the region's input (and attention) in host memory
         self.policy = policy if policy is not None else partial(_selective_policy, pins)
         self.last = None
 
-    def _contexts(self):
+    def _contexts(self, hooks=None):
         if not self.pinned:
             return self.pins.unpinned(), Reusable(self.pins.unpinned)
         # One Recording per forward run (several may be in flight before their backwards); the recompute context
         # is entered once per backward (more than once with retain_graph=True), so it is built anew each time.
-        run = Recording(once=self.selective)
+        run = Recording(once=self.selective, hooks=hooks)    # hooks: how the attention keeps its tensors (offload)
         record = self.pins.recording(run)
         if not self.selective:
             return record, Reusable(partial(self.pins.replaying, run))
@@ -117,7 +121,9 @@ class _Region:
         return out
 
     def run(self, *args, **kwargs):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.offload is not None:
+            out = self.offload.checkpoint(self, self._body, self._contexts, args, kwargs)
+        elif torch.is_grad_enabled():
             out = checkpoint(self._body, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
         else:
             out = self._body(*args, **kwargs)
@@ -221,9 +227,6 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
         raise ValueError(f"+tile_loss in {config} is applied by the loss (the LM head and cross-entropy over "
                          f"sequence chunks: ctx_plugin's tiled loss), not by the layers; pass config.for_layers "
                          f"({config.for_layers}) here and compute the loss with the tiled loss")
-    if config.offload_gib is not None:
-        raise ValueError(f"+offload/+offload_attn ({config}) are not applied by this version of "
-                         f"ctx_plugin.recompute.apply; drop the offload modifier")
     if preset == Recompute.BUDGET:
         raise ValueError(f"{config} must be resolved to a concrete preset first: "
                          "ctx_plugin.recompute.resolve(config, model=..., parallel=..., ...)")
@@ -266,9 +269,11 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
         for i, layer in enumerate(layers):
             patch(layer, _Region([layer.forward], groups.pins, selective=True, policy=policy).run, index=i)
         return
+    offload = HostOffload.from_config(config)      # one host budget for the whole stack
     for start, stop in regions(config, len(layers)):      # full, full:uniform:N, full:block:N, sqrt
         region = _Region([layer.forward for layer in layers[start:stop]], groups.pins, selective=False,
-                         pinned=not config.recompute_attention)
+                         pinned=not config.recompute_attention, offload=offload)
+        attach(layers[start:stop], offload)
         patch(layers[start], region.run, index=start)
         for position in range(1, stop - start):
             patch(layers[start + position], partial(region.pass_through, position), index=start + position)
@@ -277,6 +282,7 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
 def remove(layers: Sequence[nn.Module]) -> None:
     """Undoes :func:`apply` on ``layers`` (no-op for layers without a preset)."""
     for layer in layers:
+        detach(layer)
         for module in (layer, getattr(layer, "mlp", None)):
             if module is not None and hasattr(module, _ORIGINAL):
                 del module.forward           # the instance attribute; the class's forward shows again
