@@ -3,10 +3,12 @@
 Per GPU and step (one micro-batch), t tokens per GPU, h the width, V/tp the vocabulary per TP rank, L layers:
 
     +tile_loss       the LM head's logits are recomputed chunk by chunk in backward: 2·t·h·V/tp FLOPs (matmul rate).
-    +tile_mlp        each chunk's MLP forward runs once more in backward: the MLP's forward FLOPs for every layer
-                     whose MLP the preset does not already recompute (``mlp`` recomputes every layer's MLP, ``full``
-                     / ``sqrt`` / ``full:block:N`` those of their checkpoint regions, where the chunks' recompute is
-                     the region's).
+    +tile_mlp        each chunk's MLP forward runs once more in backward (checkpointed chunks,
+                     recompute/tiling.py): one MLP forward per layer, none under ``mlp`` (whose MLP checkpoint the
+                     chunks replace). Inside ``full``/``sqrt`` regions the region's recompute re-runs the chunked
+                     forward with autograd on, so the chunks' own checkpoints recompute again: (n−1)/n more MLP
+                     forwards per region layer with n chunks (torch's non-reentrant checkpoint stops the last chunk's
+                     nested recompute early; counted on torch 2.13: 2·n + n−1 MLP calls per region layer).
     +recompute_attn  (and ``core_attn``) the attention forward again in backward for every recomputed layer, at the
                      attention rate, and its forward communication again (ring steps, the 4 all-to-alls, the K/V
                      all-gather) — see :func:`attention_recompute_layers`.
@@ -50,13 +52,18 @@ def tile_loss_flops(tokens: int, hidden: int, vocab: int, tp: int) -> float:
     return 2.0 * tokens * hidden * ceil_div(vocab, tp)
 
 
-def tile_mlp_layers(recompute: RecomputeConfig, layers: int) -> int:
-    """Layers whose MLP forward ``+tile_mlp`` runs once more (those the preset does not recompute already)."""
-    if not recompute.tile_mlp:
-        return 0
-    if recompute.preset == Recompute.MLP:
-        return 0
-    return layers - region_layers(recompute, layers)
+def mlp_chunks(tokens: int, mlp_tokens: int | None, hidden: int) -> int:
+    """Chunks of a rank's ``tokens`` (one sequence's share) under ``+tile_mlp[:mlp_tokens]`` (default: the width)."""
+    return max(1, -(-tokens // (mlp_tokens or hidden)))
+
+
+def tile_mlp_forwards(recompute: RecomputeConfig, layers: int, chunks: int) -> tuple[float, float]:
+    """Extra MLP forwards per step under ``+tile_mlp`` as (outside checkpoint regions, inside them): one per layer
+    outside the regions (none under ``mlp``), (chunks−1)/chunks per region layer."""
+    if not recompute.tile_mlp or recompute.preset == Recompute.MLP:
+        return 0.0, 0.0
+    inside = region_layers(recompute, layers)
+    return float(layers - inside), inside * (chunks - 1) / chunks
 
 
 def attention_recompute_layers(recompute: RecomputeConfig, layers: int) -> int:

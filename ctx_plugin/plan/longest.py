@@ -102,73 +102,61 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
     if not parallels:
         raise ValueError(f"no parallel layout splits {model.name}'s heads over {cluster.gpus} GPUs")
     step = unit(parallels)
-    checked = 0
-    # rule 1's configurations, each tried until it first fails: memory grows with the length, so a configuration
-    # that does not fit k units fits no longer length (``fails_at``); the last one that fitted is tried first
+    # rule 1's configurations ("trials"). Memory grows with the length, so each trial fits up to its own longest
+    # length; the answer is the largest of those. Take the trial that fits the current length with most room,
+    # find its longest length (doubling, then bisection), then keep only the trials that fit one unit longer
+    # and repeat until none does: every trial that fails a length is never tried again.
     tops = [replace(p, zero_stage=stages[-1]) for p in parallels]
-    trials = [(i, base, s) for i, top in enumerate(tops) for base in memory_presets(presets)
-              for s in saving_sets(base, optimizer=top.zero_stage >= 1, offload=True)]
-    fails_at = [math.inf] * len(trials)
-    order = list(range(len(trials)))
+    trials = [(tops[i], base, s) for i in range(len(tops)) for base in memory_presets(presets)
+              for s in saving_sets(base, optimizer=tops[i].zero_stage >= 1, offload=True)]
+    checkers: dict[int, Checker] = {}
 
-    def feasible(k: int) -> bool:
-        nonlocal checked
-        check = Checker(model, cluster, k * step, micro_batch=micro_batch, dtype=dtype)
-        try:
-            for pos, j in enumerate(order):
-                if fails_at[j] <= k:
-                    continue
-                i, base, setting = trials[j]
-                found = check(tops[i], setting, base)
-                if found is not None and found[3].fits:
-                    order.insert(0, order.pop(pos))
-                    return True
-                fails_at[j] = k
-            return False
-        finally:
-            checked += check.checked
+    def at(j: int, k: int):
+        check = checkers.setdefault(k, Checker(model, cluster, k * step, micro_batch=micro_batch, dtype=dtype))
+        parallel, base, setting = trials[j]
+        return check(parallel, setting, base)
 
-    if not feasible(1):
-        closest = _closest(model, cluster, step, [(tops[i], base, s) for i, base, s in trials], micro_batch, dtype)
+    def fits(j: int, k: int) -> bool:
+        if k * step > MAX_TOKENS:
+            raise ValueError(f"{(k - 1) * step:,} tokens still fit: memory does not bound this model on this cluster "
+                             f"below {MAX_TOKENS:,} tokens")
+        found = at(j, k)
+        return found is not None and found[3].fits
+
+    best, alive = 0, list(range(len(trials)))
+    while True:
+        k = best + 1
+        found = {j: at(j, k) for j in alive}
+        ok = [j for j in alive if found[j] is not None and found[j][3].fits]
+        if not ok:
+            break
+        champion = min(ok, key=lambda j: _overflow(found[j][3], cluster))
+        lo, stride = k, 1
+        while fits(champion, lo + stride):
+            lo, stride = lo + stride, 2 * stride
+        hi = lo + stride
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(champion, mid) else (lo, mid)
+        best, alive = lo, ok
+    checked = sum(c.checked for c in checkers.values())
+    misses = [f for f in found.values() if f is not None]
+    if not misses:
+        raise ValueError(f"no configuration can run {k * step:,} tokens on {cluster.gpus} GPUs")
+    par, rec, opt, _ = min(misses, key=lambda f: _overflow(f[3], cluster))
+    closest = predict(model, par, rec, seq_len=k * step, cluster=cluster, micro_batch=micro_batch, dtype=dtype,
+                      offload_optimizer=opt)
+    if best == 0:
         raise ValueError(f"nothing fits even {step:,} tokens (the shortest length every layout can split): the "
                          f"closest, {closest.setup}, {closest.reason}")
-    lo, hi = 1, 2
-    while feasible(hi):
-        lo, hi = hi, 2 * hi
-        if hi * step > MAX_TOKENS:
-            raise ValueError(f"{lo * step:,} tokens still fit: memory does not bound this model on this cluster "
-                             f"below {MAX_TOKENS:,} tokens")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
-    seq_len = lo * step
+    seq_len = best * step
     check = Checker(model, cluster, seq_len, micro_batch=micro_batch, dtype=dtype)
     plans = [predict(model, par, rec, seq_len=seq_len, cluster=cluster, micro_batch=micro_batch, dtype=dtype,
                      offload_optimizer=opt)
              for p in parallels for par, rec, opt, _ in fitting(check, p, presets, stages)]
     checked += check.checked
-    alive = [trials[j] for j in range(len(trials)) if fails_at[j] > lo]
-    closest = _closest(model, cluster, seq_len + step, [(tops[i], base, s) for i, base, s in alive], micro_batch,
-                       dtype)
     return Longest(seq_len=seq_len, unit=step, plans=sorted(plans, key=rank_key), next_len=seq_len + step,
                    closest=closest, checked=checked)
-
-
-def _closest(model: ModelSpec, cluster: Cluster, seq_len: int, trials: list, micro_batch: int,
-             dtype: torch.dtype) -> Prediction:
-    """Of ``trials`` (layout, preset, setting), the one that overflows its GPU or host memory least at
-    ``seq_len``."""
-    check = Checker(model, cluster, seq_len, micro_batch=micro_batch, dtype=dtype)
-    best = None
-    for parallel, base, setting in trials:
-        found = check(parallel, setting, base)
-        if found is not None and (best is None or _overflow(found[3], cluster) < _overflow(best[3], cluster)):
-            best = found
-    if best is None:
-        raise ValueError(f"no configuration can run {seq_len:,} tokens on {cluster.gpus} GPUs")
-    par, rec, opt, _ = best
-    return predict(model, par, rec, seq_len=seq_len, cluster=cluster, micro_batch=micro_batch, dtype=dtype,
-                   offload_optimizer=opt)
 
 
 def binding(p: Prediction, cluster: Cluster) -> str:

@@ -55,8 +55,8 @@ from ..memory.specs import ModelSpec, ParallelSpec, ceil_div
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig
 from .cluster import Cluster
-from .costs import (attention_recompute_layers, copy_exposed, optimizer_offload, region_layers, tile_loss_flops,
-                    tile_mlp_layers)
+from .costs import (attention_recompute_layers, copy_exposed, mlp_chunks, optimizer_offload, region_layers,
+                    tile_mlp_forwards)
 from .prediction import Prediction
 
 BACKWARD = 2.5
@@ -109,6 +109,8 @@ class Footprint:
     """Exposed seconds per step of optimizer offload (0 without it)."""
     gpu_fits: bool
     host_fits: bool
+    """host_bytes × GPUs per node within the node's host memory less its reserve, and the activation offload
+    within its ``+offload:<GiB>`` budget (the memory model's ``fits_host``; a run stops otherwise)."""
 
     @property
     def fits(self) -> bool:
@@ -139,7 +141,8 @@ def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConf
         opt_host, opt_s = optimizer_offload(param_count(model, p.tp), p.shard_degree, dtype.itemsize, c)
         gpu, host = gpu - est.optimizer, host + opt_host
     return Footprint(estimate=est, gpu_bytes=gpu, host_bytes=host, optimizer_s=opt_s,
-                     gpu_fits=gpu <= c.gpu_memory_gib * 2**30, host_fits=host <= c.host_bytes_per_rank)
+                     gpu_fits=gpu <= c.gpu_memory_gib * 2**30,
+                     host_fits=host <= c.host_bytes_per_rank and getattr(est, "fits_host", True))
 
 
 def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
@@ -175,11 +178,14 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
         ag_fwd, ag_bwd = kv_bytes * e / bw, kv_bytes * (e + acc) / bw
     tp_s = t * model.hidden * e * (p.tp - 1) / p.tp / c.bandwidth(False)
 
-    extra = est.recompute_fraction * 3 * L * (dense + attn)      # the memory model's convention, back to FLOPs
+    # the memory model's recompute FLOPs (regions, mlp, core_attn, +recompute_attn's attention, +tile_loss's head,
+    # +tile_mlp's chunks outside regions), the attention at its own rate, plus the nested chunk recompute inside
+    # regions that it does not count (costs.tile_mlp_forwards)
+    extra = est.recompute_fraction * 3 * L * (dense + attn)
     attn_layers = attention_recompute_layers(recompute, L)         # core_attn, +recompute_attn
-    recompute_s = max(extra - attn_layers * attn, 0.0) / rate_m + attn_layers * attn_s
-    recompute_s += (tile_loss_flops(t, model.hidden, model.vocab, p.tp) if recompute.tile_loss else 0.0) / rate_m
-    recompute_s += tile_mlp_layers(recompute, L) * mlp / rate_m
+    nested = tile_mlp_forwards(recompute, L, mlp_chunks(seq_len // p.cp, recompute.mlp_tokens, model.hidden))[1]
+    recompute_s = (max(extra - attn_layers * attn, 0.0) + nested * mlp) / rate_m
+    recompute_s += attn_layers * attn_s
     recompute_comm = attn_layers * (ring_fwd_s + 4 * a2a_s + ag_fwd)
     tp_layers = region_layers(recompute, L) * 4
     tp_layers += 2 * L if recompute.preset == Recompute.MLP else 0

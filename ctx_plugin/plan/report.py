@@ -5,11 +5,14 @@ import argparse
 import math
 from pathlib import Path
 
-from ..cliargs import output_file, positive_float, positive_int, read_json_object, tokens
+from ..cliargs import nonnegative_float, output_file, positive_float, positive_int, read_json_object, tokens
 from ..memory.report import DTYPES, model_arg, model_from, need_matplotlib
 from ..memory.specs import MODEL_PRESETS, ModelSpec
-from .predict import Cluster, Prediction
+from .cluster import Cluster
+from .prediction import Prediction
+from .longest_report import run_longest
 from .search import best_per_layout, enumerate_plans, explain
+from .table import print_header, print_table
 
 _DEFAULTS = Cluster(nodes=1)
 
@@ -17,7 +20,14 @@ _DEFAULTS = Cluster(nodes=1)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=model_arg,
                    help=f"a model preset ({', '.join(MODEL_PRESETS)}) or the path of a Hugging Face config.json")
-    p.add_argument("--seq-len", type=tokens, required=True, help="tokens per sequence, e.g. 131072 or 128k")
+    p.add_argument("--seq-len", type=tokens, default=None, help="tokens per sequence, e.g. 131072 or 128k")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="instead of --seq-len: find the longest sequence that fits (GPU and host memory), the fastest "
+                        "configuration at that length and what binds one step longer")
+    p.add_argument("--modifiers", action="store_true",
+                   help="with --seq-len: also try the memory modifiers (+tile_loss, +tile_mlp, +recompute_attn, "
+                        "+offload, +offload_attn) and optimizer offload on the presets that need them to fit "
+                        "(--max-seq-len always does)")
     p.add_argument("--nodes", type=positive_int, required=True, help="number of nodes")
     p.add_argument("--gpus-per-node", type=positive_int, default=_DEFAULTS.gpus_per_node)
     p.add_argument("--gpu-memory", type=positive_float, default=_DEFAULTS.gpu_memory_gib, help="GiB per GPU the plan must fit")
@@ -28,12 +38,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-tflops", type=positive_float, default=None,
                    help=f"attention kernel TFLOP/s per GPU (default {_DEFAULTS.attention_tflops:g}, bf16 on H200)")
     p.add_argument("--matmul-tflops", type=positive_float, default=_DEFAULTS.matmul_tflops, help="dense matmul TFLOP/s per GPU")
+    p.add_argument("--peak-tflops", type=positive_float, default=_DEFAULTS.peak_tflops,
+                   help=f"the GPU's peak bf16 TFLOP/s, MFU's denominator (default {_DEFAULTS.peak_tflops:g}: H100/H200)")
+    p.add_argument("--host-memory", type=positive_float, default=_DEFAULTS.host_memory_gib,
+                   help=f"host memory per node in GiB for offload (default {_DEFAULTS.host_memory_gib:g})")
+    p.add_argument("--host-reserve", type=nonnegative_float, default=_DEFAULTS.host_reserve_gib,
+                   help=f"host GiB per node kept free for the OS, frameworks and loaders (default "
+                        f"{_DEFAULTS.host_reserve_gib:g})")
+    p.add_argument("--host-bw", type=positive_float, default=_DEFAULTS.host_bw_gbs,
+                   help=f"host↔device GB/s per PCIe link and direction (default {_DEFAULTS.host_bw_gbs:g}: PCIe 5 ×16)")
+    p.add_argument("--gpus-per-host-link", type=positive_int, default=_DEFAULTS.gpus_per_host_link,
+                   help=f"GPUs sharing one PCIe uplink to the CPUs (default {_DEFAULTS.gpus_per_host_link}: HGX H100/H200)")
+    p.add_argument("--host-adam", type=positive_float, default=_DEFAULTS.host_adam_gparams_s,
+                   help=f"billions of parameters per second a node's CPUs update with DeepSpeed's CPU Adam (default "
+                        f"{_DEFAULTS.host_adam_gparams_s:g})")
     p.add_argument("--bench", type=read_json_object, default=None,
                    help="a JSON file from `ctx-plugin bench`: its attention_tflops replaces --attention-tflops")
     p.add_argument("--tp", type=positive_int, nargs="+", default=[1], help="tensor-parallel sizes to try, e.g. --tp 1 2 4")
     p.add_argument("--micro-batch", type=positive_int, default=1)
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage (distributed optimizer = 1)")
+    p.add_argument("--zero", type=int, nargs="+", default=None, choices=[0, 1, 2, 3],
+                   help="ZeRO stages to try (distributed optimizer = 1; default 1, and 0 1 2 3 with --max-seq-len)")
     p.add_argument("--top", type=positive_int, default=15, help="rows of the table (default 15)")
     p.add_argument("--all-presets", action="store_true",
                    help="one row per layout × preset (default: each layout's best preset only)")
@@ -64,40 +89,47 @@ def _model(text: str | ModelSpec) -> ModelSpec:
                          f"config.json ({e.strerror})") from None
 
 
-def _row(rank: int, p: Prediction) -> str:
-    axes = "-" if p.backend.value == "allgather" or p.cp == 1 else f"{p.ulysses_size}×{p.ring_size}"
-    hidden = "-" if p.ring_hidden is None else ("yes" if p.ring_hidden else "no")
-    return (f"{rank:>4} {p.backend.value if p.cp > 1 else '-':<13} {p.cp:>3} {axes:>5} {p.tp:>3} {p.dp:>3} "
-            f"{str(p.recompute):<14} {p.memory_gib:>8.1f} {'yes' if p.fits else 'no':>4} {p.step_ms:>10,.1f} "
-            f"{p.compute_ms:>10,.1f} {p.exposed_ms:>9,.1f} {hidden:>6} {p.tokens_per_s_per_gpu:>9,.0f}")
+def _check_mode(args: argparse.Namespace) -> None:
+    """The options of one mode given in the other are errors, not ignored."""
+    if args.max_seq_len:
+        given = [flag for flag, on in (("--seq-len", args.seq_len is not None), ("--modifiers", args.modifiers),
+                                       ("--all-presets", args.all_presets), ("--plot", args.plot is not None)) if on]
+        if given:
+            raise ValueError(f"--max-seq-len searches the length and every modifier itself: drop {', '.join(given)}")
+    elif args.seq_len is None:
+        raise ValueError("give --seq-len <tokens> (plan one length) or --max-seq-len (find the longest)")
+
+
+def cluster_from(args: argparse.Namespace) -> Cluster:
+    return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
+                   intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, attention_tflops=_attention_tflops(args),
+                   matmul_tflops=args.matmul_tflops, peak_tflops=args.peak_tflops, host_memory_gib=args.host_memory,
+                   host_reserve_gib=args.host_reserve, host_bw_gbs=args.host_bw,
+                   gpus_per_host_link=args.gpus_per_host_link, host_adam_gparams_s=args.host_adam)
 
 
 def run(args: argparse.Namespace) -> int:
     model = _model(args.model)
+    _check_mode(args)
     if args.top < 1:
         raise ValueError(f"--top must be at least 1, got {args.top}")
     if args.plot:
         need_matplotlib()
-    cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
-                      intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, attention_tflops=_attention_tflops(args),
-                      matmul_tflops=args.matmul_tflops)
+    cluster = cluster_from(args)
+    if args.max_seq_len:
+        return run_longest(args, model, cluster)
+    stages = args.zero or [1]
     plans = enumerate_plans(model, args.seq_len, cluster, micro_batch=args.micro_batch, dtype=DTYPES[args.dtype],
-                            tp_options=args.tp, zero_stage=args.zero)
+                            tp_options=args.tp, zero_stage=stages, modifiers=args.modifiers)
     c = cluster
-    print(f"{model.name}: {model.layers} layers, hidden {model.hidden}, {model.heads} heads ({model.kv_heads} K/V), "
-          f"ffn {model.ffn}, vocab {model.vocab}")
-    print(f"sequence: {args.seq_len:,} tokens × micro-batch {args.micro_batch}, {args.dtype}, ZeRO-{args.zero}")
-    print(f"cluster: {c.nodes} × {c.gpus_per_node} = {c.gpus} GPUs, {c.gpu_memory_gib:g} GiB each; "
-          f"{c.intra_bw_gbs:g} GB/s in a node, {c.inter_bw_gbs:g} GB/s across; attention {c.attention_tflops:g}, "
-          f"matmul {c.matmul_tflops:g} TFLOP/s")
+    print_header(model, c)
+    print(f"sequence: {args.seq_len:,} tokens × micro-batch {args.micro_batch}, {args.dtype}, ZeRO "
+          f"{'/'.join(map(str, sorted(set(stages))))}" + (", with memory modifiers and offload" if args.modifiers else ""))
     rows = plans if args.all_presets else best_per_layout(plans)
     what = "every layout × preset" if args.all_presets else "each layout's best recompute preset"
     print(f"{len(plans)} configurations, {sum(p.fits for p in plans)} fit; top {min(args.top, len(rows))} "
           f"({what}); times per micro-batch step")
-    print(f"{'rank':>4} {'backend':<13} {'cp':>3} {'u×r':>5} {'tp':>3} {'dp':>3} {'recompute':<14} {'mem GiB':>8} "
-          f"{'fits':>4} {'step ms':>10} {'compute ms':>10} {'comm ms':>9} {'hidden':>6} {'tok/s/GPU':>9}")
-    for i, p in enumerate(rows[:args.top], 1):
-        print(_row(i, p))
+    print_table(rows, args.top)
     print(explain(plans[0], plans))
     if args.plot:
         title = f"{model.name}, {args.seq_len:,} tokens, {c.nodes}×{c.gpus_per_node} GPUs"

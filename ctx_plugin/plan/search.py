@@ -188,6 +188,6 @@ def explain(winner: Prediction, plans: list[Prediction]) -> str:
         best = min(lighter, key=lambda p: (p.recompute_ms, p.memory_bytes))
         text += f"; less recompute does not fit ({best.recompute} needs {best.memory_gib:.1f} GiB)"
     why.append(text)
-    return (f"winner: {winner.layout}, recompute {winner.recompute}: {winner.step_ms:,.1f} ms per step, "
-            f"{winner.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {winner.memory_gib:.1f} GiB per GPU\n  because "
+    return (f"winner: {winner.setup}: {winner.step_ms:,.1f} ms per step, {winner.tokens_per_s_per_gpu:,.0f} "
+            f"tokens/s per GPU, MFU {100 * winner.mfu:.1f}%, {winner.memory_gib:.1f} GiB per GPU\n  because "
             + ";\n  ".join(why))
