@@ -67,8 +67,11 @@ class Longest:
     next_len: int
     """``seq_len + unit``: the shortest length that does not fit."""
     closest: Prediction
-    """Of the memory-saving configurations (rule 1) that fit at ``seq_len``, the one that comes closest to fitting
-    at ``next_len`` (the one over ``next_len``'s limit by the least)."""
+    """Of the memory-saving configurations (rule 1), the one that comes closest to fitting at ``next_len`` (over
+    its GPU or host memory limit by the smallest fraction)."""
+    host_bound: Prediction | None
+    """Of the same configurations, the one that fits its GPUs at ``next_len`` with the least host memory (None
+    when none fits its GPUs there): more host memory would make it fit."""
     checked: int
     """Configurations whose memory the search computed."""
 
@@ -139,13 +142,17 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(champion, mid) else (lo, mid)
         best, alive = lo, ok
+    misses = [f for j in range(len(trials)) if (f := at(j, k)) is not None]      # every trial, one unit longer
     checked = sum(c.checked for c in checkers.values())
-    misses = [f for f in found.values() if f is not None]
     if not misses:
         raise ValueError(f"no configuration can run {k * step:,} tokens on {cluster.gpus} GPUs")
+    kw = dict(seq_len=k * step, cluster=cluster, micro_batch=micro_batch, dtype=dtype)
     par, rec, opt, _ = min(misses, key=lambda f: _overflow(f[3], cluster))
-    closest = predict(model, par, rec, seq_len=k * step, cluster=cluster, micro_batch=micro_batch, dtype=dtype,
-                      offload_optimizer=opt)
+    closest = predict(model, par, rec, offload_optimizer=opt, **kw)
+    host_bound = None
+    if gpu_only := [f for f in misses if f[3].gpu_fits]:
+        par, rec, opt, _ = min(gpu_only, key=lambda f: f[3].host_bytes)
+        host_bound = predict(model, par, rec, offload_optimizer=opt, **kw)
     if best == 0:
         raise ValueError(f"nothing fits even {step:,} tokens (the shortest length every layout can split): the "
                          f"closest, {closest.setup}, {closest.reason}")
@@ -156,7 +163,7 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
              for p in parallels for par, rec, opt, _ in fitting(check, p, presets, stages)]
     checked += check.checked
     return Longest(seq_len=seq_len, unit=step, plans=sorted(plans, key=rank_key), next_len=seq_len + step,
-                   closest=closest, checked=checked)
+                   closest=closest, host_bound=host_bound, checked=checked)
 
 
 def binding(p: Prediction, cluster: Cluster) -> str:
@@ -167,8 +174,9 @@ def binding(p: Prediction, cluster: Cluster) -> str:
     if host_over > gpu_over:
         node = p.host_bytes * cluster.gpus_per_node / gib
         room = cluster.host_memory_gib - cluster.host_reserve_gib
-        return (f"host memory binds: {node:,.1f} GiB per node > {room:,.1f} GiB ({cluster.host_memory_gib:g} less "
-                f"{cluster.host_reserve_gib:g} reserved), {100 * (host_over - 1):.1f}% over")
+        over = (p.host_bytes - cluster.host_bytes_per_rank) * cluster.gpus_per_node / 2**20
+        return (f"host memory binds: {node:,.2f} GiB per node > {room:,.2f} GiB ({cluster.host_memory_gib:g} less "
+                f"{cluster.host_reserve_gib:g} reserved): {over:,.2f} MiB ({100 * (host_over - 1):.2f}%) over")
     est = p.estimate
     transient_name = "logits at the loss" if est.logits_peak >= est.recompute_peak + est.cp_buffers else \
         "one region's recompute + CP buffers"
@@ -178,5 +186,6 @@ def binding(p: Prediction, cluster: Cluster) -> str:
              "optimizer state": 0 if p.offload_optimizer else est.optimizer}
     largest = max(parts, key=parts.get)
     text = ", ".join(f"{name} {value / gib:,.1f}" for name, value in sorted(parts.items(), key=lambda kv: -kv[1]))
-    return (f"GPU memory binds: {p.memory_gib:,.2f} GiB > {cluster.gpu_memory_gib:g} GiB per GPU "
-            f"({100 * (gpu_over - 1):.2f}% over), largest part {largest} ({text} GiB)")
+    over = (p.memory_bytes - cluster.gpu_memory_gib * gib) / 2**20
+    return (f"GPU memory binds: {p.memory_gib:,.2f} GiB > {cluster.gpu_memory_gib:g} GiB per GPU: {over:,.2f} MiB "
+            f"({100 * (gpu_over - 1):.2f}%) over; its largest part is {largest} ({text} GiB)")

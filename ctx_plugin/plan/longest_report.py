@@ -40,6 +40,10 @@ def summary(result: Longest, cluster: Cluster) -> str:
              f"fastest configuration there: {w.setup}", *describe(w, cluster),
              f"one step longer, {result.next_len:,} tokens, the closest configuration ({result.closest.setup}) "
              f"does not fit: {binding(result.closest, cluster)}"]
+    if result.host_bound is not None and result.host_bound is not result.closest \
+            and not binding(result.closest, cluster).startswith("host"):
+        lines.append(f"  and {result.host_bound.setup} fits its GPUs there but not the host: "
+                     f"{binding(result.host_bound, cluster)}")
     return "\n".join(lines)
 
 

@@ -16,7 +16,8 @@ Rules (each checked against a brute-force scan in ``tests/unit/test_plan_longest
    setting takes the lowest ZeRO stage at which it fits.
 
 The activation offload budget is what a node's host memory leaves per rank after the reserve and the rank's
-optimizer offload (:func:`offload_budget_gib`), rounded down to 0.1 GiB.
+optimizer offload (:func:`offload_budget_gib`), rounded down to 3 significant digits; a configuration that fits is
+shown with the budget it needs (its offloaded bytes rounded up to 3 significant digits).
 """
 from __future__ import annotations
 
@@ -75,8 +76,13 @@ def offload_budget_gib(model: ModelSpec, parallel: ParallelSpec, cluster: Cluste
     left = cluster.host_bytes_per_rank
     if offload_optimizer:
         left -= optimizer_offload(param_count(model, parallel.tp), parallel.shard_degree, dtype.itemsize, cluster)[0]
-    gib = math.floor(left / 2**30 * 10) / 10
-    return gib if gib >= 0.1 else None
+    return significant(left / 2**30, math.floor) if left > 0 else None
+
+
+def significant(gib: float, rounding) -> float:
+    """``gib`` rounded (``math.floor`` or ``math.ceil``) to 3 significant digits: 116.287 → 116, 0.019531 → 0.0195."""
+    scale = 10.0 ** (math.floor(math.log10(gib)) - 2)
+    return round(rounding(round(gib / scale, 9)) * scale, 12)
 
 
 def settings(base: RecomputeConfig, *, optimizer: bool, offload: bool) -> list[Setting]:
@@ -139,7 +145,9 @@ class Checker:
         parallel, recompute, _, fp = found
         if recompute.offload_gib is None:
             return found
-        need = max(math.ceil(fp.estimate.host / 2**30 * 10) / 10, 0.1)
+        if fp.estimate.host <= 0:
+            return found
+        need = significant(fp.estimate.host / 2**30, math.ceil)
         if need >= recompute.offload_gib:
             return found
         tight = self(parallel, setting, base, need)
