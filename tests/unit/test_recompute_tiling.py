@@ -1,0 +1,271 @@
+"""+tile_mlp and +recompute_attn on real layers (one process): gradients equal to the same model without them
+(float64 exact up to the chunk sums' round-off, fp32 1e-6), with every preset, on ctx_plugin's block and a Hugging
+Face Llama (attention and MLP biases, GQA, init std 0.1; its reference runs HF's own sdpa attention, no ctx_plugin);
+what the tiled layers keep and their peak; the refusals. Megatron's layer and the CP runs: tests/distributed."""
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ctx_plugin
+from ctx_plugin import hf, recompute
+from ctx_plugin.models import CoreAttention, DecoderBlock, DecoderConfig
+from ctx_plugin.recompute.tiling import chunk_sizes
+
+CFG = ctx_plugin.CPConfig(kernel="torch")
+PRESETS = ["none", "attn_out", "selective", "core_attn", "mlp", "full", "full:uniform:2", "full:block:2", "sqrt"]
+REGION_PRESETS = ["full", "full:uniform:2", "full:block:2", "sqrt"]
+C = DecoderConfig(hidden=32, ffn=96, layers=3, heads=4, kv_heads=2, gated=False)      # GELU MLP with biases
+SEQ = 22
+
+
+def _blocks(preset: str | None, dtype, c: DecoderConfig = C):
+    groups = ctx_plugin.build_cp_groups(CFG)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(DecoderBlock(c, CoreAttention(CFG, groups)) for _ in range(c.layers)).to(dtype)
+    for p in blocks.parameters():
+        if p.dim() == 1:
+            nn.init.normal_(p, 0.5, 0.3)          # norms' weights and biases: nothing trivially one or zero
+    if preset is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")       # core_attn warns by design
+            recompute.apply(blocks, preset, groups=groups)
+    return blocks
+
+
+def _grads(preset: str | None, dtype=torch.float64, c: DecoderConfig = C):
+    blocks = _blocks(preset, dtype, c)
+    x = torch.randn(2, SEQ, c.hidden, generator=torch.Generator().manual_seed(1), dtype=dtype).requires_grad_()
+    y = x
+    for block in blocks:
+        y = block(y, torch.arange(SEQ))
+    (y.pow(2) * torch.linspace(-1, 1, SEQ, dtype=dtype)[:, None]).sum().backward()
+    return {"input": x.grad, **{name: p.grad for name, p in blocks.named_parameters()}}
+
+
+def _compare(got: dict, want: dict, rtol: float) -> None:
+    assert set(got) == set(want)
+    for name, w in want.items():
+        err = ((got[name] - w).abs().max() / w.abs().max()).item()
+        assert err <= rtol, f"{name}: relative error {err:.1e}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _grads(None)
+
+
+def test_chunk_sizes():
+    assert chunk_sizes(22, 5) == [5, 5, 4, 4, 4] and chunk_sizes(8, 8) == [8] and chunk_sizes(3, 100) == [3]
+    assert chunk_sizes(22, 32) == [22]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_tile_mlp_exact_with_every_preset(reference, preset):
+    _compare(_grads(f"{preset}+tile_mlp:5"), reference, 1e-12)       # 5 chunks of 5, 5, 4, 4, 4 tokens
+
+
+@pytest.mark.parametrize("preset", REGION_PRESETS)
+def test_recompute_attn_exact(reference, preset):
+    _compare(_grads(f"{preset}+recompute_attn"), reference, 0.0)      # the same ops again: bit for bit
+    _compare(_grads(f"{preset}+recompute_attn+tile_mlp:7"), reference, 1e-12)
+
+
+def test_tile_mlp_fp32_and_automatic_chunks():
+    """fp32 within 1e-6; plain +tile_mlp chunks by the input width (hidden 8: 22 tokens → 3 chunks)."""
+    c = DecoderConfig(hidden=8, ffn=24, layers=3, heads=2, kv_heads=1, gated=True)
+    want = _grads(None, torch.float32, c)
+    for preset in ("none+tile_mlp", "selective+tile_mlp", "sqrt+tile_mlp:4"):
+        _compare(_grads(preset, torch.float32, c), want, 1e-6)
+
+
+def _hf_llama(groups):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                         attention_bias=True, mlp_bias=True, initializer_range=0.1, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).double().train()
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            nn.init.normal_(p, 0.5 if "norm" in name else 0.0, 0.2)
+    if groups is not None:
+        hf.enable(model, groups.config, groups)
+    return model
+
+
+def _hf_grads(preset: str | None):
+    groups = None if preset is None else ctx_plugin.build_cp_groups(CFG)
+    model = _hf_llama(groups)
+    if preset is not None:
+        recompute.apply(model.model.layers, preset, groups=groups)
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    logits = model(input_ids=ids, position_ids=torch.arange(SEQ).expand(2, SEQ)).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("preset", ["none+tile_mlp:5", "selective+tile_mlp:3", "mlp+tile_mlp:8",
+                                    "full:uniform:2+tile_mlp", "sqrt+tile_mlp:5+recompute_attn"])
+def test_hf_llama_layers(preset):
+    """Reference: the HF model with its own sdpa attention, no ctx_plugin; round-off of two attention kernels."""
+    pytest.importorskip("transformers")
+    _compare(_hf_grads(preset), _hf_grads(None), 1e-10)
+
+
+class _Sizes(TorchDispatchMode):
+    """The storages created under it (weakly), and the most bytes of them alive after any operator (``peak``:
+    what a step adds to parameters and inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in self.refs or self.refs[ref.cdata][0].expired():
+                    self.refs[ref.cdata] = (ref, t.untyped_storage().nbytes())
+        self.peak = max(self.peak, sum(n for ref, n in self.refs.values() if not ref.expired()))
+        return out
+
+
+def _saved(preset: str) -> tuple[int, int]:
+    """(bytes of the largest storage a 2-layer stack keeps for backward, bytes of all it keeps)."""
+    c = DecoderConfig(hidden=16, ffn=256, layers=2, heads=2, kv_heads=1, gated=True)
+    blocks = _blocks(preset, torch.float32, c)
+    x0 = torch.randn(1, TOKENS, c.hidden, requires_grad=True)
+    sizes = _Sizes()
+    with sizes:
+        x = x0 * 1.0
+        for block in blocks:
+            x = block(x, torch.arange(TOKENS))
+    gc.collect()
+    result = StorageWeakRef(x.untyped_storage()).cdata
+    alive = [n for key, (ref, n) in sizes.refs.items() if not ref.expired() and key != result]
+    x.sum().backward()
+    return max(alive), sum(alive)
+
+
+TOKENS, TOKEN_FFN = 64, 64 * 256 * 4       # one fp32 tokens × ffn tensor
+
+
+@pytest.fixture(scope="module")
+def tiled_none():
+    return _saved("none+tile_mlp:16")
+
+
+def test_tile_mlp_keeps_no_tokens_by_ffn_tensor(tiled_none):
+    """none keeps the MLP's inside (several tokens × ffn tensors); none+tile_mlp only the MLP's input."""
+    largest, total = _saved("none")
+    assert largest >= TOKEN_FFN and tiled_none[0] < TOKEN_FFN
+    assert tiled_none[1] <= total - 2 * TOKEN_FFN * 2        # two layers, at least two such tensors each
+
+
+@pytest.mark.parametrize("preset", ["selective", "core_attn", "mlp", "full", "sqrt"])
+def test_tile_mlp_keeps_no_more_under_any_preset(tiled_none, preset):
+    """With any preset the tiled stack keeps no more than none+tile_mlp: under selective too, whose policy must not
+    save the chunks' matrix products (they would add up to tokens × ffn tensors, one chunk at a time)."""
+    largest, total = _saved(f"{preset}+tile_mlp:16")
+    assert largest < TOKEN_FFN and total <= tiled_none[1], f"{preset}+tile_mlp keeps {total} bytes"
+
+
+def _mlp_peak(preset: str) -> int:
+    """Peak bytes of a forward+backward through a 1-layer stack with a large MLP (ffn = 64 × hidden)."""
+    c = DecoderConfig(hidden=16, ffn=1024, layers=1, heads=2, kv_heads=1, gated=True)
+    blocks = _blocks(preset, torch.float32, c)
+    for p in blocks.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(8, 32, c.hidden, requires_grad=True)
+    with _Sizes() as peak:
+        y = blocks[0](x, torch.arange(32))
+        y.sum().backward()
+        del y
+    return peak.peak
+
+
+@pytest.mark.parametrize("preset", ["none", "full"])
+def test_peak_falls_by_the_chunking_factor(preset):
+    """8 × 32 tokens × 1024 ffn (gate, up, activation, product: ~4 MiB of intermediates, dominating); 8 chunks
+    of 4 tokens: the peak falls by well over half the chunking factor (attention and hidden-sized tensors stay)."""
+    untiled, tiled = _mlp_peak(preset), _mlp_peak(f"{preset}+tile_mlp:4")
+    assert tiled * 4 < untiled, f"{preset}: peak {untiled} → {tiled} bytes"
+
+
+def test_unpinned_restores_the_enclosing_mode():
+    """A +recompute_attn region inside a recording one: attention runs plainly there (not remembered), and the
+    enclosing recording goes on after it."""
+    from ctx_plugin.pinning import AttentionPins, Recording
+
+    pins, run = AttentionPins(), Recording()
+    x = torch.ones(2, requires_grad=True)
+    with pins.recording(run):
+        with pins.unpinned():
+            pins.run(lambda: x * 2)
+        assert run.outputs == []
+        pins.run(lambda: x * 3)
+    assert len(run.outputs) == 1
+    with pins.replaying(run):
+        with pins.unpinned():
+            assert torch.equal(pins.run(lambda: x * 5), x * 5)      # computed, not the remembered x * 3
+        assert torch.equal(pins.run(lambda: x * 7), x * 3)          # replayed
+
+
+class _MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(4, 4)])
+
+    def forward(self, x):
+        return self.experts[0](x)
+
+
+class _RouterMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x), self.lin(x).sum(-1)         # a second output that depends on the tokens
+
+
+class _Layer(nn.Module):
+    def __init__(self, mlp: nn.Module | None) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        out = self.mlp(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def test_refusals():
+    groups = ctx_plugin.build_cp_groups(CFG)
+    with pytest.raises(ValueError, match=r"\+tile_loss .* applied by the loss .* config\.for_layers \(full\)"):
+        recompute.apply([_Layer(nn.Linear(4, 4))], "full+tile_loss", groups=groups)
+    with pytest.raises(ValueError, match=r"\+tile_mlp needs layers with an `.mlp` submodule; layer 0"):
+        recompute.apply([_Layer(None)], "none+tile_mlp", groups=groups)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        recompute.apply([_Layer(_MoE())], "full+tile_mlp", groups=groups)
+    with pytest.raises(ValueError, match="sequence_dim must be a non-negative int"):
+        recompute.apply([_Layer(nn.Linear(4, 4))], "none+tile_mlp", sequence_dim=-1)
+    layers = [_Layer(_RouterMLP())]
+    recompute.apply(layers, "none+tile_mlp:2")
+    with pytest.raises(ValueError, match="output 1 of _RouterMLP depends on the tokens"):
+        layers[0](torch.randn(1, 4, 4))
+    layers = [_Layer(nn.Linear(4, 4))]
+    recompute.apply(layers, "none+tile_mlp:2", sequence_dim=2)
+    with pytest.raises(ValueError, match=r"no sequence dimension 2 before the hidden one; pass apply\(\.\.\., "):
+        layers[0](torch.randn(1, 4, 4))
+    recompute.remove(layers)
+    assert "forward" not in vars(layers[0].mlp)
