@@ -19,7 +19,7 @@ from ctx_plugin.plan.longest import longest, parallel_layouts, unit
 from ctx_plugin.plan.longest_report import summary
 from ctx_plugin.plan.predict import footprint
 from ctx_plugin.plan.search import rank_key
-from ctx_plugin.plan.variants import offload_budget_gib, settings
+from ctx_plugin.plan.variants import Checker, fitting, offload_budget_gib, settings
 from ctx_plugin.recompute.presets import RecomputeConfig, candidates
 
 # test_plan.py's hand-computable model and rates: zigzag cp=4, t=16 tokens per GPU, attention forward 4 s,
@@ -280,3 +280,28 @@ def test_summary_names_the_binding_term():
     text = summary(longest(SMALL, c, zero_stages=(0, 3)), c)
     assert "longest sequence: " in text and "fastest configuration there: " in text
     assert re.search(r"does not fit: (GPU memory binds: .* over; its largest part is|host memory binds: )", text)
+
+
+def test_fitting_yields_exactly_the_minimal_fitting_settings_at_their_lowest_stage():
+    c, stages = two_gpus(8, 4), (0, 1, 3)
+    layout = ParallelSpec(cp=2, backend="zigzag", dp=1)
+    result = longest(DEEP, c, zero_stages=(0, 3))
+    for seq_len in (result.seq_len // 8 * 4, result.seq_len * 3 // 16 * 4, result.seq_len * 7 // 32 * 4):
+        check = Checker(DEEP, c, seq_len, micro_batch=1, dtype=torch.bfloat16)
+        got = {(rec, opt, par.zero_stage) for par, rec, opt, _ in fitting(check, layout, candidates(DEEP.layers), stages)}
+        want = set()
+        for base in candidates(DEEP.layers):
+            fit = {}
+            for s in settings(base, optimizer=True, offload=True):
+                for z in stages:
+                    if s.offload_optimizer and z == 0:
+                        continue
+                    found = check(replace(layout, zero_stage=z), s, base)
+                    if found is not None and found[3].fits:
+                        fit[s] = z
+                        break
+            for s, z in fit.items():
+                if not any(s != m and s.covers(m) for m in fit):
+                    rec = check.tighten(check(replace(layout, zero_stage=stages[-1]), s, base), s, base)[1]
+                    want.add((rec, s.offload_optimizer, z))
+        assert got == want and len(want) > 1
