@@ -120,9 +120,10 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     check_data_options(args)
     recompute = _recompute(args, resolve_budget)
     megatron_fields = None
-    if recompute.preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN) \
-            and not recompute.has_modifiers:      # Megatron has no tiling or offload: ctx_plugin applies those
-        megatron_fields = to_megatron(recompute, args.num_layers)
+    layers = recompute.for_layers           # +tile_loss is the loss's: spec.prepare_model installs it on the model
+    if layers.preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN) \
+            and not layers.has_modifiers:      # Megatron has no tiling or offload: ctx_plugin applies those
+        megatron_fields = to_megatron(layers, args.num_layers)
     return MegatronCPSettings(cp_config=cp_config, recompute=recompute, megatron_recompute=megatron_fields)
 
 

@@ -70,7 +70,7 @@ def _check_seams(args, settings: MegatronCPSettings) -> None:
         problems.append("Megatron's dataloader builds an attention mask that only ctx_plugin's batch sharder checks "
                         "and drops (its core attention refuses mask tensors); run through the entry point, or pass "
                         "--no-create-attention-mask-in-dataloader")
-    if settings.recompute.preset not in (Recompute.NONE, Recompute.ATTN_OUT):
+    if settings.recompute.preset not in (Recompute.NONE, Recompute.ATTN_OUT) or settings.recompute.has_modifiers:
         problems.append(f"--cp-recompute {settings.recompute} is applied by ctx_plugin's entry point, not by --spec; "
                         f"run through the entry point, or drop --cp-recompute and use Megatron's --recompute-* flags")
     if problems:
@@ -213,10 +213,16 @@ def _check_causal_mask(mask) -> None:
 
 
 def prepare_model(model, settings: MegatronCPSettings, groups_provider: GroupsProvider, pg_collection=None):
-    """After building a GPTModel with :func:`gpt_layer_spec`: layout-aware RoPE, and the recompute preset when
-    ctx_plugin (not Megatron) applies it. Returns the model's :class:`CPGroups`."""
+    """After building a GPTModel with :func:`gpt_layer_spec`: layout-aware RoPE, the recompute preset's layer part
+    (``for_layers``) when ctx_plugin (not Megatron) applies it, and ``+tile_loss``'s tiled output layer and loss
+    (:mod:`ctx_plugin.megatron.loss`). Returns the model's :class:`CPGroups`."""
     groups = groups_provider.get(context_parallel_group(pg_collection))
     use_layout_rope(model, settings.cp_config, groups)
     if settings.megatron_recompute is None:
-        recompute_presets.apply(model.decoder.layers, settings.recompute, groups=groups)
+        recompute_presets.apply(model.decoder.layers, settings.recompute.for_layers, groups=groups,
+                                sequence_dim=0)           # Megatron's hidden states are [s, b, h]
+    if settings.recompute.tile_loss:
+        from .loss import use_tiled_loss
+
+        use_tiled_loss(model, settings.recompute.loss_tokens)
     return groups

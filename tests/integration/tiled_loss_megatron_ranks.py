@@ -1,0 +1,144 @@
+"""``+tile_loss`` on a megatron-core GPTModel on spawned gloo ranks (see test_tiled_loss_frameworks.py).
+
+The reference is Megatron's own model — local spec (its DotProductAttention), its output layer and its
+vocab-parallel cross-entropy over the whole logits — called with labels on one rank (and, for tensor parallelism,
+Megatron's own untiled loss on the same TP ranks). The tiled models are built through ctx_plugin's spec with
+:func:`ctx_plugin.megatron.spec.prepare_model` and a ``<preset>+tile_loss`` preset, at CP 1 and 2 and TP 2.
+The model has biases, GQA, init std 0.1, float64; the loss is Megatron-LM's masked token mean of the per-token
+losses the model returns.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from tests.integration.megatron_ranks import SEQ, VOCAB, _batch, _cpu_shims
+
+
+def _model(core_spec, *, cp: int, tp: int, share: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=128, use_cpu_initialization=True, context_parallel_size=cp,
+                               tensor_model_parallel_size=tp, attention_dropout=0.0, hidden_dropout=0.0,
+                               add_bias_linear=True, add_qkv_bias=True, init_method_std=0.1)
+    torch.manual_seed(1234)
+    model = GPTModel(config=config, transformer_layer_spec=core_spec(get_gpt_layer_local_spec()), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=share)
+    return model.double()
+
+
+def _step(model, batch, cp_group) -> dict:
+    """Megatron-LM's loss (per-token losses from the model, masked token mean over the CP ranks), gradients summed
+    over the CP group; output-layer calls counted."""
+    calls = []
+    handle = model.output_layer.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    handle.remove()
+    mask = batch["loss_mask"]
+    stats = torch.stack([(per_token.double() * mask).sum().detach(), mask.sum()])
+    if cp_group is not None:
+        dist.all_reduce(stats, group=cp_group)
+    ((per_token.double() * mask).sum() / stats[1]).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if cp_group is not None:
+            dist.all_reduce(g, group=cp_group)
+        grads[name] = g
+    return {"loss": (stats[0] / stats[1]).item(), "grads": grads, "calls": calls,
+            "shape": list(per_token.shape)}
+
+
+def _gather_tp(grads: dict, model, tp_group) -> dict:
+    """Full parameters' gradients from TP shards (partitioned along ``partition_dim``), as lists."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = grads[name]
+        if getattr(p, "tensor_model_parallel", False) and tp_group is not None and tp_group.size() > 1:
+            parts = [torch.empty_like(g) for _ in range(tp_group.size())]
+            dist.all_gather(parts, g.contiguous(), group=tp_group)
+            g = torch.cat(parts, dim=p.partition_dim)
+        out[name] = g.flatten().tolist()
+    return out
+
+
+def run(rank: int, world: int, payload: dict) -> dict:
+    """payload: {"runs": [{"tp": N, "cp": M, "cases": [(kind, preset, share)], "refused": [fields]}]}; each run
+    initialises Megatron's parallel state anew (the rest of the world is data-parallel). kind "megatron": Megatron's
+    own untiled model (CP 1); "ctx_plugin": ctx_plugin's spec, prepare_model and preset."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    out = {}
+    for spec in payload["runs"]:
+        tp, cp = spec["tp"], spec["cp"]
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        try:
+            for kind, preset, share in spec["cases"]:
+                out[f"tp{tp}-cp{cp}-{kind}-{preset}-{'shared' if share else 'own'}"] = _case(rank, kind, preset, share,
+                                                                                             tp, cp)
+            for fields in spec.get("refused", []):
+                out[repr(sorted(fields.items()))] = _refused(fields, tp, cp)
+        finally:
+            parallel_state.destroy_model_parallel()
+    return out
+
+
+def _case(rank: int, kind: str, preset: str, share: bool, tp: int, cp: int) -> dict:
+    from megatron.core import parallel_state
+
+    import ctx_plugin
+    from ctx_plugin.megatron.args import MegatronCPSettings
+    from ctx_plugin.megatron.core_attention import GroupsProvider
+    from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model, shard_batch
+    from ctx_plugin.recompute import RecomputeConfig
+
+    cp_group, tp_group = parallel_state.get_context_parallel_group(), parallel_state.get_tensor_model_parallel_group()
+    if kind == "megatron":
+        assert cp == 1
+        with _cpu_shims():
+            model = _model(lambda spec: spec, cp=1, tp=tp, share=share)
+            result = _step(model, _batch(with_mask=True), None)
+    else:
+        cp_config = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
+        settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse(preset),
+                                      megatron_recompute=None)
+        provider = GroupsProvider(cp_config)
+        model = _model(lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider), cp=cp, tp=tp,
+                       share=share)
+        groups = prepare_model(model, settings, provider)
+        batch = shard_batch(_batch(with_mask=False), config=cp_config, groups=groups)
+        with _cpu_shims() if tp > 1 else contextlib.nullcontext():
+            result = _step(model, batch, cp_group if cp > 1 else None)
+    grads = _gather_tp(result["grads"], model, tp_group)
+    result["grads"] = grads if rank == 0 else None
+    return result
+
+
+def _refused(fields: dict, tp: int, cp: int) -> str:
+    import ctx_plugin
+    from ctx_plugin.megatron.args import MegatronCPSettings
+    from ctx_plugin.megatron.core_attention import GroupsProvider
+    from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model
+    from ctx_plugin.recompute import RecomputeConfig
+
+    cp_config = ctx_plugin.CPConfig(kernel="torch")
+    settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse("none+tile_loss"),
+                                  megatron_recompute=None)
+    provider = GroupsProvider(cp_config)
+    model = _model(lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider), cp=cp, tp=tp,
+                   share=False)
+    for name, value in fields.items():       # set after construction: Megatron's own checks of some need CUDA
+        setattr(model.output_layer if name == "sequence_parallel" else model.config, name, value)
+    try:
+        prepare_model(model, settings, provider)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
