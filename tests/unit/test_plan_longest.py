@@ -257,19 +257,21 @@ def readme_rows() -> dict[str, str]:
     """The planner table's rows: the command → the value the README states."""
     text = README.read_text()
     block = text[text.index("<!-- planner-table -->"):text.index("<!-- /planner-table -->")]
-    rows = re.findall(r"^\| ([^|]+?) \| `(ctx-plugin plan [^`]+)` \| ([^|]+?) \|", block, re.M)
-    return {cmd: value for _, cmd, value in rows}
+    rows = re.findall(r"^\| ([^|]+?) \| `(ctx-plugin plan [^`]+)` \| ([^|]+?) \| [^|]+ \| ([^|]+?) \|$", block, re.M)
+    return {cmd: (value, binds) for _, cmd, value, binds in rows}
 
 
 def test_readme_table_is_what_the_planner_prints(capsys):
     rows = readme_rows()
     assert len(rows) == 4
-    for cmd, value in rows.items():
+    for cmd, (value, binds) in rows.items():
         assert main(cmd.split()[1:]) == 0
         out = capsys.readouterr().out
         if "--max-seq-len" in cmd:
             found = re.search(r"longest sequence: ([\d,]+) ", out).group(1)
             assert value.startswith(found + " "), (cmd, value, found)
+            term = re.search(r"does not fit: (GPU memory|host memory) binds", out).group(1)
+            assert binds.startswith(term), (cmd, binds, term)
         else:
             found = re.search(r"MFU ([\d.]+%)", out).group(1)
             assert value.startswith(found), (cmd, value, found)
