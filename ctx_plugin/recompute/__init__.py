@@ -10,9 +10,11 @@ so it is imported on first use).
 """
 from .apply import apply, remove
 from .mappings import to_deepspeed, to_megatron
+from .offload import host_offload
 from .presets import RecomputeConfig, candidates, regions
 
-__all__ = ["RecomputeConfig", "apply", "candidates", "regions", "remove", "resolve", "to_deepspeed", "to_megatron"]
+__all__ = ["RecomputeConfig", "apply", "candidates", "host_offload", "regions", "remove", "resolve", "to_deepspeed",
+           "to_megatron"]
 
 
 def __getattr__(name: str):

@@ -89,7 +89,7 @@ class HostOffload:
 
     @classmethod
     def from_config(cls, config) -> HostOffload | None:
-        """The offload a :class:`RecomputeConfig` asks for (``None`` without ``+offload``/``+offload_attn``)."""
+        """The offload a :class:`~ctx_plugin.recompute.RecomputeConfig` asks for (``None`` without ``+offload``/``+offload_attn``)."""
         if config.offload_gib is None:
             return None
         name = "offload_attn" if config.offload_attention else "offload"

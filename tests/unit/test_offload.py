@@ -263,3 +263,13 @@ def test_offload_needs_a_hidden_states_tensor():
     recompute.apply(layers, "full+offload:1", groups=ctx_plugin.build_cp_groups(CFG))
     with pytest.raises(TypeError, match=r"\+offload:1 offloads a region's hidden states"):
         layers[0](hidden_states=[torch.ones(2, requires_grad=True)])
+
+
+def test_offload_with_recompute_attn():
+    """``+recompute_attn`` leaves the attention in the region (nothing pinned): only the region inputs move."""
+    groups = ctx_plugin.build_cp_groups(CFG)
+    want = offload_step(SHAPE, "sqrt+recompute_attn", CFG, groups, SEQ)
+    got = offload_step(SHAPE, "sqrt+recompute_attn+offload:1", CFG, groups, SEQ)
+    _grads_equal(got["grads"], want["grads"])
+    assert got["attention_runs"] == want["attention_runs"] == 2 * decoder_config(SHAPE).layers
+    assert got["held"] == expected_host_bytes(SHAPE, "sqrt+offload:1", SEQ, 0) and got["after"] == 0
