@@ -237,3 +237,26 @@ def test_cli_bench_without_the_key(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*PLAN, "--bench", str(bench), "--attention-tflops", "400"])
     assert "not both" in capsys.readouterr().err
+
+
+def test_modifiers_make_configurations_fit_that_the_presets_alone_do_not():
+    c = Cluster(nodes=1)
+    plain = enumerate_plans(LLAMA, 1048576, c, zero_stage=(1, 3))
+    assert not plain[0].fits                          # 1M tokens on 8 GPUs: no preset fits by itself
+    plans = enumerate_plans(LLAMA, 1048576, c, zero_stage=(1, 3), modifiers=True)
+    winner = plans[0]
+    assert winner.fits and winner.recompute.has_modifiers and 0 < winner.mfu < 1
+    for p in plans[:20]:                              # memory: the memory model's, less an offloaded optimizer
+        parallel = ParallelSpec(cp=p.cp, backend=p.backend, tp=p.tp, dp=p.dp, zero_stage=p.zero_stage,
+                                ulysses_size=p.ulysses_size if p.backend == Backend.ULYSSES_RING else 1)
+        est = estimate(LLAMA, parallel, p.recompute, seq_len=1048576)
+        assert p.memory_bytes == est.peak - (est.optimizer if p.offload_optimizer else 0)
+        assert p.host_bytes >= est.host
+    assert explain(winner, plans).startswith(f"winner: {winner.setup}: ")
+
+
+def test_cli_modifiers_and_zero_stages(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--seq-len", "1m", "--nodes", "1", "--modifiers", "--zero", "1", "3",
+                 "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO 1/3, with memory modifiers and offload" in out and "MFU" in out and "+tile_loss" in out
