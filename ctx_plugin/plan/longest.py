@@ -2,11 +2,16 @@
 
 Lengths are multiples of every layout's unit (the least common multiple, so each length is valid for each layout).
 A length is feasible when some configuration — layout × recompute preset × modifiers × ZeRO stage × optimizer
-offload — fits in GPU memory and in host memory (:mod:`ctx_plugin.plan.variants`, rule 1). Memory grows with the
-length, so feasibility is monotone: the search doubles the length until it fails, then bisects. At the longest
-feasible length every configuration that may be fastest (rule 2) is timed with :func:`ctx_plugin.plan.predict`
-and ranked like ``ctx-plugin plan``; at the next length the configuration that comes closest to fitting says what
-binds (GPU memory and its largest part, or host memory) and by how much.
+offload — fits in GPU memory and in host memory; by :mod:`ctx_plugin.plan.variants`' rule 1 it is enough to try
+each layout × preset with its memory-saving settings ("trials"). Memory grows with the length, so each trial fits
+every length up to its own longest, and the answer is the largest of those: the search takes the trial that fits
+the current length with the most room, finds its longest length (doubling, then bisection), keeps only the trials
+that still fit one unit longer and repeats until none does — a binary search over the length whose feasibility
+covers every trial, without re-trying a trial that has failed. At the longest length every configuration that may
+be fastest (rule 2) is timed with :func:`ctx_plugin.plan.predict` and ranked like ``ctx-plugin plan``; one unit
+longer, the trial that comes closest to fitting says what binds (GPU memory and its largest part, or host memory)
+and by how much, and the trial that fits its GPUs with the least host memory, if any, shows what more host memory
+would buy.
 """
 from __future__ import annotations
 
