@@ -3,9 +3,11 @@
     engine, optimizer, loader, scheduler = ctx_plugin.deepspeed.initialize(model=model,
         model_parameters=model.parameters(), training_data=dataset, config="ds_config.json")
     for batch in loader:                                   # this rank's shards, labels pre-shifted
-        logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        loss, report = ctx_plugin.deepspeed.causal_lm_loss(logits, batch["labels"], engine)
+        loss, report = ctx_plugin.deepspeed.lm_loss(engine, batch)     # forward + loss (+tile_loss: tiled)
         engine.backward(loss); engine.step()
+
+(``lm_loss`` is ``causal_lm_loss(engine(input_ids=..., position_ids=...).logits, batch["labels"], engine)``, or with
+``+tile_loss`` in the section's ``"recompute"`` the LM head and loss over chunks of tokens: ``tiled_causal_lm_loss``.)
 
 The section is ``{"backend", "size", "ulysses_size", "kernel", "recompute", "check_ranks"}`` (``check_ranks``:
 ``CPConfig.check_ranks``, default true). The world is split into groups of ``size`` consecutive ranks sharing
@@ -22,13 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import hf
+from . import hf, hf_loss
 from .api import shard_sequence
 from .config import CPConfig
 from .groups import CPGroups, build_cp_groups
 from .names import Recompute
 from .recompute import RecomputeConfig, apply
 from .recompute.apply import refuse_hf_checkpointing
+from .tiled_loss import lm_loss_sum, upcast
 
 SECTION = "context_parallel"
 _KEYS = {"backend": str, "size": int, "ulysses_size": int, "kernel": str, "recompute": str, "check_ranks": bool}
@@ -266,9 +269,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                          "attention call ctx_plugin.cp_attention(q, k, v, config=groups.config, groups=groups)")
     if attention is not None and not callable(attention):
         raise TypeError(f"attention= must be a callable taking the CPGroups, got {type(attention).__name__}")
-    layers = None if section.recompute.preset == Recompute.NONE else _decoder_layers(model)
+    layer_preset = section.recompute.for_layers          # +tile_loss is the loss's (lm_loss / tiled_causal_lm_loss)
+    layers = None if layer_preset == RecomputeConfig() else _decoder_layers(model)
     if layers is not None:
-        refuse_hf_checkpointing(layers, section.recompute)
+        refuse_hf_checkpointing(layers, layer_preset)
+    if section.recompute.tile_loss and attention is None:
+        hf_loss.check_model(model)            # a Hugging Face model whose logits the tiled loss reproduces
     config = _zero_config(config, section.recompute)
     deepspeed.init_distributed()        # wraps an already initialised torch.distributed; else starts it
     world = dist.get_world_size()
@@ -284,13 +290,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if section.size > 1:
         _require_cp_attention(model, groups)
     if layers is not None:
-        apply(layers, section.recompute, groups=groups)
+        apply(layers, layer_preset, groups=groups)
     if section.recompute.preset == Recompute.SELECTIVE:
         model.register_forward_pre_hook(_refuse_patched_linear)
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
         mpu=ContextParallelMPU(alone), dist_init_required=False, config=config)
     engine.ctx_plugin_groups = groups
+    engine.ctx_plugin_recompute = section.recompute
     loader = None
     if training_data is not None:
         loader = ShardedLoader(training_data, engine.train_micro_batch_size_per_gpu(), groups,
@@ -348,13 +355,58 @@ class ShardedLoader:
             yield shard_batch(batch, self.groups)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, engine) -> tuple[torch.Tensor, float]:
-    """(loss to backpropagate, global token-mean loss to report) for pre-shifted, sharded ``labels``.
+def _recompute(engine) -> RecomputeConfig:
+    recompute = getattr(engine, "ctx_plugin_recompute", None)
+    if recompute is None:
+        raise ValueError("this engine was not made by ctx_plugin.deepspeed.initialize with a \"context_parallel\" "
+                         "section")
+    return recompute
 
-    DeepSpeed averages gradients over all data × context ranks, so each rank backpropagates its token sum over
+
+def _global_mean(local: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """DeepSpeed averages gradients over all data × context ranks, so each rank backpropagates its token sum over
     the global token count times that rank count; the result is the gradient of the global token mean."""
-    local = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
     stats = torch.stack([local.detach(), (labels != -100).sum().to(local.dtype)])
     dist.all_reduce(stats)
     world = dist.get_world_size()
     return local * world / stats[1], (stats[0] / stats[1]).item()
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, engine) -> tuple[torch.Tensor, float]:
+    """(loss to backpropagate, global token-mean loss to report) for pre-shifted, sharded ``labels`` (-100:
+    ignored), from the whole logits (at least fp32). A section with ``+tile_loss`` is refused here: use
+    :func:`lm_loss` (Hugging Face models) or :func:`tiled_causal_lm_loss`."""
+    recompute = getattr(engine, "ctx_plugin_recompute", None)      # None: an engine without the section
+    if recompute is not None and recompute.tile_loss:
+        raise ValueError(f'"{SECTION}.recompute" is "{recompute}": +tile_loss computes the loss from the hidden '
+                         "states without whole logits; call ctx_plugin.deepspeed.lm_loss(engine, batch) (Hugging Face "
+                         "models) or tiled_causal_lm_loss(hidden, labels, engine, head=...) instead of "
+                         "causal_lm_loss(logits, ...)")
+    local = F.cross_entropy(upcast(logits).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return _global_mean(local, labels)
+
+
+def tiled_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, engine, *, head) -> tuple[torch.Tensor, float]:
+    """:func:`causal_lm_loss` from the final hidden states ``[batch, seq, hidden]`` and the LM head module, over
+    chunks of tokens (the section's ``+tile_loss[:<tokens>]``; :mod:`ctx_plugin.tiled_loss`). ``hidden`` must come
+    out of the engine's forward (DeepSpeed prepares backward from hooks on its outputs); call ``head`` as a module
+    so ZeRO-3 fetches its parameters."""
+    recompute = _recompute(engine)
+    if not recompute.tile_loss:
+        raise ValueError(f'"{SECTION}.recompute" is "{recompute}", without +tile_loss: use causal_lm_loss(logits, '
+                         f'...) or lm_loss(engine, batch), or add +tile_loss to the preset')
+    local = lm_loss_sum(hidden, labels, head, tokens=recompute.loss_tokens)
+    return _global_mean(local, labels)
+
+
+def lm_loss(engine, batch: dict) -> tuple[torch.Tensor, float]:
+    """Forward and loss of a Hugging Face causal LM on this rank's ``batch`` (``input_ids``, ``position_ids``,
+    pre-shifted ``labels``, as :class:`ShardedLoader` gives them): (loss to backpropagate, global token-mean loss).
+    With ``+tile_loss`` in the section the model's ``lm_head`` runs over chunks of tokens
+    (:func:`ctx_plugin.hf_loss.hidden_states`, :func:`tiled_causal_lm_loss`), else on the whole logits."""
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    recompute = getattr(engine, "ctx_plugin_recompute", None)      # None: an engine without the section
+    if recompute is None or not recompute.tile_loss:
+        return causal_lm_loss(engine(**inputs).logits, batch["labels"], engine)
+    hidden, head = hf_loss.hidden_states(engine, engine.module, **inputs)
+    return tiled_causal_lm_loss(hidden, batch["labels"], engine, head=head)

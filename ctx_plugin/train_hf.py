@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     while len(losses) < args.steps:
         for batch in loader:
             batch = {k: v.to(engine.device) for k, v in batch.items()}
-            logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-            loss, report = cpds.causal_lm_loss(logits, batch["labels"], engine)
+            loss, report = cpds.lm_loss(engine, batch)       # the section's +tile_loss: head and loss tiled
             engine.backward(loss)
             engine.step()
             micro_losses.append(report)
