@@ -1,10 +1,14 @@
-"""Measuring what a forward pass keeps for backward: every storage created during ``fn`` that is still alive
-when it returns (other than the storages of its result), each counted once.
+"""Measuring what a forward pass keeps for backward, and the peak of a whole forward+backward step.
 
-This sees everything backward will use — tensors autograd saved, inputs a checkpoint holds for recomputation,
-outputs cached by selective checkpointing, the pinned attention — which ``saved_tensors_hooks`` alone cannot
-(checkpoint regions install their own hooks). Storages are tracked by weak reference, so nothing is kept alive
-by the measurement itself.
+:func:`saved_bytes` counts every storage created during ``fn`` that is still alive when it returns (other than the
+storages of its result), each counted once. This sees everything backward will use — tensors autograd saved,
+inputs a checkpoint holds for recomputation, outputs cached by selective checkpointing, the pinned attention —
+which ``saved_tensors_hooks`` alone cannot (checkpoint regions install their own hooks). Storages are tracked by
+weak reference, so nothing is kept alive by the measurement itself.
+
+:func:`step_bytes` also follows the live bytes after every operator of the forward and the backward and returns
+their maximum: the step's activation peak (storages that existed before the step — parameters, their
+pre-allocated ``.grad``, inputs — are not counted). Temporaries inside one operator's kernel are not visible.
 """
 from __future__ import annotations
 
@@ -18,17 +22,36 @@ from torch.utils._pytree import tree_leaves
 
 
 class _StorageTracker(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, follow_peak: bool = False, ignore: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
-        self.refs: list[tuple[StorageWeakRef, int]] = []
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.ignore = {StorageWeakRef(t.untyped_storage()).cdata for t in ignore if isinstance(t, torch.Tensor)}
+        self.follow_peak, self.peak = follow_peak, 0
+
+    def live(self) -> int:
+        dead = [key for key, (ref, _) in self.refs.items() if ref.expired()]
+        for key in dead:
+            del self.refs[key]
+        return sum(nbytes for _, nbytes in self.refs.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
-                self.refs.append((StorageWeakRef(storage), storage.nbytes()))
+                ref = StorageWeakRef(storage)
+                if ref.cdata in self.ignore:
+                    continue
+                if ref.cdata not in self.refs or self.refs[ref.cdata][0].expired():
+                    self.refs[ref.cdata] = (ref, storage.nbytes())
+        if self.follow_peak:
+            self.peak = max(self.peak, self.live())
         return out
+
+
+def _alive_except(tracker: _StorageTracker, leaves: Iterable) -> int:
+    exclude = {StorageWeakRef(t.untyped_storage()).cdata for t in leaves if isinstance(t, torch.Tensor)}
+    return sum(nbytes for key, (ref, nbytes) in tracker.refs.items() if not ref.expired() and key not in exclude)
 
 
 def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> tuple[object, int]:
@@ -38,10 +61,24 @@ def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) 
     with tracker:
         result = fn()
     gc.collect()     # unreachable reference cycles are not kept for backward: let them go before looking
-    leaves = [*tree_leaves(result), *exclude]
-    exclude = {StorageWeakRef(t.untyped_storage()).cdata for t in leaves if isinstance(t, torch.Tensor)}
-    alive = {}
-    for ref, nbytes in tracker.refs:
-        if not ref.expired() and ref.cdata not in exclude:
-            alive[ref.cdata] = nbytes
-    return result, sum(alive.values())
+    return result, _alive_except(tracker, [*tree_leaves(result), *exclude])
+
+
+def step_bytes(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None] | None = None, *,
+               exclude: Iterable[torch.Tensor] = ()) -> tuple[int, int]:
+    """Runs ``out = forward()`` then ``backward(out)`` (default ``out.backward()``) and returns ``(saved, peak)``:
+    the bytes the forward left alive besides ``out``, and the most bytes alive at once after any operator of
+    either pass. Storages of ``exclude`` (parameters, their ``.grad``, buffers, inputs) are never counted:
+    pre-allocate parameters' ``.grad`` (zeros) so gradients accumulate in place and only their per-operator
+    temporaries are seen."""
+    tracker = _StorageTracker(follow_peak=True, ignore=exclude)
+    with tracker:
+        out = forward()
+        gc.collect()
+        saved = _alive_except(tracker, tree_leaves(out))
+        if backward is None:
+            out.backward()
+        else:
+            backward(out)
+        del out
+    return saved, tracker.peak

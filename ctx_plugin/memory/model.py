@@ -1,26 +1,21 @@
-"""The activation-memory model: bytes per GPU for a decoder-only transformer under a recompute preset.
+"""The activation-memory model: bytes per GPU for a decoder-only transformer under a recompute preset and its
+memory modifiers.
 
-Activations are counted tensor by tensor for the block ctx_plugin trains (``ctx_plugin.models``: pre-norm,
-fused QKV projection, RoPE, CP attention, SwiGLU or GELU MLP), so they match what a forward pass really keeps
-for backward (the tests measure it on CPU and hold it to the exact byte). Per layer and rank, with t = b·s/cp
-local tokens, e bytes per element, q_w = heads·d and kv_w = kv_heads·d per TP rank::
-
-    none / attn_out   x, norm stats, norm out, [attention], RoPE cos/sin, x₂, stats, norm out, MLP (4f | 2f)
-    [attention]       ring family: fused QKV output (v is a view of it), q, k after RoPE, out (= o_proj input), LSE
-                      Ulysses: head-sharded q, k, v (K/V replicated when kv_heads < u), out, LSE, and the out
-                      handed back (o_proj input)
-    core_attn         none without LSE (attention re-run in backward: it keeps its inputs, not its results)
-    mlp               none without the MLP's intermediates (the MLP input stays, as checkpoint input)
-    selective         x, matmul outputs (QKV, o_proj, MLP up, MLP down) and the pinned attention
-    full / sqrt       per checkpoint region: its input x, plus the pinned attention of each of its layers
-
-That is Korthikanti et al.'s ``s·b·h·(34 + 5as/h)`` for this block, with flash-style attention (no 5as/h
-term) and without dropout; context parallelism divides s by cp, tensor parallelism divides the head and MLP
-terms by t (and, with sequence parallelism, the rest too).
+What each layer keeps is counted tensor by tensor for the block family that runs (:mod:`.blocks`: ctx_plugin's
+own block, Hugging Face Llama/Mistral/Qwen2-style layers), held to the measured byte on CPU in bf16 and fp32
+(``tests/unit/test_memory_blocks.py``), and so is a whole step's activation peak: the most of (a) everything kept
+plus the loss's fp32 logits, log-softmax and its gradient, (b) everything kept plus the final norm's backward
+temporaries, (c) during the layers' backward, what the layers not yet done keep, the working set re-materialised
+by the current layer or region (region presets: its layers' ``none`` tensors but the pinned attention and the
+region input; ``mlp``: the MLP's intermediates; ``selective``: the norms and activations), the MLP backward's
+temporaries and the incoming gradient. Modifiers: ``+tile_loss`` (one chunk's logits), ``+tile_mlp`` (no MLP
+intermediates kept; one chunk's in backward), ``+recompute_attn`` (regions keep only their input; the attention
+runs twice per step), ``+offload`` / ``+offload_attn`` (region inputs, and pins, in ``host`` memory; two regions
+back on the GPU during backward).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,78 +23,66 @@ from ..config import CPConfig
 from ..layouts import shard_layout
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig, candidates, regions
+from ..tiled_loss import auto_tokens
+from .blocks import layer_terms
 from .specs import ModelSpec, ParallelSpec, ceil_div
 
 GiB = 2**30
+_REGIONS = (Recompute.FULL, Recompute.SQRT)
 
 
-@dataclass(frozen=True)
-class _Terms:
-    """Per-layer tensor sizes in bytes on one rank."""
-
-    x: int             # a residual-stream activation (the layer input, or x₂)
-    stats: int         # one norm's statistics (fp32)
-    norm_out: int      # one norm's output (the next projection's input)
-    rope: int          # cos/sin of the two RoPE applications (per position, not per sequence)
-    qkv: int           # the fused QKV projection output
-    q_k_out: int       # q and k after RoPE, and the attention output, in local layout
-    attn: int          # what the attention keeps for backward plus the output it returns
-    lse: int
-    mlp_inner: int     # MLP intermediates kept under none
-    matmul_outs: int   # o_proj, MLP up and down outputs (what selective caches besides QKV)
-    qkv_extra: int     # QKV output cached by selective when the attention does not already keep it
-
-
-def _terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, dtype: torch.dtype) -> _Terms:
-    e = torch.empty((), dtype=dtype).element_size()
-    acc = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
-    n = seq_len // p.cp
-    t = micro_batch * n
-    d = m.head_dim
-    heads, kv = m.heads // p.tp, max(m.kv_heads // p.tp, 1)
-    q_w, kv_w, f = heads * d, kv * d, ceil_div(m.ffn, p.tp)
-    h_sp = m.hidden // p.tp if p.sequence_parallel else m.hidden
-    qkv = t * (q_w + 2 * kv_w) * e
-    q_k_out = t * (2 * q_w + kv_w) * e
-    lse = t * heads * acc
-    u = p.ulysses
-    if u > 1:   # head-sharded q, k, v (K/V replicated when there are fewer K/V heads than u), out, and the
-        rep = u // kv if kv < u else 1      # out handed back in local layout (o_proj's input)
-        attn, qkv_extra = t * (3 * q_w + 2 * kv_w * rep) * e + lse, qkv
-    else:       # the fused QKV output (v is a view of it), q and k after RoPE, out (= o_proj's input)
-        attn, qkv_extra = qkv + q_k_out + lse, 0
-    up = (2 if m.gated else 1) * f
-    return _Terms(x=t * h_sp * e, stats=t * (1 if m.norm == "rms" else 2) * acc, norm_out=t * h_sp * e,
-                  rope=2 * n * d * e, qkv=qkv, q_k_out=q_k_out, attn=attn, lse=lse,
-                  mlp_inner=t * (4 if m.gated else 2) * f * e, matmul_outs=t * (2 * m.hidden + up) * e,
-                  qkv_extra=qkv_extra)
-
-
-def _layer_none(k: _Terms) -> int:
-    return 2 * (k.x + k.stats + k.norm_out) + k.attn + k.rope + k.mlp_inner
+def _chunk(tokens: int, per_chunk: int | None, default: int) -> int:
+    """Tokens in one chunk of ``tokens`` split into chunks of at most ``per_chunk`` (``default`` when None)."""
+    n = max(1, -(-tokens // (per_chunk or default)))
+    return -(-tokens // n)
 
 
 def layer_activations(m: ModelSpec, p: ParallelSpec, recompute: RecomputeConfig, *, seq_len: int,
                       micro_batch: int, dtype: torch.dtype) -> list[int]:
-    """Bytes each layer keeps for backward on one rank (a region's input is charged to its first layer)."""
-    k = _terms(m, p, seq_len, micro_batch, dtype)
-    none = _layer_none(k)
+    """Bytes each layer keeps for backward on one rank (a region's input is charged to its first layer; offloaded
+    tensors are still counted here: :func:`estimate` moves them to ``host``)."""
+    recompute = RecomputeConfig.parse(recompute)
+    k = layer_terms(m, p, seq_len, micro_batch, dtype)
+    tiled = k.mlp_inner if recompute.tile_mlp else 0      # the tiled MLP keeps only its input (kept anyway)
+    none = k.none - tiled
     preset = recompute.preset
     if preset in (Recompute.NONE, Recompute.ATTN_OUT):
         return [none] * m.layers
-    if preset == Recompute.CORE_ATTN:   # attention keeps its local inputs (fused QKV, q, k) and o_proj the out
-        return [none - k.attn + k.qkv + k.q_k_out] * m.layers
+    if preset == Recompute.CORE_ATTN:
+        return [none - k.lse + k.core_extra] * m.layers
     if preset == Recompute.MLP:
-        return [none - k.mlp_inner] * m.layers
+        return [k.none - k.mlp_inner] * m.layers
     if preset == Recompute.SELECTIVE:
-        return [k.x + k.qkv_extra + k.matmul_outs + k.attn] * m.layers
+        return [k.selective - (k.mlp_inner // 2 + k.x if recompute.tile_mlp else 0)] * m.layers  # + down's out
     if preset == Recompute.BUDGET:
         raise ValueError(f"resolve {recompute} first (ctx_plugin.recompute.resolve)")
+    pins = 0 if recompute.recompute_attention else k.pins
     sizes = [none] * m.layers
     for start, stop in regions(recompute, m.layers):
         for i in range(start, stop):
-            sizes[i] = k.attn + (k.x if i == start else 0)
+            sizes[i] = pins + (k.x if i == start else 0)
     return sizes
+
+
+def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[int], chunk_inner: int,
+                   chunk_temps: int) -> int:
+    """Activations alive at the worst moment of the layers' backward: what the layers not yet done keep, the
+    recomputed working set of the current layer or region, its backward temporaries and the incoming gradient."""
+    tiled = recompute.tile_mlp
+    inner, temps = (chunk_inner, chunk_temps) if tiled else (0, k.bwd_temps)
+    preset = recompute.preset
+    working = {Recompute.MLP: k.mlp_inner, Recompute.SELECTIVE: k.sel_working}.get(preset, 0) + inner
+    if preset == Recompute.MLP and tiled:
+        working = inner
+    kept = sum(per_layer)
+    peak = kept + working + temps + k.grad
+    per_layer_rec = k.none - (k.mlp_inner if tiled else 0) - k.pins + inner
+    if recompute.recompute_attention:
+        per_layer_rec += k.pins
+    for start, stop in regions(recompute, m.layers):
+        rec = (stop - start) * per_layer_rec - k.x_in_none
+        peak = max(peak, sum(per_layer[:stop]) + rec + temps + k.grad)
+    return peak + k.shared
 
 
 def param_count(m: ModelSpec, tp: int = 1) -> int:
@@ -108,7 +91,8 @@ def param_count(m: ModelSpec, tp: int = 1) -> int:
     q_w, f = m.hidden // tp, ceil_div(m.ffn, tp)
     norm = (1 if m.norm == "rms" else 2) * m.hidden
     mlp = 3 * m.hidden * f if m.gated else 2 * m.hidden * f + f + m.hidden
-    layer = m.hidden * (q_w + 2 * kv_w) + q_w * m.hidden + mlp + 2 * norm
+    bias = (q_w + 2 * kv_w) if m.attention_bias else 0
+    layer = m.hidden * (q_w + 2 * kv_w) + bias + q_w * m.hidden + mlp + 2 * norm
     embed = ceil_div(m.vocab, tp) * m.hidden
     return m.layers * layer + embed * (1 if m.tied_embeddings else 2) + norm
 
@@ -148,33 +132,44 @@ class MemoryEstimate:
     grads: int
     optimizer: int
     activations: int
-    """Kept for backward, all layers plus the final norm/head inputs."""
+    """Kept for backward on the GPU after the forward: all layers (less what is offloaded), per-model tensors,
+    the final norm/head inputs."""
     per_layer: list[int] = field(repr=False)
-    """Activations kept by each layer."""
+    """Activations kept by each layer (offloaded ones included)."""
     recompute_peak: int
-    """Activations re-materialised at once while the largest region is recomputed in backward."""
+    """Activations beyond :attr:`activations` alive at the worst moment of the layers' backward: the recomputed
+    working set of a layer or region, its backward temporaries, the incoming gradient, regions prefetched back."""
     cp_buffers: int
     """Transient context-parallel communication buffers of one attention call."""
     logits_peak: int
-    """Logits, their fp32 copy and the saved log-softmax at the loss."""
+    """At the loss: the logits' fp32 copy, the saved log-softmax and its gradient (one chunk's with +tile_loss)."""
     recompute_fraction: float
-    """Extra FLOPs of recomputation relative to a step's forward+backward FLOPs."""
+    """Extra FLOPs of recomputation (the attention's too with +recompute_attn) relative to a step's
+    forward+backward FLOPs."""
+    host: int = 0
+    """Bytes per rank in host memory (+offload / +offload_attn: the region inputs, and the pinned attention
+    tensors, of every region, all held between the forward and their region's backward)."""
+    host_budget: int | None = None
+    """The offload budget (``+offload:<GiB>``) in bytes; a run whose :attr:`host` exceeds it stops with an error."""
+    attention_passes: int = 1
+    """How many times each layer's attention (with its ring / all-to-all communication) runs forward per step: 2
+    with core_attn or +recompute_attn (re-run in backward), else 1."""
+    family: str = "ctx_plugin"
+    """The block family described (:attr:`ModelSpec.family`)."""
 
     @property
     def peak(self) -> int:
-        """Static state + kept activations + the largest transient (loss, or recompute + communication)."""
+        """Static state + kept activations + the largest transient (loss, or backward + communication)."""
         return self.params + self.grads + self.optimizer + self.activations + \
             max(self.logits_peak, self.recompute_peak + self.cp_buffers)
 
+    @property
+    def fits_host(self) -> bool:
+        """Whether the offloaded bytes fit the offload budget (always True without offload)."""
+        return self.host_budget is None or self.host <= self.host_budget
 
-def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
-             micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> MemoryEstimate:
-    """Memory per GPU of one training step (mixed-precision Adam: params and grads in ``dtype``, fp32 master
-    weights and moments; float32 training keeps no master copy)."""
-    recompute = RecomputeConfig.parse(recompute)
-    if recompute.has_modifiers:
-        raise ValueError(f"the memory model does not describe recompute modifiers yet ({recompute}); estimate "
-                         f"{recompute.base}")
+
+def _check(model: ModelSpec, parallel: ParallelSpec, seq_len: int) -> None:
     if not isinstance(model, ModelSpec) or not isinstance(parallel, ParallelSpec):
         raise TypeError("estimate(model=ModelSpec, parallel=ParallelSpec, ...)")
     unit = shard_layout(CPConfig(backend=parallel.backend, ulysses_size=parallel.ulysses_size)).unit(parallel.cp)
@@ -183,6 +178,23 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
                          f"got {seq_len!r}")
     if model.heads % (parallel.tp * parallel.ulysses):
         raise ValueError(f"heads ({model.heads}) must divide by tp × Ulysses size ({parallel.tp * parallel.ulysses})")
+
+
+def _offloaded(recompute: RecomputeConfig, k, num_layers: int) -> list[int]:
+    """Bytes each region sends to host memory (its input, and its layers' pinned attention with offload_attn)."""
+    if recompute.offload_gib is None:
+        return []
+    pins = k.pins if recompute.offload_attention else 0
+    return [k.x + (stop - start) * pins for start, stop in regions(recompute, num_layers)]
+
+
+def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
+             micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> MemoryEstimate:
+    """Memory per GPU of one training step (mixed-precision Adam: params and grads in ``dtype``, fp32 master
+    weights and moments; float32 training keeps no master copy), for ``model.family``'s blocks, with the preset's
+    modifiers (tiled loss and MLP, attention recompute, offload)."""
+    recompute = RecomputeConfig.parse(recompute)
+    _check(model, parallel, seq_len)
     e = torch.empty((), dtype=dtype).element_size()
     acc = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
     n_params = param_count(model, parallel.tp)
@@ -192,25 +204,38 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     grads = n_params * e // (shards if z >= 2 else 1)
     optimizer = n_params * opt_bytes // (shards if z >= 1 else 1)
     per_layer = layer_activations(model, parallel, recompute, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype)
-    k = _terms(model, parallel, seq_len, micro_batch, dtype)
+    k = layer_terms(model, parallel, seq_len, micro_batch, dtype)
     t = micro_batch * seq_len // parallel.cp
-    head = k.x + k.stats + k.norm_out                         # final norm input and output (the head's input)
-    none = _layer_none(k)
-    preset = recompute.preset
+    mlp_chunk = _chunk(seq_len // parallel.cp, recompute.mlp_tokens, model.hidden) * micro_batch
+    chunk_inner, chunk_temps = k.mlp_inner * mlp_chunk // t, k.mlp_temps * mlp_chunk // t
+    offloaded = _offloaded(recompute, k, model.layers)
+    gpu_layers = list(per_layer)
+    for (start, _), sent in zip(regions(recompute, model.layers), offloaded):
+        gpu_layers[start] -= sent
+    in_flight = sum(sorted(offloaded)[-2:])        # in backward: the region being recomputed and the one prefetched
+    activations = sum(gpu_layers) + k.shared + k.head
+    backward = _backward_peak(model, recompute, k, gpu_layers, chunk_inner, chunk_temps) + in_flight
     spans = [stop - start for start, stop in regions(recompute, model.layers)]
-    if spans:
-        working = max(spans) * none
-    else:
-        working = {Recompute.SELECTIVE: none - per_layer[0], Recompute.MLP: k.mlp_inner}.get(preset, 0)
     full_step, mlp, attn = layer_flops(model, parallel, t, seq_len)
     step = 3 * model.layers * (full_step + attn)
+    preset = recompute.preset
     extra = {Recompute.MLP: model.layers * mlp, Recompute.CORE_ATTN: model.layers * attn}.get(preset, 0.0)
-    extra += sum(spans) * full_step
+    extra += sum(spans) * (full_step + (attn if recompute.recompute_attention else 0))
+    if recompute.tile_mlp and preset not in (Recompute.MLP, *_REGIONS):
+        extra += model.layers * mlp                 # each chunk's MLP forward runs again in backward
     vocab = ceil_div(model.vocab, parallel.tp)
-    return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=sum(per_layer) + head,
-                          per_layer=per_layer, recompute_peak=max(working, 0),
+    loss_tokens = t
+    if recompute.tile_loss:
+        loss_tokens = min(t, recompute.loss_tokens or auto_tokens(vocab))
+        extra += 2 * t * model.hidden * vocab      # the head's forward runs again, chunk by chunk, in backward
+    passes = 2 if preset == Recompute.CORE_ATTN or recompute.recompute_attention else 1
+    return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=activations,
+                          per_layer=per_layer, recompute_peak=max(backward - activations, k.norm_bwd, 0),
                           cp_buffers=_cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc),
-                          logits_peak=t * vocab * (e + 2 * acc), recompute_fraction=extra / step)
+                          logits_peak=loss_tokens * vocab * 3 * acc, recompute_fraction=extra / step,
+                          host=sum(offloaded),
+                          host_budget=None if recompute.offload_gib is None else int(recompute.offload_gib * GiB),
+                          attention_passes=passes, family=model.family)
 
 
 def resolve(recompute: RecomputeConfig | str, model: ModelSpec, parallel: ParallelSpec, *, seq_len: int,
@@ -222,12 +247,11 @@ def resolve(recompute: RecomputeConfig | str, model: ModelSpec, parallel: Parall
     recompute = RecomputeConfig.parse(recompute)
     if recompute.preset != Recompute.BUDGET:
         return recompute
-    if recompute.has_modifiers:
-        raise ValueError(f"the memory model does not describe recompute modifiers yet ({recompute}); resolve "
-                         f"{recompute.base}")
     budget = recompute.budget_gib * GiB
-    estimates = [(candidate, estimate(model, parallel, candidate, seq_len=seq_len, micro_batch=micro_batch,
-                                      dtype=dtype)) for candidate in candidates(model.layers)]
+    keep = {"tile_loss": recompute.tile_loss, "loss_tokens": recompute.loss_tokens, "tile_mlp": recompute.tile_mlp,
+            "mlp_tokens": recompute.mlp_tokens}      # the only modifiers budget:<GiB> accepts; every candidate keeps them
+    estimates = [(c, estimate(model, parallel, c, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype))
+                 for c in (replace(c, **keep) for c in candidates(model.layers))]
     fits = [(c, est) for c, est in estimates if est.peak <= budget]
     if fits:     # min keeps the first of equal keys: candidates' order (none before attn_out)
         return min(fits, key=lambda ce: (ce[1].recompute_fraction, ce[0].preset == Recompute.SELECTIVE,

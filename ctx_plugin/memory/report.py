@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..cliargs import output_file, positive_float, positive_int, read_json_object, tokens
-from ..names import Backend
+from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig
 from .model import GiB, MemoryEstimate, estimate, resolve
-from .specs import MODEL_PRESETS, ModelSpec, ParallelSpec
+from .specs import FAMILIES, MODEL_PRESETS, ModelSpec, ParallelSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -52,7 +53,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage (distributed optimizer = 1)")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     p.add_argument("--budget", type=positive_float, default=None, help="GiB per GPU: also report the preset budget:<GiB> picks")
+    p.add_argument("--recompute", type=recompute_arg, default=None,
+                   help="one recompute preset with modifiers to report instead of the preset table, e.g. "
+                        "full+tile_mlp+tile_loss+offload_attn:96 (its tile_loss/tile_mlp also apply to --budget)")
+    p.add_argument("--family", default=None, choices=list(FAMILIES),
+                   help="block implementation the model runs as (default: ctx_plugin for a preset, hf for a "
+                        "config.json)")
     p.add_argument("--plot", type=output_file, default=None, help="write a PNG of peak memory vs. sequence length per preset")
+
+
+def recompute_arg(text: str) -> RecomputeConfig:
+    """``--recompute``: a concrete preset, with any modifiers (argparse ``type=``)."""
+    try:
+        config = RecomputeConfig.parse(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if config.preset == Recompute.BUDGET:
+        raise argparse.ArgumentTypeError("give --budget <GiB> for budget:<GiB>; --recompute takes a concrete preset")
+    return config
 
 
 def model_from(text: str | ModelSpec) -> ModelSpec:
@@ -69,33 +87,51 @@ def need_matplotlib() -> None:
         raise ValueError("--plot needs matplotlib: pip install 'ctx-plugin[plot]'") from None
 
 
-def _row(name: str, est: MemoryEstimate) -> str:
+def _row(name: str, est: MemoryEstimate, width: int = 16) -> str:
     static = (est.params + est.grads + est.optimizer) / GiB
-    return (f"{name:<16} {est.activations / GiB:>11.1f} {est.recompute_peak / GiB:>10.1f} "
+    return (f"{name:<{width}} {est.activations / GiB:>11.1f} {est.recompute_peak / GiB:>10.1f} "
             f"{est.cp_buffers / GiB:>8.2f} {est.logits_peak / GiB:>8.1f} {static:>14.1f} {est.peak / GiB:>9.1f} "
-            f"{100 * est.recompute_fraction:>9.1f}%")
+            f"{100 * est.recompute_fraction:>9.1f}% {est.host / GiB:>8.1f}")
+
+
+_FAMILY_TEXT = {"ctx_plugin": "ctx_plugin's own block (ctx_plugin.models)",
+                "hf": "Hugging Face Llama/Mistral/Qwen2-style layers"}
 
 
 def run(args: argparse.Namespace) -> int:
     model = model_from(args.model)
+    family = getattr(args, "family", None)
+    if family is not None and family != model.family:
+        model = replace(model, family=family)
     parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
                             sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero)
     dtype = DTYPES[args.dtype]
     kw = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=dtype)
     if args.plot:
         need_matplotlib()
-    rows = [_row(str(preset), estimate(model, parallel, preset, **kw)) for preset in table_presets(model.layers)]
-    chosen = None if args.budget is None else resolve(f"budget:{args.budget}", model, parallel, **kw)
+    chosen_one = getattr(args, "recompute", None)
+    presets = table_presets(model.layers) if chosen_one is None else [chosen_one]
+    width = max(16, *(len(str(p)) + 1 for p in presets))
+    rows = [_row(str(preset), estimate(model, parallel, preset, **kw), width) for preset in presets]
+    budget = None
+    if args.budget is not None:
+        tiles = "" if chosen_one is None else "".join(
+            f"+{name}" + ("" if tokens is None else f":{tokens}") for name, on, tokens in
+            (("tile_loss", chosen_one.tile_loss, chosen_one.loss_tokens),
+             ("tile_mlp", chosen_one.tile_mlp, chosen_one.mlp_tokens)) if on)
+        budget = f"budget:{args.budget:g}{tiles}"
+    chosen = None if budget is None else resolve(budget, model, parallel, **kw)
     gpus = parallel.cp * parallel.tp * parallel.dp
     print(f"{model.name}: {model.layers} layers, hidden {model.hidden}, {model.heads} heads ({model.kv_heads} K/V), "
           f"ffn {model.ffn}, vocab {model.vocab}; {args.seq_len:,} tokens × {args.micro_batch}, {args.dtype}")
+    print(f"blocks: {model.family} ({_FAMILY_TEXT[model.family]})")
     print(f"parallel: cp={parallel.cp} ({parallel.backend}), tp={parallel.tp}, dp={parallel.dp} = {gpus} GPUs, "
           f"ZeRO-{parallel.zero_stage}; GiB per GPU")
-    print(f"{'preset':<16} {'activations':>11} {'recompute':>10} {'cp bufs':>8} {'logits':>8} "
-          f"{'params+grad+opt':>14} {'peak':>9} {'extra FLOPs':>10}")
+    print(f"{'preset':<{width}} {'activations':>11} {'recompute':>10} {'cp bufs':>8} {'logits':>8} "
+          f"{'params+grad+opt':>14} {'peak':>9} {'extra FLOPs':>10} {'host':>8}")
     print("\n".join(rows))
     if chosen is not None:
-        print(f"budget:{args.budget:g} → {chosen} (fewest extra FLOPs among the presets that fit)")
+        print(f"{budget} → {chosen} (fewest extra FLOPs among the presets that fit)")
     if args.plot:
         plot(model, parallel, args, dtype, Path(args.plot))
         print(f"wrote {args.plot}")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from ..names import Backend, parse_enum
 
+FAMILIES = ("ctx_plugin", "hf")
+
 
 def _positive(obj, *names: str) -> None:
     for name in names:
@@ -38,6 +40,12 @@ class ModelSpec:
     """``"rms"`` or ``"layer"``."""
     tied_embeddings: bool = False
     """Input embedding and LM head share one matrix."""
+    family: str = "ctx_plugin"
+    """Which implementation of the block runs, as it decides the tensors kept for backward
+    (:mod:`ctx_plugin.memory.blocks`): ``"ctx_plugin"`` (``ctx_plugin.models``) or ``"hf"`` (Hugging Face
+    Llama/Mistral/Qwen2-style layers). megatron-core's GPT layers are not described separately yet."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2); counted in the parameters."""
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -47,6 +55,12 @@ class ModelSpec:
                              f"kv_heads ({self.kv_heads})")
         if self.norm not in ("rms", "layer"):
             raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        if self.family == "hf" and (self.norm != "rms" or not self.gated):
+            raise ValueError("the hf family describes Llama/Mistral/Qwen2-style layers (RMSNorm, SwiGLU); this "
+                             "model has " + ("LayerNorm" if self.norm != "rms" else "a plain MLP") +
+                             ": describe it with family='ctx_plugin'")
 
     @property
     def head_dim(self) -> int:
@@ -54,7 +68,9 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict | str | Path) -> ModelSpec:
-        """From a Hugging Face ``config.json`` (a path or its parsed dict): Llama, Mistral, Qwen2 and the like."""
+        """From a Hugging Face ``config.json`` (a path or its parsed dict): Llama, Mistral, Qwen2 and the like, as
+        the ``hf`` block family (their layers' own saved tensors; ``attention_bias`` from the config, or True for
+        Qwen2, whose q/k/v projections always have biases)."""
         if isinstance(config, (str, Path)):
             config = json.loads(Path(config).read_text())
         if not isinstance(config, dict):
@@ -68,18 +84,22 @@ class ModelSpec:
         except KeyError as e:
             raise ValueError(f"the config has no {e.args[0]!r}: not a decoder-only transformer config") from None
         act = config.get("hidden_act", "silu")
-        return cls(**spec, gated=act in ("silu", "swiglu", "gelu_pytorch_tanh") or "glu" in str(act),
-                   norm="rms" if "rms_norm_eps" in config else "layer",
-                   tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        gated = act in ("silu", "swiglu", "gelu_pytorch_tanh") or "glu" in str(act)
+        norm = "rms" if "rms_norm_eps" in config else "layer"
+        bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
+        return cls(**spec, gated=gated, norm=norm, family="hf" if gated and norm == "rms" else "ctx_plugin",
+                   attention_bias=bias, tied_embeddings=bool(config.get("tie_word_embeddings", False)),
                    name=str(config.get("_name_or_path") or config.get("model_type", "hf-config")))
 
     @classmethod
-    def preset(cls, name: str) -> ModelSpec:
-        """A named model shape (``ctx-plugin memory --model NAME``); see :data:`MODEL_PRESETS`."""
+    def preset(cls, name: str, family: str = "ctx_plugin") -> ModelSpec:
+        """A named model shape (``ctx-plugin memory --model NAME``, see :data:`MODEL_PRESETS`) run as ``family``'s
+        blocks (``"hf"`` for the Hugging Face model of that name)."""
         if name not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(MODEL_PRESETS)} or give a "
                              f"Hugging Face config.json")
-        return cls(name=name, **MODEL_PRESETS[name])
+        bias = family == "hf" and name.startswith("qwen2")
+        return cls(name=name, family=family, attention_bias=bias, **MODEL_PRESETS[name])
 
 
 MODEL_PRESETS: dict[str, dict] = {

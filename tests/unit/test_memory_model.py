@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ctx_plugin.memory import GiB, ModelSpec, ParallelSpec, estimate, param_count
+from ctx_plugin.memory import GiB, ModelSpec, ParallelSpec, estimate, param_count, resolve
 
 LLAMA = ModelSpec.preset("llama3-8b")
 
@@ -65,7 +65,8 @@ def test_hf_config(tmp_path):
     path.write_text(json.dumps(cfg))
     spec = ModelSpec.from_hf_config(path)
     assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.vocab) == (4, 256, 8, 2, 512, 1000)
-    assert spec.gated and spec.norm == "rms"
+    assert spec.gated and spec.norm == "rms" and spec.family == "hf" and not spec.attention_bias
+    assert ModelSpec.from_hf_config({**cfg, "model_type": "qwen2"}).attention_bias
     with pytest.raises(ValueError, match="not a decoder-only transformer config"):
         ModelSpec.from_hf_config({"num_hidden_layers": 2})
 
@@ -84,7 +85,9 @@ def test_memory_command_prints_every_preset_and_plots(tmp_path):
         assert preset in rows
     est = estimate(LLAMA, ParallelSpec(cp=8, zero_stage=1), "full", seq_len=131072)
     assert f"{est.peak / GiB:.1f}" in rows["full"]
-    assert "budget:115 → full:block:16 (fewest extra FLOPs" in proc.stdout    # 4.8%, not mlp's 7.8%
+    chosen = resolve("budget:115", LLAMA, ParallelSpec(cp=8, zero_stage=1), seq_len=131072)
+    assert f"budget:115 → {chosen} (fewest extra FLOPs" in proc.stdout
+    assert "blocks: ctx_plugin (ctx_plugin's own block" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -94,5 +97,53 @@ def test_memory_command_from_hf_config_and_bad_input(tmp_path):
                                 "intermediate_size": 128, "vocab_size": 100}))
     proc = _cli("--model", str(path), "--seq-len", "4096", "--cp", "2")
     assert proc.returncode == 0 and "sqrt" in proc.stdout, proc.stderr
+    assert "blocks: ctx_plugin" in proc.stdout          # LayerNorm (no rms_norm_eps): not a Llama-style block
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                 "intermediate_size": 128, "vocab_size": 100, "rms_norm_eps": 1e-5}))
+    proc = _cli("--model", str(llama), "--seq-len", "4096", "--cp", "2", "--recompute", "full+tile_loss+offload:8")
+    assert proc.returncode == 0, proc.stderr
+    assert "blocks: hf (Hugging Face" in proc.stdout and "full+tile_loss+offload:8" in proc.stdout
+    assert "host" in proc.stdout and "sqrt" not in proc.stdout
     bad = _cli("--model", "llama3-8b", "--seq-len", "1000", "--cp", "8")
     assert bad.returncode == 2 and "positive multiple of 16" in bad.stderr
+
+
+HF_LLAMA = ModelSpec.preset("llama3-8b", family="hf")
+MODS = dict(seq_len=1 << 20, dtype=torch.bfloat16)
+P8 = ParallelSpec(cp=8, zero_stage=3)
+
+
+def test_hf_family_differs_from_ctx_plugin_block():
+    """HF keeps fp32 norm copies and separate q/k/v: other bytes than ctx_plugin's fused block."""
+    assert estimate(HF_LLAMA, P8, "none", **MODS).activations != estimate(LLAMA, P8, "none", **MODS).activations
+    assert estimate(HF_LLAMA, P8, "none", **MODS).family == "hf"
+    with pytest.raises(ValueError, match="family must be one of"):
+        ModelSpec.preset("llama3-8b", family="gpt")
+
+
+def test_modifiers():
+    full = estimate(HF_LLAMA, P8, "full", **MODS)
+    tiled = estimate(HF_LLAMA, P8, "full+tile_loss:1024", **MODS)
+    assert tiled.logits_peak * 128 == full.logits_peak                  # 131072 local tokens → 1024 per chunk
+    assert tiled.recompute_fraction > full.recompute_fraction            # the head runs again
+    assert estimate(HF_LLAMA, P8, "full+tile_mlp", **MODS).recompute_peak < full.recompute_peak
+    attn = estimate(HF_LLAMA, P8, "full+recompute_attn", **MODS)
+    assert attn.attention_passes == 2 and full.attention_passes == 1
+    assert attn.activations < full.activations and attn.recompute_fraction > 2 * full.recompute_fraction
+    off = estimate(HF_LLAMA, P8, "full+offload:40", **MODS)
+    x = (1 << 20) // 8 * 4096 * 2                                        # one region input, bf16
+    assert off.host == 32 * x and off.fits_host and full.host == 0
+    assert full.activations - off.activations == 32 * x                  # all on the host after the forward ...
+    assert off.recompute_peak >= full.recompute_peak + 2 * x             # ... two back in flight in backward
+    both = estimate(HF_LLAMA, P8, "full+offload_attn:40", **MODS)
+    assert both.host > off.host and not both.fits_host                   # pins too: over the 40 GiB budget
+    assert both.peak < off.peak < full.peak
+
+
+def test_budget_keeps_tiling_modifiers():
+    with pytest.raises(ValueError, match="no recompute preset fits 120 GiB"):
+        resolve("budget:120", HF_LLAMA, P8, seq_len=1 << 19)              # the logits alone need more
+    tiled = resolve("budget:120+tile_loss+tile_mlp", HF_LLAMA, P8, seq_len=1 << 19)
+    assert tiled.tile_loss and tiled.tile_mlp and str(tiled).startswith("full:block:")
+    assert estimate(HF_LLAMA, P8, tiled, seq_len=1 << 19).peak <= 120 * GiB

@@ -194,13 +194,13 @@ def test_extra_flops_of_the_issue_case_by_hand():
 
 
 @pytest.mark.parametrize("budget,chosen", [
-    (150, "none"),            # everything fits: nothing recomputed
-    (120, "selective"),       # none (148.3 GiB) does not fit; selective (116.0) recomputes no matmul
-    (115, "full:block:16"),   # 4.8% extra FLOPs, not mlp's 7.8% (the issue's case)
-    (100, "full:block:23"),   # 6.9% < mlp's 7.8%
-    (93, "mlp"),              # 7.8% < full:block:26's 7.8%+ (92.8 GiB)
-    (81, "sqrt"),             # full (80.0 GiB) and sqrt (76.8) recompute the same: the smaller peak
-    (78, "sqrt"),
+    (160, "none"),            # everything fits: nothing recomputed
+    (120, "selective"),       # none (152.2 GiB) does not fit; selective (119.9) recomputes no matmul
+    (119, "full:block:16"),   # 4.8% extra FLOPs (118.1 GiB), not mlp's 7.8% (the issue's case)
+    (100, "full:block:25"),   # 7.5% < mlp's 7.8%
+    (96.5, "mlp"),            # 7.8% (96.2 GiB) < full:block:26's 7.8%+ (96.7 GiB)
+    (85, "sqrt"),             # full (83.9 GiB) and sqrt (80.7) recompute the same: the smaller peak
+    (81, "sqrt"),
 ])
 def test_budget_picks_least_extra_flops_that_fits(budget, chosen):
     """Hand-read from `ctx-plugin memory --model llama3-8b --seq-len 128k --cp 8` (ZeRO-1)."""

@@ -1,0 +1,102 @@
+"""What one decoder layer of each block family keeps for backward, and its backward temporaries (bytes per rank).
+
+Families (:class:`ModelSpec.family <ctx_plugin.memory.ModelSpec>`), measured tensor by tensor on CPU (see
+``tests/unit/test_memory_blocks.py``), with t local tokens (b·s/cp), e bytes per element, q_w = heads·d and
+kv_w = kv_heads·d per TP rank, f the MLP width:
+
+``ctx_plugin``  (``ctx_plugin.models``) fused QKV projection, RoPE on q and k, ctx_plugin's fused RMSNorm keeping
+                its input and the fp32 reciprocal RMS; SwiGLU's gate and up are one matrix product.
+``hf``          Hugging Face Llama / Mistral / Qwen2: separate q/k/v projections (Qwen2's biases change nothing
+                kept), ``LlamaRMSNorm`` keeping an fp32 copy of its input (the input itself in fp32), the
+                normalised input and the product with its weight; cos/sin computed once per forward for the model
+                ([b, s, d]); SwiGLU as two products.
+
+Per layer under ``none`` (every family): two norms, the attention's kept tensors (the *pins*: q and k after
+RoPE, v, the output and the fp32 LSE — what the context-parallel attention keeps, and what full/sqrt regions
+keep pinned), the projections' inputs and the MLP's intermediates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .specs import FAMILIES, ModelSpec, ParallelSpec, ceil_div
+
+__all__ = ["FAMILIES", "LayerTerms", "layer_terms"]
+
+
+@dataclass(frozen=True)
+class LayerTerms:
+    """One layer's byte counts on one rank."""
+
+    x: int            # the layer input (a region's checkpointed input)
+    none: int         # kept under none (shared per-model tensors excluded)
+    pins: int         # the attention's kept tensors (pinned under full/sqrt/selective)
+    lse: int          # the LSE among them (what core_attn does not keep)
+    core_extra: int   # what core_attn keeps besides none − lse (its saved inputs where the attention held views)
+    mlp_inner: int    # the MLP's intermediates (what the mlp preset and +tile_mlp drop)
+    selective: int    # kept under selective
+    sel_working: int  # re-materialised at once while a selective layer is recomputed
+    x_in_none: int    # part of ``none`` that is the layer input itself (not re-materialised by a region's recompute)
+    bwd_temps: int    # a layer's backward temporaries at its worst moment (the MLP's), beyond what it kept
+    mlp_temps: int    # the MLP backward temporaries alone (per token: scales with a +tile_mlp chunk)
+    shared: int       # per-model tensors (HF's cos/sin), once for all layers
+    head: int         # the final norm's kept tensors (the LM head's input among them)
+    norm_bwd: int     # the final norm's backward temporaries beyond the kept activations
+    grad: int         # the gradient flowing between layers
+
+
+def _sizes(dtype: torch.dtype) -> tuple[int, int]:
+    e = torch.empty((), dtype=dtype).element_size()
+    return e, torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+
+
+def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, dtype: torch.dtype) -> LayerTerms:
+    e, acc = _sizes(dtype)
+    n = seq_len // p.cp
+    t = micro_batch * n
+    d = m.head_dim
+    heads, kv = m.heads // p.tp, max(m.kv_heads // p.tp, 1)
+    q_w, kv_w, f = heads * d, kv * d, ceil_div(m.ffn, p.tp)
+    h_sp = m.hidden // p.tp if p.sequence_parallel else m.hidden
+    x = t * h_sp * e
+    lse = t * heads * acc
+    u = p.ulysses
+    rep = u // kv if kv < u else 1
+    up = (2 if m.gated else 1) * f
+    inner = (4 if m.gated else 2) * t * f * e
+    mlp_temps = 2 * t * f * e if m.gated else t * f * e
+    grad = x
+    if m.family == "hf":
+        norm = t * m.hidden * 4 + t * 4 + 2 * x          # fp32 copy (or the input itself), rstd, x̂, x̂·w
+        if u > 1:    # head-sharded q, k, v (K/V replicated below u heads), out; the out handed back
+            pins = t * (3 * q_w + 2 * kv_w * rep) * e + lse
+            proj_kept = 0
+        else:        # q, k after RoPE, v (the v projection's output), out (= o_proj's input)
+            pins = t * (2 * q_w + 2 * kv_w) * e + lse
+            proj_kept = 0
+        none = 2 * norm + pins + proj_kept + inner
+        x_in_none = x if e == 4 else 0
+        v_shared = t * kv_w * e if u == 1 else 0
+        selective = x + t * (q_w + 2 * kv_w) * e + 2 * x + t * up * e + pins - v_shared
+        sel_working = 2 * norm + t * f * e * (1 if m.gated else 0) - x_in_none
+        return LayerTerms(x=x, none=none, pins=pins, lse=lse, core_extra=0, mlp_inner=inner, selective=selective,
+                          sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,
+                          shared=2 * t * d * e, head=norm, norm_bwd=4 * t * m.hidden * 4 - t * 4, grad=grad)
+    stats = t * (1 if m.norm == "rms" else 2) * acc
+    norm = x + stats + x                                  # input, statistics, output (the projection's input)
+    qkv = t * (q_w + 2 * kv_w) * e
+    q_k_out = t * (2 * q_w + kv_w) * e
+    if u > 1:
+        pins, qkv_extra = t * (3 * q_w + 2 * kv_w * rep) * e + lse, qkv
+    else:
+        pins, qkv_extra = qkv + q_k_out + lse, 0
+    rope = 2 * n * d * e
+    none = 2 * norm + pins + rope + inner
+    matmul_outs = t * (2 * m.hidden + up) * e
+    selective = x + qkv_extra + matmul_outs + pins
+    return LayerTerms(x=x, none=none, pins=pins, lse=lse, core_extra=qkv + q_k_out - pins + lse,
+                      mlp_inner=inner, selective=selective, sel_working=none - selective + x, x_in_none=x,
+                      bwd_temps=mlp_temps, mlp_temps=mlp_temps, shared=0, head=norm,
+                      norm_bwd=(5 if e < 4 else 4) * t * m.hidden * 4, grad=grad)

@@ -1,0 +1,102 @@
+"""Real blocks of every family measured against the memory model (one process, CPU): what the layers keep for
+backward, and the activation peak of a whole step (layers, final norm, LM head, cross-entropy, backward)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import ctx_plugin
+from ctx_plugin import recompute
+from ctx_plugin.memory import ModelSpec, ParallelSpec, estimate, layer_activations, saved_bytes
+from ctx_plugin.memory.blocks import layer_terms
+from ctx_plugin.memory.measure import step_bytes
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, BATCH = 64, 160, 3, 4, 2, 2
+CFG = ctx_plugin.CPConfig(kernel="sdpa_cpu")    # a flash-style kernel: no score matrices, as on GPUs
+
+
+def spec(family: str, vocab: int, **kw) -> ModelSpec:
+    return ModelSpec(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN, vocab=vocab,
+                     family=family, **kw)
+
+
+def _hf(kind: str, vocab: int, dtype: torch.dtype, groups):
+    import transformers
+    import ctx_plugin.hf
+
+    common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, attention_dropout=0.0, use_cache=False,
+                  initializer_range=0.1)
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    model = model.to(dtype).train()
+    ctx_plugin.hf.enable(model, CFG, groups)
+    layers = model.model.layers
+
+    def run_layers(x, pos):
+        return model.model(inputs_embeds=x, position_ids=pos.expand(x.shape[0], -1), use_cache=False).last_hidden_state
+
+    return model, layers, run_layers, model.lm_head
+
+
+def _ctx(vocab: int, dtype: torch.dtype, groups):
+    from ctx_plugin.models import CoreAttention, DecoderBlock, DecoderConfig, RMSNorm
+
+    c = DecoderConfig(hidden=HIDDEN, ffn=FFN, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, vocab=vocab)
+    layers = torch.nn.ModuleList(DecoderBlock(c, CoreAttention(CFG, groups)) for _ in range(LAYERS))
+    norm, head = RMSNorm(HIDDEN), torch.nn.Linear(HIDDEN, vocab, bias=False)
+    model = torch.nn.ModuleDict(dict(layers=layers, norm=norm, head=head)).to(dtype)
+
+    def run_layers(x, pos):
+        for block in layers:
+            x = block(x, pos)
+        return norm(x)
+
+    return model, layers, run_layers, head
+
+
+def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, vocab: int = 256,
+            kind: str = "llama") -> dict:
+    """Measured and modelled bytes: ``layers`` (kept by the decoder layers) and ``peak`` (a step's activations)."""
+    groups = ctx_plugin.build_cp_groups(CFG)
+    torch.manual_seed(0)
+    build = _ctx if family == "ctx_plugin" else lambda v, d, g: _hf(kind, v, d, g)
+    model, layers, run_layers, head = build(vocab, dtype, groups)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # core_attn warns by design
+        recompute.apply(layers, preset, groups=groups)
+    x0 = torch.randn(BATCH, seq_len, HIDDEN, dtype=dtype, requires_grad=True)
+    pos = torch.arange(seq_len)
+    labels = torch.randint(0, vocab, (BATCH * seq_len,))
+    fixed = [*model.parameters(), *model.buffers(), x0, pos]
+
+    def only_layers():                # without the final norm: what the layers alone keep
+        x = x0 * 1.0
+        if family == "ctx_plugin":
+            for block in layers:
+                x = block(x, pos)
+            return x
+        return run_layers(x, pos)
+
+    out, kept = saved_bytes(only_layers, exclude=fixed)
+    out.float().sum().backward()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # gradients accumulate in place: only their per-operator temporaries count
+
+    def step():
+        logits = head(run_layers(x0 * 1.0, pos))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels)
+
+    _, peak = step_bytes(step, exclude=[*fixed, *(p.grad for p in model.parameters())])
+    m = spec(family, vocab)
+    est = estimate(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=BATCH, dtype=dtype)
+    layers_model = sum(layer_activations(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=BATCH, dtype=dtype))
+    if family == "hf":            # HF's model runs the final norm (its output is the result) and builds cos/sin
+        k = layer_terms(m, ParallelSpec(), seq_len, BATCH, dtype)
+        layers_model += k.shared + k.head - k.x
+    model_peak = est.activations + max(est.logits_peak, est.recompute_peak + est.cp_buffers)
+    return {"activations": est.activations, "layers": kept, "layers_model": layers_model, "peak": peak, "peak_model": model_peak}
