@@ -34,8 +34,8 @@ def check_model(model: nn.Module) -> nn.Linear:
     otherwise (the model's class, a logits option, a head that is not a linear layer)."""
     if type(model) not in _classes():
         raise ValueError(f"+tile_loss on Hugging Face models supports {', '.join(_FAMILIES)} (their logits are "
-                         f"lm_head(last hidden state), nothing else), not {type(model).__name__}: other families scale, "
-                         f"soft-cap or mask their logits after the head; drop +tile_loss for this model")
+                         f"lm_head(last hidden state), nothing else), not {type(model).__name__}: other families "
+                         f"scale, soft-cap or mask their logits after the head; drop +tile_loss for this model")
     config = model.config
     for name in _LOGIT_OPTIONS:
         value = getattr(config, name, None)
