@@ -26,6 +26,8 @@ CASES = [(w, b.value, u, pos, "none", "base", pos == "rope") for b, sizes in SIZ
 CASES += [(2, "zigzag", 1, "rope", "full", "base", True), (2, "ulysses", 1, "rope", "selective", "base", False),
           (2, "striped", 1, "rope", "none", "knobs", True), (2, "ulysses", 1, "rope", "none", "knobs", False),
           (2, "zigzag", 1, "yarn", "none", "base", False), (4, "striped", 1, "yarn", "none", "base", True)]
+CASES += [(2, "zigzag", 1, "rope", "selective+tile_mlp:5", "base", True),     # +tile_mlp: [s, b, h], (output, bias)
+          (2, "ring", 1, "rope", "sqrt+tile_mlp+recompute_attn", "base", False)]
 ROPE_CLASS = {"rope": "LayoutRotaryEmbedding", "yarn": "LayoutYarnRotaryEmbedding", "learned_absolute": "NoneType"}
 _results: dict[int, list] = {}
 
