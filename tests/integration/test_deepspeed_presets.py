@@ -31,6 +31,7 @@ def _cases(world: int) -> list:
                 for zero in (0, 1, 2, 3) for i, preset in enumerate(PRESETS)]
     return ([("hf", BACKENDS[i % len(BACKENDS)], 3, preset, {}) for i, preset in enumerate(PRESETS)]
             + [("hf", "zigzag", zero, "selective", {}) for zero in (0, 1, 2)]
+            + [("hf", "zigzag", 3, "full+offload_attn:1", {}), ("hf", "ulysses", 3, "sqrt+offload:1", {})]
             + [("wrapped", "ulysses", 3, "sqrt", {}), ("unwired", "zigzag", 1, "none", {})])
 
 

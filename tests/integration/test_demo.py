@@ -28,3 +28,18 @@ def test_demo_matches_single_process(tmp_path, backend):
     assert data["ok"] and data["world_size"] == nproc and data["device"] == "cpu"
     assert len(data["cp_losses"]) == 3 and data["worst_rel_diff"] <= 1e-5
     assert data["tokens_per_s"] > 0 and all(m > 0 for m in data["peak_memory_mib"])
+
+
+def test_demo_with_offload_trains_like_full(tmp_path):
+    """``--recompute full+offload_attn:1`` (region inputs and pinned attention tensors through host memory) gives
+    the very losses of ``--recompute full``."""
+    losses = {}
+    for preset in ("full", "full+offload_attn:1"):
+        report = tmp_path / "demo.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "ctx_plugin.cli", "demo", "--nproc", "2", "--backend", "zigzag", "--device", "cpu",
+             "--steps", "3", "--seq-len", "64", "--recompute", preset, "--json", str(report)],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        losses[preset] = json.loads(report.read_text())["cp_losses"]
+    assert losses["full+offload_attn:1"] == losses["full"]

@@ -24,6 +24,8 @@ SIZES = {Backend.ULYSSES_RING: [(4, 2)], **{b: [(2, 1), (4, 1)] for b in Backend
 CASES = [(w, b.value, u, pos, "none", "base", pos == "rope") for b, sizes in SIZES.items() for w, u in sizes
          for pos in POSITIONS]
 CASES += [(2, "zigzag", 1, "rope", "full", "base", True), (2, "ulysses", 1, "rope", "selective", "base", False),
+          (2, "zigzag", 1, "rope", "full+offload_attn:1", "base", True), (2, "ulysses", 1, "rope", "sqrt+offload:1",
+                                                                            "base", False),
           (2, "striped", 1, "rope", "none", "knobs", True), (2, "ulysses", 1, "rope", "none", "knobs", False),
           (2, "zigzag", 1, "yarn", "none", "base", False), (4, "striped", 1, "yarn", "none", "base", True)]
 CASES += [(2, "zigzag", 1, "rope", "selective+tile_mlp:5", "base", True),     # +tile_mlp: [s, b, h], (output, bias)
