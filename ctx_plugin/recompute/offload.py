@@ -13,7 +13,8 @@ saved ``out``: copied once) go the same way.
 When. Each region's forward opens a *group* (its input plus, with ``offload_attn``, its attention tensors); groups
 of one forward pass are chained in order. The first tensor of group *i* needed in backward (the region's input, when
 its recomputation starts) starts the copies back of all of group *i* (if not already under way) and of group *i−1*:
-region *i−1* is brought back while region *i* is recomputed and back-propagated. Host memory of an entry is released
+region *i−1* is brought back while region *i* is recomputed and back-propagated (the last region, needed first, is
+copied back when backward reaches it, not hidden). Host memory of an entry is released
 when autograd releases the saved tensor (after the node that used it ran, unless ``retain_graph=True``; a second
 backward copies it back again). A forward without autograd (eval, ``torch.no_grad``) checkpoints nothing and so
 offloads nothing. Several forwards in flight before their backwards (pipeline schedules) each have their own groups.
@@ -89,7 +90,8 @@ class HostOffload:
 
     @classmethod
     def from_config(cls, config) -> HostOffload | None:
-        """The offload a :class:`~ctx_plugin.recompute.RecomputeConfig` asks for (``None`` without ``+offload``/``+offload_attn``)."""
+        """The offload a :class:`~ctx_plugin.recompute.RecomputeConfig` asks for (``None`` without ``+offload`` or
+        ``+offload_attn``)."""
         if config.offload_gib is None:
             return None
         name = "offload_attn" if config.offload_attention else "offload"
