@@ -43,3 +43,16 @@ def test_demo_with_offload_trains_like_full(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         losses[preset] = json.loads(report.read_text())["cp_losses"]
     assert losses["full+offload_attn:1"] == losses["full"]
+
+
+def test_demo_with_tiled_loss(tmp_path):
+    """``--recompute full+tile_loss:48``: the context-parallel run's head and loss over chunks of 48 of each rank's
+    128 tokens (the last chunk shorter) train like the untiled single-process run."""
+    report = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ctx_plugin.cli", "demo", "--nproc", "2", "--backend", "zigzag", "--device", "cpu",
+         "--steps", "3", "--seq-len", "64", "--recompute", "full+tile_loss:48", "--json", str(report)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["ok"] and data["worst_rel_diff"] <= 1e-5 and data["args"]["recompute"] == "full+tile_loss:48"
