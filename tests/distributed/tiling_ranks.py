@@ -1,7 +1,8 @@
 """+recompute_attn and +tile_mlp inside spawned ranks (see test_tiling_ranks.py): float64 gradients of a stack of
 ctx_plugin's blocks under a preset against the same stack without recompute, the CP communication counted after
 the forward and after the backward, and the attention's executions; a megatron-core TransformerLayer with
-Megatron's own attention ([s, b, h], MLP returning (output, bias)) tiled at CP 1."""
+Megatron's own attention ([s, b, h], MLP returning (output, bias)) tiled at CP 1, tensor parallelism 1 and 2, with
+and without sequence parallelism."""
 from __future__ import annotations
 
 import warnings
@@ -70,42 +71,54 @@ def stacks(rank: int, world: int, payload: dict) -> dict:
 
 def _megatron_layer(presets: list[str]) -> dict:
     """Relative gradient errors of one megatron-core TransformerLayer (local spec: Megatron's own attention and MLP,
-    biases, GQA, init std 0.1, float64) under each preset against the same layer without one."""
+    biases, GQA, init std 0.1, float64) under each preset against the same layer without one, at CP 1 with
+    tensor parallelism 1 and 2, and 2 with sequence parallelism (each rank holds half the sequence; its MLP
+    gathers the same chunk of both halves and scatters it back; torch's LayerNorm refuses sequence parallelism,
+    so the norms are identities there). Keys: ``tp{N}-sp{bool}-{preset}``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from tests.integration.megatron_ranks import _cpu_shims     # DotProductAttention's buffer on "the" CUDA device
 
     warnings.filterwarnings("ignore")
-    parallel_state.initialize_model_parallel()          # CP 1 (data parallel over the launch's ranks)
-    try:
-        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                                   ffn_hidden_size=80, use_cpu_initialization=True, attention_dropout=0.0,
-                                   hidden_dropout=0.0, add_bias_linear=True, add_qkv_bias=True, init_method_std=0.1)
-        groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig(kernel="torch"),
-                                            group=parallel_state.get_context_parallel_group())
-        seq = 22
-        mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
+    seq = 24
+    mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
+    result = {}
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)     # CP 1
+        try:
+            config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                       ffn_hidden_size=80, use_cpu_initialization=True, attention_dropout=0.0,
+                                       hidden_dropout=0.0, add_bias_linear=True, add_qkv_bias=True,
+                                       init_method_std=0.1, tensor_model_parallel_size=tp, sequence_parallel=sp)
+            groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig(kernel="torch"),
+                                                group=parallel_state.get_context_parallel_group())
+            spec = get_gpt_layer_local_spec()
+            if sp:
+                spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = IdentityOp
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
-        def grads(preset):
-            torch.manual_seed(0)
-            layer = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1).double()
-            if preset is not None:
-                recompute.apply([layer], preset, groups=groups, sequence_dim=0)
-            x = torch.randn(seq, BATCH, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-            x.requires_grad_(True)
-            with _cpu_shims():
-                out, _ = layer(x, attention_mask=mask)
-                (out.pow(2) * torch.linspace(-1, 1, seq, dtype=torch.float64)[:, None, None]).sum().backward()
-            return {"input": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+            def grads(preset):
+                torch.manual_seed(0)
+                layer = build_module(spec, config=config, layer_number=1).double()
+                if preset is not None:
+                    recompute.apply([layer], preset, groups=groups, sequence_dim=0)
+                x = torch.randn(seq, BATCH, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+                x = (x.chunk(tp, dim=0)[tp_rank] if sp else x).clone().requires_grad_(True)
+                with _cpu_shims():
+                    out, _ = layer(x, attention_mask=mask)
+                    (out.pow(2) * torch.linspace(-1, 1, out.shape[0], dtype=torch.float64)[:, None, None]).sum() \
+                        .backward()
+                return {"input": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
 
-        want = grads(None)
-        result = {}
-        for preset in presets:
-            got = grads(preset)
-            result[preset] = max(((got[n] - w).abs().max() / w.abs().max()).item() for n, w in want.items())
-        return result
-    finally:
-        parallel_state.destroy_model_parallel()
+            want = grads(None)
+            for preset in presets:
+                got = grads(preset)
+                result[f"tp{tp}-sp{sp}-{preset}"] = max(((got[n] - w).abs().max() / w.abs().max()).item()
+                                                         for n, w in want.items())
+        finally:
+            parallel_state.destroy_model_parallel()
+    return result
