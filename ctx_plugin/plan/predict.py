@@ -90,12 +90,6 @@ def _ring(t: int, r: int, c_fwd: float, kv_s: float, dkv_s: float) -> tuple[floa
     return sum(steps) + dkv_s, not any(steps), math.ceil(round(t * need, 6))
 
 
-def _activation_host(est: MemoryEstimate) -> int:
-    """Host bytes per rank of activation offload. FIXME(memory model): ``est.host`` once estimate() describes
-    the offload modifiers; until then it refuses them and nothing is offloaded."""
-    return getattr(est, "host", 0)
-
-
 @dataclass(frozen=True)
 class Footprint:
     """Where one configuration's state lives: the memory model's estimate, the GPU peak, the host bytes."""
@@ -136,13 +130,13 @@ def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConf
         raise ValueError(f"tp × cp × dp = {p.tp * p.cp * p.dp} must equal the cluster's {c.gpus} GPUs")
     if c.gpus_per_node % p.tp:
         raise ValueError(f"tp ({p.tp}) must divide gpus_per_node ({c.gpus_per_node}): TP stays inside a node")
-    gpu, host, opt_s = est.peak, _activation_host(est), 0.0
+    gpu, host, opt_s = est.peak, est.host, 0.0
     if offload_optimizer:
         opt_host, opt_s = optimizer_offload(param_count(model, p.tp), p.shard_degree, dtype.itemsize, c)
         gpu, host = gpu - est.optimizer, host + opt_host
     return Footprint(estimate=est, gpu_bytes=gpu, host_bytes=host, optimizer_s=opt_s,
                      gpu_fits=gpu <= c.gpu_memory_gib * 2**30,
-                     host_fits=host <= c.host_bytes_per_rank and getattr(est, "fits_host", True))
+                     host_fits=host <= c.host_bytes_per_rank and est.fits_host)
 
 
 def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
@@ -196,7 +190,7 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
     layer_fwd = dense / rate_m + attn_s                            # a checkpointed layer's forward; its backward
     layer_bwd = 2 * dense / rate_m + BACKWARD * attn_s + dense / rate_m + (attn_s if recompute.recompute_attention
                                                                           else 0.0)      # recomputes the region
-    offload_s = copy_exposed(_activation_host(est), region_layers(recompute, L), layer_fwd, layer_bwd,
+    offload_s = copy_exposed(est.host, region_layers(recompute, L), layer_fwd, layer_bwd,
                              c.host_bandwidth)
     exposed = L * (ring_s + 2 * 4 * a2a_s + ag_fwd + ag_bwd + 8 * tp_s) + recompute_comm + offload_s + mem.optimizer_s
     model_flops = 3 * L * (dense + attn) + 6 * t * model.hidden * ceil_div(model.vocab, p.tp)
