@@ -5,7 +5,8 @@ gradient clipping as the DeepSpeed config has them (DeepSpeed clips to 1.0 by de
 DeepSpeed's gradient norms within 1e-5 relative, parameters within 1e-5 of the largest.
 
 The full preset × ZeRO matrix runs at data parallel 2 × CP 2 (world 4, where a saved ZeRO-3 parameter gather gave
-NaN gradients), giving the natural ``train_batch_size`` (CP ranks not counted); at CP 2 alone (world 2) every preset
+NaN gradients), giving the natural ``train_batch_size`` (CP ranks not counted), with four ``+tile_mlp`` cases (its
+chunk checkpoints under ZeRO-2/3's hooks, with selective and +recompute_attn); at CP 2 alone (world 2) every preset
 runs under ZeRO-3 and ``selective`` under ZeRO 0-2, plus a model that is not a Hugging Face model, wired through
 ``attention=`` (and one whose callback wires nothing: its first forward is an error)."""
 from __future__ import annotations
@@ -27,8 +28,11 @@ MICRO = 2
 def _cases(world: int) -> list:
     """(model, backend, zero, preset, extra config); backends rotate over the presets."""
     if world == 4:
-        return [("hf", BACKENDS[i % len(BACKENDS)], zero, preset, {"train_batch_size": MICRO * 2})
-                for zero in (0, 1, 2, 3) for i, preset in enumerate(PRESETS)]
+        return ([("hf", BACKENDS[i % len(BACKENDS)], zero, preset, {"train_batch_size": MICRO * 2})
+                 for zero in (0, 1, 2, 3) for i, preset in enumerate(PRESETS)]
+                + [("hf", backend, zero, preset, {"train_batch_size": MICRO * 2}) for backend, zero, preset in (
+                    ("zigzag", 3, "full+tile_mlp:3"), ("ulysses", 3, "selective+tile_mlp:3"),   # ZeRO-3 at DP 2
+                    ("ring", 2, "none+tile_mlp:3"), ("allgather", 3, "sqrt+tile_mlp+recompute_attn"))])
     return ([("hf", BACKENDS[i % len(BACKENDS)], 3, preset, {}) for i, preset in enumerate(PRESETS)]
             + [("hf", "zigzag", zero, "selective", {}) for zero in (0, 1, 2)]
             + [("hf", "zigzag", 3, "full+offload_attn:1", {}), ("hf", "ulysses", 3, "sqrt+offload:1", {})]
