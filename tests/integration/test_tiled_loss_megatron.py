@@ -1,7 +1,8 @@
 """``+tile_loss`` on Megatron (megatron-core, CPU, gloo; tests/integration/tiled_loss_megatron_ranks.py): a GPTModel
 built through ctx_plugin's spec with ``<preset>+tile_loss`` returns the per-token losses of Megatron's own untiled
 output layer + vocab-parallel cross-entropy, and the same gradients, at CP 1, CP 2 and TP 2 (against Megatron's
-untiled loss on the same TP ranks), own and shared embedding weights; its output layer runs on the predicted
+untiled loss on the same TP ranks), own and shared embedding weights; under sequence parallelism (TP 2) the
+output layer + loss give Megatron's own untiled ``_postprocess`` results; its output layer runs on the predicted
 chunks; settings the chunking cannot reproduce are refused; the flags map the layer part of the preset."""
 from __future__ import annotations
 
@@ -16,24 +17,27 @@ import torch  # noqa: E402
 from tests.distributed.harness import run_spawned  # noqa: E402
 from tests.integration.megatron_ranks import BATCH, SEQ  # noqa: E402
 
-# (tp, cp, preset, shared embeddings): tiled models, each compared with Megatron's untiled model (same TP, CP 1)
-TILED = [(1, 1, "none+tile_loss:7", False), (1, 1, "full+tile_loss:5", True), (1, 2, "none+tile_loss:7", False),
-         (1, 2, "mlp+tile_loss", True), (1, 2, "full+tile_loss:1", False), (2, 1, "none+tile_loss:6", False)]
+# (tp, sequence parallel, cp, preset, shared embeddings): tiled models, each compared with Megatron's untiled model
+# (same TP and sequence parallelism, CP 1)
+TILED = [(1, False, 1, "none+tile_loss:7", False), (1, False, 1, "full+tile_loss:5", True),
+         (1, False, 2, "none+tile_loss:7", False), (1, False, 2, "mlp+tile_loss", True),
+         (1, False, 2, "full+tile_loss:1", False), (2, False, 1, "none+tile_loss:6", False)]
+SP_TOKENS = 12             # logits rows per chunk under sequence parallelism: 3 positions × batch 2 × TP 2
 REFUSED = [({"mtp_num_layers": 1}, "multi-token prediction (--mtp-num-layers)"),
-           ({"sequence_parallel": True}, "--sequence-parallel gathers the sequence inside the output layer"),
            ({"defer_embedding_wgrad_compute": True}, "--defer-embedding-wgrad-compute")]
 _results: list = []
 
 
 def results() -> dict:
-    if not _results:     # one launch of 2 ranks: runs at TP 1 × CP 1 (× DP 2), TP 1 × CP 2, TP 2 × CP 1
+    if not _results:     # one launch of 2 ranks: TP 1 × CP 1 (× DP 2), TP 1 × CP 2, TP 2 × CP 1 without and with SP
         runs = []
-        for tp, cp in ((1, 1), (1, 2), (2, 1)):
-            cases = [("ctx_plugin", preset, share) for t, c, preset, share in TILED if (t, c) == (tp, cp)]
+        for tp, sp, cp in ((1, False, 1), (1, False, 2), (2, False, 1)):
+            cases = [("ctx_plugin", preset, share) for t, s, c, preset, share in TILED if (t, s, c) == (tp, sp, cp)]
             if cp == 1:
-                cases += [("megatron", "-", share) for share in sorted({s for t, _, _, s in TILED if t == tp})]
-            runs.append({"tp": tp, "cp": cp, "cases": cases,
-                         "refused": [fields for fields, _ in REFUSED] if cp == 2 else []})
+                cases += [("megatron", "-", share) for share in sorted({h for t, s, _, _, h in TILED
+                                                                       if (t, s) == (tp, sp)})]
+            runs.append({"tp": tp, "sp": sp, "cp": cp, "cases": cases, "sequence_parallel_loss": SP_TOKENS if tp == 2
+                         else None, "refused": [fields for fields, _ in REFUSED] if cp == 2 else []})
         _results.append(run_spawned("tests.integration.tiled_loss_megatron_ranks:run", 2, {"runs": runs},
                                     timeout_s=600))
     return _results[0]
@@ -44,32 +48,45 @@ def _rel(have, want) -> float:
     return ((have - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("tp,cp,preset,share", TILED, ids=[f"tp{t}-cp{c}-{p}-{'shared' if s else 'own'}"
-                                                          for t, c, p, s in TILED])
-def test_tiled_loss_matches_megatrons_untiled_loss(tp, cp, preset, share):
+@pytest.mark.parametrize("tp,sp,cp,preset,share", TILED, ids=[f"tp{t}{'-sp' if s else ''}-cp{c}-{p}-"
+                                                                f"{'shared' if h else 'own'}" for t, s, c, p, h in TILED])
+def test_tiled_loss_matches_megatrons_untiled_loss(tp, sp, cp, preset, share):
     got_ranks = results()
-    want = got_ranks[0][f"tp{tp}-cp1-megatron---{'shared' if share else 'own'}"]
-    key = f"tp{tp}-cp{cp}-ctx_plugin-{preset}-{'shared' if share else 'own'}"
+    tag = f"tp{tp}{'-sp' if sp else ''}"
+    want = got_ranks[0][f"{tag}-cp1-megatron---{'shared' if share else 'own'}"]
+    key = f"{tag}-cp{cp}-ctx_plugin-{preset}-{'shared' if share else 'own'}"
     for rank in range(2):
         got = got_ranks[rank][key]
         # Megatron's cross-entropy runs in fp32 whatever the model's dtype: fp32-level agreement
         assert abs(got["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"])
         assert got["shape"] == [BATCH, SEQ // cp]                     # Megatron's per-token losses [b, s]
-        size = int(preset.split(":")[1]) // BATCH if ":" in preset else None
-        local = SEQ // cp
+        rows = BATCH * (tp if sp else 1)               # logits rows per position of a chunk on this rank
+        size = int(preset.split(":")[1]) // rows if ":" in preset else None
+        local = SEQ // cp // (tp if sp else 1)          # the positions this rank's output layer gets
         chunks = [local] if size is None else [min(max(size, 1), local - s) for s in range(0, local, max(size, 1))]
         assert got["calls"] == chunks, "the output layer runs once per chunk in forward"
     grads = got_ranks[0][key]["grads"]
     assert set(grads) == set(want["grads"])
     for name, w in want["grads"].items():
         assert _rel(grads[name], w) <= 1e-6, name
-    assert want["calls"] == [SEQ]          # the reference ran untiled
+    assert want["calls"] == [SEQ // (tp if sp else 1)]          # the reference ran untiled
 
 
 def test_tp2_untiled_matches_tp1():
-    """The TP 2 reference itself is Megatron's model: its loss is the TP 1 model's."""
+    """The TP 2 reference is Megatron's model: its loss is TP 1's."""
     r = results()[0]
     assert abs(r["tp2-cp1-megatron---own"]["loss"] - r["tp1-cp1-megatron---own"]["loss"]) <= 1e-6
+
+
+def test_sequence_parallel_output_layer_and_loss():
+    """Each TP rank holds 16 of the 32 positions; chunks of 3 of them (12 logits rows with both ranks' rows gathered)
+    give Megatron's untiled per-token losses [batch, seq] and gradients (its cross-entropy is fp32)."""
+    for rank in range(2):
+        r = results()[rank]["tp2-sequence-parallel-loss"]
+        assert r["shape"] == [BATCH, SEQ] and r["untiled_calls"] == [SEQ // 2]
+        chunks = [3, 3, 3, 3, 3, 1]          # one output-layer call per chunk of this rank's positions, then backward's
+        assert r["calls"][:6] == chunks and sorted(r["calls"][6:]) == sorted(chunks)
+        assert max(r["errors"]) <= 1e-6, r["errors"]
 
 
 @pytest.mark.parametrize("fields,message", REFUSED, ids=[next(iter(f)) for f, _ in REFUSED])

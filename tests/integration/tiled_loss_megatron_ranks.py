@@ -18,14 +18,15 @@ import torch.distributed as dist
 from tests.integration.megatron_ranks import SEQ, VOCAB, _batch, _cpu_shims
 
 
-def _model(core_spec, *, cp: int, tp: int, share: bool):
+def _model(core_spec, *, cp: int, tp: int, share: bool, sp: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=128, use_cpu_initialization=True, context_parallel_size=cp,
-                               tensor_model_parallel_size=tp, attention_dropout=0.0, hidden_dropout=0.0,
+                               tensor_model_parallel_size=tp, sequence_parallel=sp, attention_dropout=0.0,
+                               hidden_dropout=0.0,
                                add_bias_linear=True, add_qkv_bias=True, init_method_std=0.1)
     torch.manual_seed(1234)
     model = GPTModel(config=config, transformer_layer_spec=core_spec(get_gpt_layer_local_spec()), vocab_size=VOCAB,
@@ -61,6 +62,9 @@ def _gather_tp(grads: dict, model, tp_group) -> dict:
     out = {}
     for name, p in model.named_parameters():
         g = grads[name]
+        if getattr(p, "sequence_parallel", False) and tp_group.size() > 1:   # what finalize_model_grads sums
+            g = g.clone()
+            dist.all_reduce(g, group=tp_group)
         if getattr(p, "tensor_model_parallel", False) and tp_group is not None and tp_group.size() > 1:
             parts = [torch.empty_like(g) for _ in range(tp_group.size())]
             dist.all_gather(parts, g.contiguous(), group=tp_group)
@@ -70,20 +74,23 @@ def _gather_tp(grads: dict, model, tp_group) -> dict:
 
 
 def run(rank: int, world: int, payload: dict) -> dict:
-    """payload: {"runs": [{"tp": N, "cp": M, "cases": [(kind, preset, share)], "refused": [fields]}]}; each run
-    initialises Megatron's parallel state anew (the rest of the world is data-parallel). kind "megatron": Megatron's
-    own untiled model (CP 1); "ctx_plugin": ctx_plugin's spec, prepare_model and preset."""
+    """payload: {"runs": [{"tp": N, "cp": M, "sp": bool, "cases": [(kind, preset, share)], "refused": [fields]}]};
+    each run initialises Megatron's parallel state anew (the rest of the world is data-parallel); ``sp``: sequence
+    parallelism. kind "megatron": Megatron's own untiled model (CP 1); "ctx_plugin": ctx_plugin's spec,
+    prepare_model and preset."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
     out = {}
     for spec in payload["runs"]:
-        tp, cp = spec["tp"], spec["cp"]
+        tp, cp, sp = spec["tp"], spec["cp"], spec.get("sp", False)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
         try:
             for kind, preset, share in spec["cases"]:
-                out[f"tp{tp}-cp{cp}-{kind}-{preset}-{'shared' if share else 'own'}"] = _case(rank, kind, preset, share,
-                                                                                             tp, cp)
+                key = f"tp{tp}{'-sp' if sp else ''}-cp{cp}-{kind}-{preset}-{'shared' if share else 'own'}"
+                out[key] = _case(rank, kind, preset, share, tp, cp, sp)
+            if spec.get("sequence_parallel_loss"):
+                out[f"tp{tp}-sequence-parallel-loss"] = _sequence_parallel_loss(spec["sequence_parallel_loss"])
             for fields in spec.get("refused", []):
                 out[repr(sorted(fields.items()))] = _refused(fields, tp, cp)
         finally:
@@ -91,7 +98,7 @@ def run(rank: int, world: int, payload: dict) -> dict:
     return out
 
 
-def _case(rank: int, kind: str, preset: str, share: bool, tp: int, cp: int) -> dict:
+def _case(rank: int, kind: str, preset: str, share: bool, tp: int, cp: int, sp: bool) -> dict:
     from megatron.core import parallel_state
 
     import ctx_plugin
@@ -104,7 +111,7 @@ def _case(rank: int, kind: str, preset: str, share: bool, tp: int, cp: int) -> d
     if kind == "megatron":
         assert cp == 1
         with _cpu_shims():
-            model = _model(lambda spec: spec, cp=1, tp=tp, share=share)
+            model = _model(lambda spec: spec, cp=1, tp=tp, share=share, sp=sp)
             result = _step(model, _batch(with_mask=True), None)
     else:
         cp_config = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
@@ -112,7 +119,7 @@ def _case(rank: int, kind: str, preset: str, share: bool, tp: int, cp: int) -> d
                                       megatron_recompute=None)
         provider = GroupsProvider(cp_config)
         model = _model(lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider), cp=cp, tp=tp,
-                       share=share)
+                       share=share, sp=sp)
         groups = prepare_model(model, settings, provider)
         batch = shard_batch(_batch(with_mask=False), config=cp_config, groups=groups)
         with _cpu_shims() if tp > 1 else contextlib.nullcontext():
@@ -136,9 +143,50 @@ def _refused(fields: dict, tp: int, cp: int) -> str:
     model = _model(lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider), cp=cp, tp=tp,
                    share=False)
     for name, value in fields.items():       # set after construction: Megatron's own checks of some need CUDA
-        setattr(model.output_layer if name == "sequence_parallel" else model.config, name, value)
+        setattr(model.config, name, value)
     try:
         prepare_model(model, settings, provider)
     except ValueError as e:
         return str(e)
     return "accepted"
+
+
+def _sequence_parallel_loss(tokens: int) -> dict:
+    """The output layer and loss under sequence parallelism (megatron-core's local spec refuses sequence parallelism
+    with torch's LayerNorm, so not a whole model on CPU): this TP rank's slice of a seeded [seq, batch, hidden] input,
+    through Megatron's own ``_postprocess`` with ``output_layer.sequence_parallel`` on (it gathers the sequence, then
+    its vocab-parallel cross-entropy), untiled and then tiled; the largest relative differences of the per-token
+    losses and of the gradients (this rank's hidden slice, its output-layer shard) and the output layer's calls."""
+    from megatron.core import parallel_state
+
+    from ctx_plugin.megatron.loss import use_tiled_loss
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp, r = tp_group.size(), tp_group.rank()
+    with _cpu_shims():
+        model = _model(lambda spec: spec, cp=1, tp=tp, share=False)
+    model.output_layer.sequence_parallel = True          # what ColumnParallelLinear sets from config.sequence_parallel
+    model.output_layer.allreduce_dgrad = False
+    g = torch.Generator().manual_seed(17)
+    hidden = torch.randn(SEQ, 2, model.config.hidden_size, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    weights = torch.rand(2, SEQ, generator=g, dtype=torch.float64)
+    local = SEQ // tp
+
+    def run():
+        x = hidden[r * local:(r + 1) * local].clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        calls = []
+        handle = model.output_layer.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+        with _cpu_shims():
+            losses = model._postprocess(hidden_states=x, input_ids=None, position_ids=None, labels=labels,
+                                        rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None)
+            (losses.double() * weights).sum().backward()
+        handle.remove()
+        return losses.detach(), x.grad, model.output_layer.weight.grad.clone(), calls
+
+    want = run()
+    use_tiled_loss(model, tokens)
+    got = run()
+    errors = [((a.double() - b.double()).abs().max() / b.double().abs().max()).item() for a, b in zip(got[:3], want[:3])]
+    return {"errors": errors, "calls": got[3], "untiled_calls": want[3], "shape": list(got[0].shape)}
