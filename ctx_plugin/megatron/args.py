@@ -147,7 +147,11 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
                                 and args.num_query_groups else args.num_attention_heads),
                       ffn=args.ffn_hidden_size or 4 * args.hidden_size, vocab=args.padded_vocab_size,
                       gated=bool(getattr(args, "swiglu", False)),
-                      norm="rms" if getattr(args, "normalization", "LayerNorm") == "RMSNorm" else "layer")
+                      norm="rms" if getattr(args, "normalization", "LayerNorm") == "RMSNorm" else "layer",
+                      family="megatron", attention_bias=bool(getattr(args, "add_bias_linear", False)
+                                                             or getattr(args, "add_qkv_bias", False)),
+                      bias_activation_fusion=bool(getattr(args, "bias_swiglu_fusion" if getattr(args, "swiglu", False)
+                                                          else "bias_gelu_fusion", True)))
     parallel = ParallelSpec(cp=args.context_parallel_size, backend=args.cp_backend,
                             ulysses_size=args.cp_ulysses_size, tp=getattr(args, "tensor_model_parallel_size", 1),
                             sequence_parallel=bool(getattr(args, "sequence_parallel", False)),

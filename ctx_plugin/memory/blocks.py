@@ -10,6 +10,18 @@ kv_w = kv_heads·d per TP rank, f the MLP width:
                 kept), ``LlamaRMSNorm`` keeping an fp32 copy of its input (the input itself in fp32), the
                 normalised input and the product with its weight; cos/sin computed once per forward for the model
                 ([b, s, d]); SwiGLU as two products.
+``megatron``    megatron-core GPT layers from the local spec (``get_gpt_layer_local_spec`` with ctx_plugin's core
+                attention, as :mod:`ctx_plugin.megatron` builds them; ``[s, b, h]``): fused QKV linear whose output
+                (holding v) is kept, and with a QKV bias ``selective`` caches the product too; torch's RMSNorm
+                (CUDA: a fused kernel keeping its input and the fp32 rstd; CPU: a composite keeping fp32 copies) or
+                LayerNorm (statistics in fp32 on CUDA, in the input's type on CPU); unfused RoPE keeping cos and sin
+                for q and for k in every layer; Megatron's fused SwiGLU keeping its input and fc2's
+                (``ModelSpec.bias_activation_fusion``), or the unfused GLU keeping the SiLU output and
+                ``x_linear + offset`` too. Held to measured bytes on CPU (``tests/memory_megatron.py``). Not
+                measured here: Transformer-Engine specs (transformer_engine does not install on this CPU machine;
+                TE's LayerNormLinear and fused RoPE keep other tensors — the estimate describes the local spec),
+                the fused SwiGLU's compiled backward and CUDA's RMSNorm kernel (modelled from their saved tensors),
+                the peak of regions of several layers (``sqrt`` on 3 layers: measured 4–5% above the model), CP > 1.
 
 Per layer under ``none`` (every family): two norms, the attention's kept tensors (the *pins*: q and k after
 RoPE, v, the output and the fp32 LSE — what the context-parallel attention keeps, and what full/sqrt regions
@@ -23,7 +35,9 @@ import torch
 
 from .specs import FAMILIES, ModelSpec, ParallelSpec, ceil_div
 
-__all__ = ["FAMILIES", "LayerTerms", "layer_terms"]
+__all__ = ["DEVICES", "FAMILIES", "LayerTerms", "layer_terms"]
+
+DEVICES = ("cuda", "cpu")
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,12 @@ def _sizes(dtype: torch.dtype) -> tuple[int, int]:
     return e, torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
 
 
-def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, dtype: torch.dtype) -> LayerTerms:
+def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, dtype: torch.dtype,
+                device: str = "cuda") -> LayerTerms:
+    """``device``: where the layers run ("cuda" or "cpu"); only torch's RMSNorm in the megatron family keeps
+    different tensors on each (a fused kernel on CUDA, a composite of elementwise ops on CPU)."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     e, acc = _sizes(dtype)
     n = seq_len // p.cp
     t = micro_batch * n
@@ -84,19 +103,31 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
         return LayerTerms(x=x, none=none, pins=pins, lse=lse, core_extra=0, mlp_inner=inner, selective=selective,
                           sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,
                           shared=2 * t * d * e, head=norm, norm_bwd=4 * t * m.hidden * 4 - t * 4, grad=grad)
-    stats = t * (1 if m.norm == "rms" else 2) * acc
+    megatron = m.family == "megatron"
+    stats_e = e if megatron and device == "cpu" else acc  # torch's LayerNorm keeps its statistics in e on CPU
+    stats = t * (1 if m.norm == "rms" else 2) * stats_e
     norm = x + stats + x                                  # input, statistics, output (the projection's input)
+    x_in_none, norm_bwd = x, (5 if e < 4 else 4) * t * m.hidden * 4
+    if megatron and m.norm == "layer":                    # native_layer_norm_backward: incoming and input gradients
+        norm_bwd = 2 * x
+    if megatron and m.norm == "rms" and device == "cpu":  # fp32 copy (the input itself in fp32), rstd, fp32 x̂, out
+        norm, x_in_none = 2 * t * m.hidden * 4 + t * 4 + x, (x if e == 4 else 0)
+        norm_bwd = (3 if e < 4 else 2) * t * m.hidden * 4 + x      # fp32 temporaries and the incoming gradient
     qkv = t * (q_w + 2 * kv_w) * e
     q_k_out = t * (2 * q_w + kv_w) * e
     if u > 1:
         pins, qkv_extra = t * (3 * q_w + 2 * kv_w * rep) * e + lse, qkv
     else:
         pins, qkv_extra = qkv + q_k_out + lse, 0
-    rope = 2 * n * d * e
+    rope = (4 if megatron else 2) * n * d * e            # Megatron: cos and sin for q and for k, every layer
+    if megatron and m.gated:      # fused SwiGLU keeps its input and fc2's; unfused: SiLU's output, x_linear + offset
+        inner = (3 if m.bias_activation_fusion else 5) * t * f * e
     none = 2 * norm + pins + rope + inner
     matmul_outs = t * (2 * m.hidden + up) * e
     selective = x + qkv_extra + matmul_outs + pins
+    if megatron and m.attention_bias and u == 1:          # the QKV product cached, and its sum with the bias pinned
+        selective += qkv
     return LayerTerms(x=x, none=none, pins=pins, lse=lse, core_extra=qkv + q_k_out - pins + lse,
-                      mlp_inner=inner, selective=selective, sel_working=none - selective + x, x_in_none=x,
+                      mlp_inner=inner, selective=selective, sel_working=none - selective + x, x_in_none=x_in_none,
                       bwd_temps=mlp_temps, mlp_temps=mlp_temps, shared=0, head=norm,
-                      norm_bwd=(5 if e < 4 else 4) * t * m.hidden * 4, grad=grad)
+                      norm_bwd=norm_bwd, grad=grad)

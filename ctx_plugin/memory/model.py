@@ -2,9 +2,10 @@
 memory modifiers.
 
 What each layer keeps is counted tensor by tensor for the block family that runs (:mod:`.blocks`: ctx_plugin's
-own block, Hugging Face Llama/Mistral/Qwen2-style layers), held to the measured byte on CPU in bf16 and fp32
-(``tests/unit/test_memory_blocks.py``), and so is a whole step's activation peak: the most of (a) everything kept
-plus the loss's fp32 logits, log-softmax and its gradient, (b) everything kept plus the final norm's backward
+own block, Hugging Face Llama/Mistral/Qwen2-style layers, megatron-core's GPT layers), held to the measured byte
+on CPU in bf16 and fp32 (``tests/unit/test_memory_blocks.py``), and so is a whole step's activation peak: the most
+of (a) everything kept plus the loss's fp32 logits, log-softmax and its gradient, (b) everything kept plus the final
+norm's backward
 temporaries, (c) during the layers' backward, what the layers not yet done keep, the working set re-materialised
 by the current layer or region (region presets: its layers' ``none`` tensors but the pinned attention and the
 region input; ``mlp``: the MLP's intermediates; ``selective``: the norms and activations), the MLP backward's
@@ -38,11 +39,11 @@ def _chunk(tokens: int, per_chunk: int | None, default: int) -> int:
 
 
 def layer_activations(m: ModelSpec, p: ParallelSpec, recompute: RecomputeConfig, *, seq_len: int,
-                      micro_batch: int, dtype: torch.dtype) -> list[int]:
+                      micro_batch: int, dtype: torch.dtype, device: str = "cuda") -> list[int]:
     """Bytes each layer keeps for backward on one rank (a region's input is charged to its first layer; offloaded
-    tensors are still counted here: :func:`estimate` moves them to ``host``)."""
+    tensors are still counted here: :func:`estimate` moves them to ``host``). ``device``: see :func:`estimate`."""
     recompute = RecomputeConfig.parse(recompute)
-    k = layer_terms(m, p, seq_len, micro_batch, dtype)
+    k = layer_terms(m, p, seq_len, micro_batch, dtype, device)
     tiled = k.mlp_inner if recompute.tile_mlp else 0      # the tiled MLP keeps only its input (kept anyway)
     none = k.none - tiled
     preset = recompute.preset
@@ -189,10 +190,11 @@ def _offloaded(recompute: RecomputeConfig, k, num_layers: int) -> list[int]:
 
 
 def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
-             micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> MemoryEstimate:
+             micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> MemoryEstimate:
     """Memory per GPU of one training step (mixed-precision Adam: params and grads in ``dtype``, fp32 master
     weights and moments; float32 training keeps no master copy), for ``model.family``'s blocks, with the preset's
-    modifiers (tiled loss and MLP, attention recompute, offload)."""
+    modifiers (tiled loss and MLP, attention recompute, offload). ``device="cpu"`` describes the same layers run
+    on CPU (how the model is held to measured bytes: only the megatron family's RMSNorm differs)."""
     recompute = RecomputeConfig.parse(recompute)
     _check(model, parallel, seq_len)
     e = torch.empty((), dtype=dtype).element_size()
@@ -203,8 +205,9 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     params = n_params * e // (shards if z >= 3 else 1)
     grads = n_params * e // (shards if z >= 2 else 1)
     optimizer = n_params * opt_bytes // (shards if z >= 1 else 1)
-    per_layer = layer_activations(model, parallel, recompute, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype)
-    k = layer_terms(model, parallel, seq_len, micro_batch, dtype)
+    per_layer = layer_activations(model, parallel, recompute, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
+                                  device=device)
+    k = layer_terms(model, parallel, seq_len, micro_batch, dtype, device)
     t = micro_batch * seq_len // parallel.cp
     mlp_chunk = _chunk(seq_len // parallel.cp, recompute.mlp_tokens, model.hidden) * micro_batch
     chunk_inner, chunk_temps = k.mlp_inner * mlp_chunk // t, k.mlp_temps * mlp_chunk // t

@@ -95,7 +95,8 @@ def _row(name: str, est: MemoryEstimate, width: int = 16) -> str:
 
 
 _FAMILY_TEXT = {"ctx_plugin": "ctx_plugin's own block (ctx_plugin.models)",
-                "hf": "Hugging Face Llama/Mistral/Qwen2-style layers"}
+                "hf": "Hugging Face Llama/Mistral/Qwen2-style layers",
+                "megatron": "megatron-core GPT layers, local spec"}
 
 
 def run(args: argparse.Namespace) -> int:

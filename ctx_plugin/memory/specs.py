@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..names import Backend, parse_enum
 
-FAMILIES = ("ctx_plugin", "hf")
+FAMILIES = ("ctx_plugin", "hf", "megatron")
 
 
 def _positive(obj, *names: str) -> None:
@@ -42,10 +42,14 @@ class ModelSpec:
     """Input embedding and LM head share one matrix."""
     family: str = "ctx_plugin"
     """Which implementation of the block runs, as it decides the tensors kept for backward
-    (:mod:`ctx_plugin.memory.blocks`): ``"ctx_plugin"`` (``ctx_plugin.models``) or ``"hf"`` (Hugging Face
-    Llama/Mistral/Qwen2-style layers). megatron-core's GPT layers are not described separately yet."""
+    (:mod:`ctx_plugin.memory.blocks`): ``"ctx_plugin"`` (``ctx_plugin.models``), ``"hf"`` (Hugging Face
+    Llama/Mistral/Qwen2-style layers) or ``"megatron"`` (megatron-core's GPT layers, local spec)."""
     attention_bias: bool = False
     """Biases on the q/k/v projections (Qwen2); counted in the parameters."""
+    bias_activation_fusion: bool = True
+    """``megatron`` family: Megatron's fused bias-activation (``bias_swiglu_fusion``/``bias_gelu_fusion``, on by
+    default; its fused SwiGLU keeps only its input). False (``--no-bias-swiglu-fusion``): the unfused GLU keeps
+    the SiLU output and ``x_linear + glu_linear_offset`` too. Other families have no such switch."""
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -57,6 +61,9 @@ class ModelSpec:
             raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        if not self.bias_activation_fusion and self.family != "megatron":
+            raise ValueError("bias_activation_fusion=False describes Megatron's unfused GLU (family='megatron'); "
+                             f"the {self.family} family has no such switch")
         if self.family == "hf" and (self.norm != "rms" or not self.gated):
             raise ValueError("the hf family describes Llama/Mistral/Qwen2-style layers (RMSNorm, SwiGLU); this "
                              "model has " + ("LayerNorm" if self.norm != "rms" else "a plain MLP") +

@@ -67,18 +67,21 @@ def test_entry_point_trains_like_megatron(tmp_path, reference, backend):
 
 
 def _mlp_budget() -> str:
-    """A budget:<GiB> only the mlp preset fits for MODEL at CP 2 (padded vocabulary 128, DP 1, fp32)."""
+    """A budget:<GiB> that resolves to mlp for MODEL with 3 layers at CP 2 (padded vocabulary 128, DP 1, fp32): mlp
+    fits, every preset with less estimated recompute does not (with 2 layers full:block:1 beats mlp on both)."""
     import torch
 
     from ctx_plugin.memory import ModelSpec, ParallelSpec
     from ctx_plugin.memory.model import GiB, estimate
     from ctx_plugin.recompute import candidates, resolve
 
-    model = ModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, gated=False, norm="layer")
+    model = ModelSpec(layers=3, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, gated=False, norm="layer",
+                      family="megatron", attention_bias=True)         # --add-qkv-bias; what args.py describes
     parallel = ParallelSpec(cp=2, backend="zigzag", tp=1, dp=1)
     peaks = sorted(estimate(model, parallel, c, seq_len=32, micro_batch=2, dtype=torch.float32).peak
-                   for c in candidates(2))
-    budget = f"budget:{(peaks[0] + peaks[1]) / 2 / GiB:.9f}"
+                   for c in candidates(3))
+    mlp = estimate(model, parallel, "mlp", seq_len=32, micro_batch=2, dtype=torch.float32).peak
+    budget = f"budget:{(mlp + min(p for p in peaks if p > mlp)) / 2 / GiB:.9f}"
     assert str(resolve(budget, model, parallel, seq_len=32, micro_batch=2, dtype=torch.float32)) == "mlp"
     return budget
 
@@ -87,8 +90,8 @@ def test_entry_point_budget_resolves_once_to_megatrons_mlp(tmp_path):
     """budget:<GiB> is resolved once, with Megatron's padded vocabulary and DP size, to mlp, which Megatron's
     own recompute applies (it used to crash at model construction: the entry point validated its own output).
     Without linear biases: Megatron's mlp recompute hangs on CPU with them."""
-    reference = _run(tmp_path, 1, "--disable-bias-linear", ctx_plugin=False)
-    got = _run(tmp_path, 2, "--disable-bias-linear", "--cp-recompute", _mlp_budget())
+    reference = _run(tmp_path, 1, "--disable-bias-linear", "--num-layers", "3", ctx_plugin=False)
+    got = _run(tmp_path, 2, "--disable-bias-linear", "--num-layers", "3", "--cp-recompute", _mlp_budget())
     _same_losses(got, reference)
     assert got["recompute"] == MEGATRON_FIELDS["mlp"] and got["padded_vocab_size"] == 128
 
