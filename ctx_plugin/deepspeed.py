@@ -31,6 +31,7 @@ from .groups import CPGroups, build_cp_groups
 from .names import Recompute
 from .recompute import RecomputeConfig, apply
 from .recompute.apply import refuse_hf_checkpointing
+from .rules import SettingNames, check_ulysses_size
 from .tiled_loss import lm_loss_sum, upcast
 
 SECTION = "context_parallel"
@@ -72,8 +73,7 @@ def parse_section(section: dict) -> ContextParallelSection:
                          'not say the sequence length the memory model needs); choose the preset with `ctx-plugin '
                          f'memory --model <config.json> --seq-len <tokens> --cp {size} --budget '
                          f'{recompute.budget_gib:g}` (or ctx_plugin.recompute.resolve) and give that preset here')
-    if size % cp_config.ulysses_size:
-        raise ValueError(f'"{SECTION}.ulysses_size" ({cp_config.ulysses_size}) must divide "{SECTION}.size" ({size})')
+    check_ulysses_size(cp_config, size, SettingNames(cp=f'"{SECTION}.size"', ulysses_size=f'"{SECTION}.ulysses_size"'))
     return ContextParallelSection(cp_config=cp_config, size=size, recompute=recompute)
 
 

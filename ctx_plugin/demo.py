@@ -14,7 +14,6 @@ import resource
 import sys
 import time
 from dataclasses import asdict
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,11 +21,10 @@ import torch.distributed as dist
 import ctx_plugin
 from ctx_plugin import recompute
 from ctx_plugin.models import DecoderConfig, DecoderLM
-from ctx_plugin.attention import check_heads
 from ctx_plugin.cliargs import nonnegative_float, output_file, positive_float, positive_int, tokens
-from ctx_plugin.layouts import shard_layout
 from ctx_plugin.names import Backend, Kernel, Recompute
 from ctx_plugin.recompute.presets import RecomputeConfig
+from ctx_plugin.rules import SettingNames, check_split
 
 
 def sample_batch(generator: torch.Generator, batch: int, seq_len: int, vocab: int) -> torch.Tensor:
@@ -98,15 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace, world: int) -> None:
     """``ValueError`` naming the fix for options that cannot run on ``world`` ranks (before any process starts)."""
     cp_config = ctx_plugin.CPConfig(backend=args.backend, kernel=args.kernel, ulysses_size=args.ulysses_size)
-    if cp_config.backend == Backend.ULYSSES_RING and world % cp_config.ulysses_size:
-        raise ValueError(f"--ulysses-size {cp_config.ulysses_size} does not divide --nproc {world}; give a divisor "
-                         f"of {world}")
-    try:
-        shard_layout(cp_config).check_seq_len(args.seq_len, world)
-    except ValueError as e:
-        raise ValueError(f"--seq-len {args.seq_len} over --nproc {world}: {e}") from None
-    u = world if cp_config.backend == Backend.ULYSSES else cp_config.ulysses_size
-    check_heads(MODEL.heads, MODEL.kv_heads, SimpleNamespace(ulysses=SimpleNamespace(size=u), config=cp_config))
+    check_split(cp_config, world, seq_len=args.seq_len, heads=MODEL.heads, kv_heads=MODEL.kv_heads,
+                names=SettingNames(seq_len="--seq-len", cp="--nproc", ulysses_size="--ulysses-size"))
     preset = RecomputeConfig.parse(args.recompute)
     if preset.preset == Recompute.BUDGET:
         raise ValueError("--recompute budget:<GiB> is for real models (ctx_plugin.recompute.resolve picks a preset "

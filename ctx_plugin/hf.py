@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .api import cp_attention, sequence_positions
 from .config import CPConfig
 from .groups import CPGroups
+from .rules import SettingNames, check_heads
 
 HONOURED = {"scaling": "softmax scale (default head_dim**-0.5)",
             "is_causal": "causal or bidirectional (default: the module's is_causal, else causal)",
@@ -185,6 +186,16 @@ def _check_model(model) -> None:
                          f"take each rank's global token positions")
 
 
+def _check_heads(model, cp_config: CPConfig, cp: int) -> None:
+    """The head split (:func:`ctx_plugin.rules.check_heads`) for the model's config, at enable time."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int):
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        check_heads(cp_config, heads, kv, cp, SettingNames(heads="attention heads (num_attention_heads)",
+                                                           kv_heads="num_key_value_heads"))
+
+
 class _InputCheck:
     """Forward pre-hook: refuses inputs ctx_plugin cannot honour. Every rank computes its flags, the CP group sums
     them (one all-reduce of problems × ranks), and every rank raises the same error."""
@@ -258,6 +269,7 @@ def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None
     and checks every forward's inputs on all ranks of the group together. Returns the attention's name."""
     _require_transformers()
     _check_model(model)
+    _check_heads(model, cp_config, groups.size)
     name, fn = _register(cp_config, groups, name)
     fn.modules.update(model.modules())
     model.set_attn_implementation(name)

@@ -61,7 +61,7 @@ def check_seq_len(config: CPConfig, seq_len: int, cp: int, names: SettingNames =
     unit = sequence_unit(config, cp)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0 or seq_len % unit:
         raise ValueError(f"{names.seq_len} must be a positive multiple of {unit}, got {seq_len!r} ({config.backend} "
-                         f"over {cp} rank(s)); pad the sequence (and mask the padding out of the loss) to a "
+                         f"over {names.cp} {cp}); pad the sequence (and mask the padding out of the loss) to a "
                          f"multiple of {unit}")
 
 

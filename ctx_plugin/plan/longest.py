@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import CPConfig
-from ..layouts import shard_layout
 from ..memory.specs import ModelSpec, ParallelSpec
 from ..recompute.presets import RecomputeConfig, candidates
+from ..rules import sequence_unit
 from .cluster import Cluster
 from .predict import Footprint, check_heads_split, predict
 from .prediction import Prediction
@@ -43,8 +43,6 @@ def parallel_layouts(model: ModelSpec, cluster: Cluster, tp_options: Iterable[in
             for backend, u in layouts(cp):
                 parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
                                         dp=cluster.gpus // (tp * cp))
-                if model.heads % (tp * parallel.ulysses):
-                    continue
                 try:
                     check_heads_split(model, parallel)
                 except ValueError:
@@ -55,7 +53,7 @@ def parallel_layouts(model: ModelSpec, cluster: Cluster, tp_options: Iterable[in
 
 def unit(parallels: Iterable[ParallelSpec]) -> int:
     """The least common multiple of the layouts' sequence units."""
-    return math.lcm(*(shard_layout(CPConfig(backend=p.backend, ulysses_size=p.ulysses_size)).unit(p.cp)
+    return math.lcm(*(sequence_unit(CPConfig(backend=p.backend, ulysses_size=p.ulysses_size), p.cp)
                       for p in parallels))
 
 

@@ -46,14 +46,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import check_heads
 from ..config import CPConfig
-from ..groups import CPGroups, RankGroup
 from ..kernels import accum_dtype
 from ..memory.model import MemoryEstimate, estimate, layer_flops, param_count
 from ..memory.specs import ModelSpec, ParallelSpec, ceil_div
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig
+from ..rules import check_heads
 from .cluster import Cluster
 from .costs import (attention_recompute_layers, copy_exposed, mlp_chunks, optimizer_offload, region_layers,
                     tile_mlp_forwards)
@@ -71,13 +70,10 @@ def ring_step(compute_s: float, transfer_s: float) -> float:
 
 
 def check_heads_split(model: ModelSpec, parallel: ParallelSpec) -> None:
-    """ValueError when the Ulysses axis cannot split this model's heads per TP rank (``attention.check_heads``)."""
-    u = parallel.ulysses
-    if u > 1:
-        groups = CPGroups(config=CPConfig(backend=parallel.backend, ulysses_size=parallel.ulysses_size),
-                          cp=RankGroup(None, 0, parallel.cp), ulysses=RankGroup(None, 0, u),
-                          ring=RankGroup(None, 0, parallel.cp // u), device_types=frozenset())
-        check_heads(model.heads // parallel.tp, max(model.kv_heads // parallel.tp, 1), groups)
+    """ValueError when the Ulysses axis cannot split this model's heads per TP rank
+    (:func:`ctx_plugin.rules.check_heads`)."""
+    check_heads(CPConfig(backend=parallel.backend, ulysses_size=parallel.ulysses_size),
+                model.heads // parallel.tp, max(model.kv_heads // parallel.tp, 1), parallel.cp)
 
 
 def _ring(t: int, r: int, c_fwd: float, kv_s: float, dkv_s: float) -> tuple[float, bool, int]:

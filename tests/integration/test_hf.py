@@ -122,6 +122,21 @@ def test_options_it_does_not_implement_are_errors_at_enable(case):
     assert model.config._attn_implementation == "eager"                 # nothing changed
 
 
+@pytest.mark.parametrize("heads,kv_heads,text", [(3, 3, r"there are 3 attention heads \(num_attention_heads\); use a "
+                                                          "context-parallel size that divides 3"),
+                                                 (4, 3, r"needs num_key_value_heads \(3\) to divide 2")])
+def test_heads_ulysses_cannot_split_are_errors_at_enable(heads, kv_heads, text):
+    from ctx_plugin.bench.simulated import simulated_groups
+
+    cfg = ctx_plugin.CPConfig(backend="ulysses", kernel="torch")
+    config = transformers.LlamaConfig(**{**COMMON, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                                         "hidden_size": 24 * heads, "head_dim": 24})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with pytest.raises(ValueError, match=text):
+        cphf.enable(model, cfg, simulated_groups(cfg, 0, 2, None, "cpu"))
+    assert model.config._attn_implementation == "eager"                 # nothing changed
+
+
 @pytest.mark.parametrize("make_config", [lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
                                          lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=False),
                                          lambda: transformers.Gemma3TextConfig(**COMMON, sliding_window=None,

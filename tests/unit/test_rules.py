@@ -33,7 +33,7 @@ def test_messages_name_the_surface_settings():
     with pytest.raises(ValueError, match=r"^--cp-ulysses-size 3 must divide --context-parallel-size 4; valid "
                                          r"--cp-ulysses-size values: \[1, 2, 4\]$"):
         check_ulysses_size(config, 4, MEGATRON)
-    with pytest.raises(ValueError, match=r"^--seq-length must be a positive multiple of 16, got 100 \(zigzag over 8"):
+    with pytest.raises(ValueError, match=r"^--seq-length must be a positive multiple of 16, got 100 \(zigzag over --context-parallel-size 8\)"):
         check_seq_len(CPConfig(), 100, 8, MEGATRON)
 
 
