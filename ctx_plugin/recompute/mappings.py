@@ -7,9 +7,10 @@ from .presets import RecomputeConfig, regions
 
 
 def _apply_instead(config: RecomputeConfig, framework: str, why: str) -> ValueError:
+    loss = " and compute the loss with ctx_plugin.tiled_loss (+tile_loss)" if config.tile_loss else ""
     return ValueError(f"{framework} cannot express recompute preset {config}: {why}; apply it with "
-                      f"ctx_plugin.recompute.apply(layers, {str(config)!r}, groups=...) instead (the ctx_plugin "
-                      f"{framework} integration does this for you)")
+                      f"ctx_plugin.recompute.apply(layers, {str(config.for_layers)!r}, groups=...){loss} instead (the "
+                      f"ctx_plugin {framework} integration does this for you)")
 
 
 def to_megatron(config: RecomputeConfig | str, num_layers: int) -> dict:
