@@ -60,7 +60,7 @@ def _ctx(vocab: int, dtype: torch.dtype, groups):
 
 
 def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, vocab: int = 256,
-            kind: str = "llama") -> dict:
+            kind: str = "llama", batch: int = BATCH) -> dict:
     """Measured and modelled bytes: ``layers`` (kept by the decoder layers) and ``peak`` (a step's activations)."""
     groups = ctx_plugin.build_cp_groups(CFG)
     torch.manual_seed(0)
@@ -69,9 +69,9 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")       # core_attn warns by design
         recompute.apply(layers, preset, groups=groups)
-    x0 = torch.randn(BATCH, seq_len, HIDDEN, dtype=dtype, requires_grad=True)
+    x0 = torch.randn(batch, seq_len, HIDDEN, dtype=dtype, requires_grad=True)
     pos = torch.arange(seq_len)
-    labels = torch.randint(0, vocab, (BATCH * seq_len,))
+    labels = torch.randint(0, vocab, (batch * seq_len,))
     fixed = [*model.parameters(), *model.buffers(), x0, pos]
 
     def only_layers():                # without the final norm: what the layers alone keep
@@ -93,10 +93,11 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
 
     _, peak = step_bytes(step, exclude=[*fixed, *(p.grad for p in model.parameters())])
     m = spec(family, vocab)
-    est = estimate(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=BATCH, dtype=dtype)
-    layers_model = sum(layer_activations(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=BATCH, dtype=dtype))
+    est = estimate(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=batch, dtype=dtype)
+    layers_model = sum(layer_activations(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=batch,
+                                         dtype=dtype))
     if family == "hf":            # HF's model runs the final norm (its output is the result) and builds cos/sin
-        k = layer_terms(m, ParallelSpec(), seq_len, BATCH, dtype)
+        k = layer_terms(m, ParallelSpec(), seq_len, batch, dtype)
         layers_model += k.shared + k.head - k.x
     model_peak = est.activations + max(est.logits_peak, est.recompute_peak + est.cp_buffers)
     return {"activations": est.activations, "layers": kept, "layers_model": layers_model, "peak": peak, "peak_model": model_peak}

@@ -52,10 +52,16 @@ class LayerTerms:
     mlp_inner: int    # the MLP's intermediates (what the mlp preset and +tile_mlp drop)
     selective: int    # kept under selective
     sel_working: int  # re-materialised at once while a selective layer is recomputed
+    sel_mlp: int      # the MLP's part of sel_working (a +tile_mlp layer re-materialises one chunk's instead)
     x_in_none: int    # part of ``none`` that is the layer input itself (not re-materialised by a region's recompute)
     bwd_temps: int    # a layer's backward temporaries at its worst moment (the MLP's), beyond what it kept
     mlp_temps: int    # the MLP backward temporaries alone (per token: scales with a +tile_mlp chunk)
     shared: int       # per-model tensors (HF's cos/sin), once for all layers
+    mlp_weights: int  # the MLP's parameters (their gradients, summed over +tile_mlp's chunks before accumulation)
+    last_weight: int  # the MLP's output projection (the first weight gradient a chunk's backward sums)
+    first_weight: int  # the MLP's largest input projection (fused gate+up, or gate alone; summed last)
+    chunk_copies: int  # contiguous copies of a strided +tile_mlp chunk: of its input by each projection reading it,
+                       # of its output's gradient by backward (chunks of [b, s, h] with b > 1 are strided)
     head: int         # the final norm's kept tensors (the LM head's input among them)
     norm_bwd: int     # the final norm's backward temporaries beyond the kept activations
     grad: int         # the gradient flowing between layers
@@ -87,6 +93,7 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
     inner = (4 if m.gated else 2) * t * f * e
     mlp_temps = 2 * t * f * e if m.gated else t * f * e
     grad = x
+    mlp_weights = (up * m.hidden + f * m.hidden + (0 if m.gated else f + m.hidden)) * e
     if m.family == "hf":
         norm = t * m.hidden * 4 + t * 4 + 2 * x          # fp32 copy (or the input itself), rstd, x̂, x̂·w
         if u > 1:    # head-sharded q, k, v (K/V replicated below u heads), out; the out handed back
@@ -102,7 +109,9 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
         sel_working = 2 * norm + t * f * e * (1 if m.gated else 0) - x_in_none
         return LayerTerms(x=x, none=none, pins=pins, lse=lse, core_extra=0, mlp_inner=inner, selective=selective,
                           sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,
-                          shared=2 * t * d * e, head=norm, norm_bwd=4 * t * m.hidden * 4 - t * 4, grad=grad)
+                          shared=2 * t * d * e, head=norm, norm_bwd=4 * t * m.hidden * 4 - t * 4, grad=grad,
+                          mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
+                          first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e)
     megatron = m.family == "megatron"
     stats_e = e if megatron and device == "cpu" else acc  # torch's LayerNorm keeps its statistics in e on CPU
     stats = t * (1 if m.norm == "rms" else 2) * stats_e
@@ -130,4 +139,7 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
     return LayerTerms(x=x, none=none, pins=pins, lse=lse, core_extra=qkv + q_k_out - pins + lse,
                       mlp_inner=inner, selective=selective, sel_working=none - selective + x, x_in_none=x_in_none,
                       bwd_temps=mlp_temps, mlp_temps=mlp_temps, shared=0, head=norm,
-                      norm_bwd=norm_bwd, grad=grad)
+                      norm_bwd=norm_bwd, grad=grad, mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
+                      first_weight=up * m.hidden * e,
+                      chunk_copies=0 if megatron else 2,     # Megatron's chunks: contiguous ([s, b, h])
+                      sel_mlp=inner - t * up * e)

@@ -66,23 +66,26 @@ def layer_activations(m: ModelSpec, p: ParallelSpec, recompute: RecomputeConfig,
 
 
 def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[int], chunk_inner: int,
-                   chunk_temps: int) -> int:
+                   chunk_temps: tuple[int, int]) -> int:
     """Activations alive at the worst moment of the layers' backward: what the layers not yet done keep, the
-    recomputed working set of the current layer or region, its backward temporaries and the incoming gradient."""
+    recomputed working set of the current layer or region, its backward temporaries and the incoming gradient.
+    ``chunk_temps``: a +tile_mlp chunk's backward temporaries in a layer that is not recomputed, and in one that is
+    (``selective``, regions)."""
     tiled = recompute.tile_mlp
-    inner, temps = (chunk_inner, chunk_temps) if tiled else (0, k.bwd_temps)
+    inner, (temps, temps_rec) = (chunk_inner, chunk_temps) if tiled else (0, (k.bwd_temps,) * 2)
     preset = recompute.preset
-    working = {Recompute.MLP: k.mlp_inner, Recompute.SELECTIVE: k.sel_working}.get(preset, 0) + inner
+    working = {Recompute.MLP: k.mlp_inner, Recompute.SELECTIVE: k.sel_working - (k.sel_mlp if tiled else 0)
+               }.get(preset, 0) + inner
     if preset == Recompute.MLP and tiled:
         working = inner
     kept = sum(per_layer)
-    peak = kept + working + temps + k.grad
-    per_layer_rec = k.none - (k.mlp_inner if tiled else 0) - k.pins + inner
+    peak = kept + working + (temps_rec if preset == Recompute.SELECTIVE else temps) + k.grad
+    per_layer_rec = k.none - (k.mlp_inner if tiled else 0) - k.pins    # a tiled MLP's chunks: one at a time
     if recompute.recompute_attention:
         per_layer_rec += k.pins
     for start, stop in regions(recompute, m.layers):
-        rec = (stop - start) * per_layer_rec - k.x_in_none
-        peak = max(peak, sum(per_layer[:stop]) + rec + temps + k.grad)
+        rec = (stop - start) * per_layer_rec - k.x_in_none + inner
+        peak = max(peak, sum(per_layer[:stop]) + rec + temps_rec + k.grad)
     return peak + k.shared
 
 
@@ -209,8 +212,18 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
                                   device=device)
     k = layer_terms(model, parallel, seq_len, micro_batch, dtype, device)
     t = micro_batch * seq_len // parallel.cp
-    mlp_chunk = _chunk(seq_len // parallel.cp, recompute.mlp_tokens, model.hidden) * micro_batch
+    local = seq_len // parallel.cp
+    mlp_chunk = _chunk(local, recompute.mlp_tokens, model.hidden) * micro_batch
     chunk_inner, chunk_temps = k.mlp_inner * mlp_chunk // t, k.mlp_temps * mlp_chunk // t
+    chunks = -(-t // mlp_chunk)
+    if chunks > 1:     # the last chunk's backward: the earlier chunks' input gradients (joined at the end), the MLP
+        chunk_x = k.x * mlp_chunk // t        # weights' gradients summed over chunks (while the last projection's
+        # and then the first's are summed: the chunk's gradient and the sum), strided chunks' copies
+        chunk_temps = max(chunk_temps, 2 * k.last_weight, 2 * k.first_weight - chunk_inner) + \
+            (chunks - 1) * chunk_x + k.mlp_weights
+    copies = k.chunk_copies if micro_batch > 1 and chunks > 1 else 0     # two fewer in a recomputed layer
+    chunk_temps = (chunk_temps + copies * chunk_x, chunk_temps + max(copies - 2, 0) * chunk_x) if chunks > 1 \
+        else (chunk_temps, chunk_temps)
     offloaded = _offloaded(recompute, k, model.layers)
     gpu_layers = list(per_layer)
     for (start, _), sent in zip(regions(recompute, model.layers), offloaded):
