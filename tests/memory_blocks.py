@@ -2,7 +2,9 @@
 backward, and the activation peak of a whole step (layers, final norm, LM head, cross-entropy, backward)."""
 from __future__ import annotations
 
+import contextlib
 import warnings
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -59,9 +61,35 @@ def _ctx(vocab: int, dtype: torch.dtype, groups):
     return model, layers, run_layers, head
 
 
+@contextlib.contextmanager
+def _device_only():
+    """Offload's host copies are CPU tensors here as everything else: the measuring mode does not count them (they
+    are host memory, read from the offload's own ``held_bytes``); copies back to the device are counted."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from ctx_plugin.memory.measure import _StorageTracker
+    from ctx_plugin.recompute.offload import HostOffload
+
+    to_host = HostOffload._to_host
+
+    def device_only(self, t):
+        host, copied = to_host(self, t)
+        tracker = _get_current_dispatch_mode()
+        if isinstance(tracker, _StorageTracker):
+            key = StorageWeakRef(host.untyped_storage()).cdata
+            tracker.refs.pop(key, None)
+            tracker.ignore.add(key)
+        return host, copied
+
+    with mock.patch.object(HostOffload, "_to_host", device_only):
+        yield
+
+
 def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, vocab: int = 256,
             kind: str = "llama", batch: int = BATCH) -> dict:
-    """Measured and modelled bytes: ``layers`` (kept by the decoder layers) and ``peak`` (a step's activations)."""
+    """Measured and modelled bytes: ``layers`` (kept by the decoder layers on the device), ``peak`` (a step's
+    device activations) and ``host`` (offloaded after the forward)."""
     groups = ctx_plugin.build_cp_groups(CFG)
     torch.manual_seed(0)
     build = _ctx if family == "ctx_plugin" else lambda v, d, g: _hf(kind, v, d, g)
@@ -82,7 +110,10 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
             return x
         return run_layers(x, pos)
 
-    out, kept = saved_bytes(only_layers, exclude=fixed)
+    offload = recompute.host_offload(layers)
+    with _device_only():
+        out, kept = saved_bytes(only_layers, exclude=fixed)
+    host = offload.held_bytes if offload is not None else 0
     out.float().sum().backward()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # gradients accumulate in place: only their per-operator temporaries count
@@ -91,13 +122,16 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
         logits = head(run_layers(x0 * 1.0, pos))
         return F.cross_entropy(logits.flatten(0, 1).float(), labels)
 
-    _, peak = step_bytes(step, exclude=[*fixed, *(p.grad for p in model.parameters())])
+    with _device_only():
+        _, peak = step_bytes(step, exclude=[*fixed, *(p.grad for p in model.parameters())])
     m = spec(family, vocab)
     est = estimate(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=batch, dtype=dtype)
-    layers_model = sum(layer_activations(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=batch,
-                                         dtype=dtype))
+    k = layer_terms(m, ParallelSpec(), seq_len, batch, dtype)
+    layers_model = est.activations - k.shared - k.head         # the layers' on the device (less what is offloaded)
+    assert est.host or layers_model == sum(layer_activations(m, ParallelSpec(), preset, seq_len=seq_len,
+                                                             micro_batch=batch, dtype=dtype))
     if family == "hf":            # HF's model runs the final norm (its output is the result) and builds cos/sin
-        k = layer_terms(m, ParallelSpec(), seq_len, batch, dtype)
         layers_model += k.shared + k.head - k.x
     model_peak = est.activations + max(est.logits_peak, est.recompute_peak + est.cp_buffers)
-    return {"activations": est.activations, "layers": kept, "layers_model": layers_model, "peak": peak, "peak_model": model_peak}
+    return {"activations": est.activations, "layers": kept, "layers_model": layers_model, "peak": peak,
+            "peak_model": model_peak, "host": host, "host_model": est.host}

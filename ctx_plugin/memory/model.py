@@ -11,8 +11,10 @@ by the current layer or region (region presets: its layers' ``none`` tensors but
 region input; ``mlp``: the MLP's intermediates; ``selective``: the norms and activations), the MLP backward's
 temporaries and the incoming gradient. Modifiers: ``+tile_loss`` (one chunk's logits), ``+tile_mlp`` (no MLP
 intermediates kept; one chunk's in backward), ``+recompute_attn`` (regions keep only their input; the attention
-runs twice per step), ``+offload`` / ``+offload_attn`` (region inputs, and pins, in ``host`` memory; two regions
-back on the GPU during backward).
+runs twice per step), ``+offload`` / ``+offload_attn`` (region inputs, and pins by elements, in ``host`` memory;
+during a region's backward its copies back — its input only while recomputed, unless a norm keeps it — and the
+previous region's, prefetched). Held to measured bytes as the presets are (``+tile_mlp``: the last chunk's backward
+with the earlier chunks' input gradients and the MLP weights' gradients summed over chunks).
 """
 from __future__ import annotations
 
@@ -66,11 +68,11 @@ def layer_activations(m: ModelSpec, p: ParallelSpec, recompute: RecomputeConfig,
 
 
 def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[int], chunk_inner: int,
-                   chunk_temps: tuple[int, int]) -> int:
+                   chunk_temps: tuple[int, int], in_flight: list[int]) -> int:
     """Activations alive at the worst moment of the layers' backward: what the layers not yet done keep, the
     recomputed working set of the current layer or region, its backward temporaries and the incoming gradient.
     ``chunk_temps``: a +tile_mlp chunk's backward temporaries in a layer that is not recomputed, and in one that is
-    (``selective``, regions)."""
+    (``selective``, regions). ``in_flight``: offloaded bytes back on the device while each region runs backward."""
     tiled = recompute.tile_mlp
     inner, (temps, temps_rec) = (chunk_inner, chunk_temps) if tiled else (0, (k.bwd_temps,) * 2)
     preset = recompute.preset
@@ -83,9 +85,9 @@ def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[
     per_layer_rec = k.none - (k.mlp_inner if tiled else 0) - k.pins    # a tiled MLP's chunks: one at a time
     if recompute.recompute_attention:
         per_layer_rec += k.pins
-    for start, stop in regions(recompute, m.layers):
+    for (start, stop), back in zip(regions(recompute, m.layers), in_flight or [0] * m.layers):
         rec = (stop - start) * per_layer_rec - k.x_in_none + inner
-        peak = max(peak, sum(per_layer[:stop]) + rec + temps_rec + k.grad)
+        peak = max(peak, sum(per_layer[:stop]) + rec + temps_rec + k.grad + back)
     return peak + k.shared
 
 
@@ -184,12 +186,14 @@ def _check(model: ModelSpec, parallel: ParallelSpec, seq_len: int) -> None:
         raise ValueError(f"heads ({model.heads}) must divide by tp × Ulysses size ({parallel.tp * parallel.ulysses})")
 
 
-def _offloaded(recompute: RecomputeConfig, k, num_layers: int) -> list[int]:
-    """Bytes each region sends to host memory (its input, and its layers' pinned attention with offload_attn)."""
+def _offloaded(recompute: RecomputeConfig, k, num_layers: int) -> list[tuple[int, int]]:
+    """(host bytes, device bytes freed) of each region: its input, and its layers' pinned attention with
+    offload_attn (copied by elements; on the device whole storages go, as the QKV output v is a view of)."""
     if recompute.offload_gib is None:
         return []
-    pins = k.pins if recompute.offload_attention else 0
-    return [k.x + (stop - start) * pins for start, stop in regions(recompute, num_layers)]
+    pins = (k.pins_host, k.pins) if recompute.offload_attention else (0, 0)
+    return [(k.x + (stop - start) * pins[0], k.x + (stop - start) * pins[1])
+            for start, stop in regions(recompute, num_layers)]
 
 
 def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
@@ -226,11 +230,13 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
         else (chunk_temps, chunk_temps)
     offloaded = _offloaded(recompute, k, model.layers)
     gpu_layers = list(per_layer)
-    for (start, _), sent in zip(regions(recompute, model.layers), offloaded):
-        gpu_layers[start] -= sent
-    in_flight = sum(sorted(offloaded)[-2:])        # in backward: the region being recomputed and the one prefetched
+    for (start, _), (_, freed) in zip(regions(recompute, model.layers), offloaded):
+        gpu_layers[start] -= freed
+    host = [sent for sent, _ in offloaded]     # in a region's backward: its copies back (its input only while the
+    in_flight = [sent - k.x + k.x_in_none + (host[j - 1] if j else 0)    # recomputation, unless a norm keeps it)
+                 for j, sent in enumerate(host)]                         # and the previous region's, prefetched
     activations = sum(gpu_layers) + k.shared + k.head
-    backward = _backward_peak(model, recompute, k, gpu_layers, chunk_inner, chunk_temps) + in_flight
+    backward = _backward_peak(model, recompute, k, gpu_layers, chunk_inner, chunk_temps, in_flight)
     spans = [stop - start for start, stop in regions(recompute, model.layers)]
     full_step, mlp, attn = layer_flops(model, parallel, t, seq_len)
     step = 3 * model.layers * (full_step + attn)
@@ -249,7 +255,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
                           per_layer=per_layer, recompute_peak=max(backward - activations, k.norm_bwd, 0),
                           cp_buffers=_cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc),
                           logits_peak=loss_tokens * vocab * 3 * acc, recompute_fraction=extra / step,
-                          host=sum(offloaded),
+                          host=sum(host),
                           host_budget=None if recompute.offload_gib is None else int(recompute.offload_gib * GiB),
                           attention_passes=passes, family=model.family)
 

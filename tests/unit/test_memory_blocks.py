@@ -82,3 +82,17 @@ def test_megatron_gpt_layers(megatron_results):
     for case in MEGATRON_KEPT:
         r = megatron_results[_key(case)]
         assert r["layers_model"] == r["layers"], f"{case} kept: model {r['layers_model']} vs measured {r['layers']}"
+
+
+@pytest.mark.parametrize("case", ["hf-full+offload:1-bf16", "hf-sqrt+offload_attn:1-fp32",
+                                  "hf-full:block:2+offload_attn:1-bf16", "ctx_plugin-full+offload_attn:1-bf16",
+                                  "ctx_plugin-sqrt+offload:1-fp32"])
+def test_offload(case):
+    """+offload / +offload_attn (ctx_plugin.recompute.offload, CPU copies as on CUDA): bytes the layers keep on the
+    device (exact), host bytes after the forward (exact: region inputs, and the attention's q, k, v, out, LSE by
+    elements — ctx_plugin's v is a view of the QKV output, whose whole storage leaves the device), and the device
+    peak within 3% (exact in practice: a region's copies back and the previous region's, prefetched)."""
+    family, preset, dtype = case.split("-")
+    r = measure(family, preset, DTYPES[dtype], vocab=16)
+    assert r["host"] > 0 and r["host_model"] == r["host"], f"{case} host: model {r['host_model']} vs {r['host']}"
+    _check(r, case)

@@ -135,7 +135,8 @@ def test_modifiers():
     x = (1 << 20) // 8 * 4096 * 2                                        # one region input, bf16
     assert off.host == 32 * x and off.fits_host and full.host == 0
     assert full.activations - off.activations == 32 * x                  # all on the host after the forward ...
-    assert off.recompute_peak >= full.recompute_peak + 2 * x             # ... two back in flight in backward
+    assert off.recompute_peak == full.recompute_peak + x                 # ... in backward: the previous region's
+    #  input prefetched while the current one's is freed after its recomputation (HF's bf16 norms keep fp32 copies)
     both = estimate(HF_LLAMA, P8, "full+offload_attn:40", **MODS)
     assert both.host > off.host and not both.fits_host                   # pins too: over the 40 GiB budget
     assert both.peak < off.peak < full.peak
