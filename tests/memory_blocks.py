@@ -24,7 +24,7 @@ def spec(family: str, vocab: int, **kw) -> ModelSpec:
                      family=family, **kw)
 
 
-def _hf(kind: str, vocab: int, dtype: torch.dtype, groups):
+def _hf(kind: str, vocab: int, dtype: torch.dtype, groups, cfg=CFG):
     import transformers
     import ctx_plugin.hf
 
@@ -36,7 +36,7 @@ def _hf(kind: str, vocab: int, dtype: torch.dtype, groups):
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     model = model.to(dtype).train()
-    ctx_plugin.hf.enable(model, CFG, groups)
+    ctx_plugin.hf.enable(model, cfg, groups)
     layers = model.model.layers
 
     def run_layers(x, pos):
