@@ -54,7 +54,8 @@ def _model(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: bool,
     return model
 
 
-def _measure(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: bool, gated: bool) -> dict:
+def _measure(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: bool, gated: bool,
+             step: bool = True) -> dict:
     from ctx_plugin.memory import ParallelSpec, estimate, layer_activations, saved_bytes
     from ctx_plugin.memory.measure import step_bytes
 
@@ -71,6 +72,11 @@ def _measure(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: boo
         return x
 
     out, kept = saved_bytes(only_layers, exclude=fixed)
+    m = spec(vocab, norm, fusion, gated)
+    kw = dict(seq_len=SEQ, micro_batch=BATCH, dtype=dtype, device="cpu")
+    layers_model = sum(layer_activations(m, ParallelSpec(), preset, **kw))
+    if not step:      # (a fused activation's backward would compile with torch.compile: seconds)
+        return {"layers": kept, "layers_model": layers_model}
     out.float().sum().backward()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -81,20 +87,20 @@ def _measure(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: boo
         return F.cross_entropy(logits.flatten(0, 1).float(), labels)
 
     _, peak = step_bytes(step, exclude=[*fixed, *(p.grad for p in model.parameters())])
-    m = spec(vocab, norm, fusion, gated)
-    kw = dict(seq_len=SEQ, micro_batch=BATCH, dtype=dtype, device="cpu")
     est = estimate(m, ParallelSpec(), preset, **kw)
-    return {"layers": kept, "layers_model": sum(layer_activations(m, ParallelSpec(), preset, **kw)), "peak": peak,
+    return {"layers": kept, "layers_model": layers_model, "peak": peak,
             "peak_model": est.activations + max(est.logits_peak, est.recompute_peak + est.cp_buffers)}
 
 
 def measure_cases(rank: int, world: int, payload: dict) -> dict:
-    """``payload["cases"]``: (preset, dtype name, vocab, norm, fused activation, gated) tuples."""
+    """``payload["cases"]``: (preset, dtype name, vocab, norm, fused activation, gated) tuples measured with a step,
+    ``payload["kept_only"]``: the same, measuring only what the layers keep."""
     from megatron.core import parallel_state
 
     warnings.filterwarnings("ignore")
     parallel_state.initialize_model_parallel()
     try:
-        return {"|".join(map(str, case)): _measure(case[0], DTYPES[case[1]], *case[2:]) for case in payload["cases"]}
+        return {"|".join(map(str, case)): _measure(case[0], DTYPES[case[1]], *case[2:], step=step)
+                for step, key in ((True, "cases"), (False, "kept_only")) for case in payload.get(key, [])}
     finally:
         parallel_state.destroy_model_parallel()

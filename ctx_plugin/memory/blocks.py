@@ -21,7 +21,9 @@ kv_w = kv_heads·d per TP rank, f the MLP width:
                 measured here: Transformer-Engine specs (transformer_engine does not install on this CPU machine;
                 TE's LayerNormLinear and fused RoPE keep other tensors — the estimate describes the local spec),
                 the fused SwiGLU's compiled backward and CUDA's RMSNorm kernel (modelled from their saved tensors),
-                the peak of regions of several layers (``sqrt`` on 3 layers: measured 4–5% above the model), CP > 1.
+                the peak of regions of several layers (``sqrt`` on 3 layers: measured 4–5% above the model), CP > 1,
+                and ``+recompute_attn``, under which megatron-core layers measured keep each region's recomputed
+                tensors until backward ends (the peak grows by ~1.6 × the pins per layer; not modelled).
 
 Per layer under ``none`` (every family): two norms, the attention's kept tensors (the *pins*: q and k after
 RoPE, v, the output and the fp32 LSE — what the context-parallel attention keeps, and what full/sqrt regions
@@ -108,7 +110,8 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
         v_shared = t * kv_w * e if u == 1 else 0
         selective = x + t * (q_w + 2 * kv_w) * e + 2 * x + t * up * e + pins - v_shared
         sel_working = 2 * norm + t * f * e * (1 if m.gated else 0) - x_in_none
-        return LayerTerms(x=x, none=none, pins=pins, pins_host=pins, lse=lse, core_extra=0, mlp_inner=inner, selective=selective,
+        return LayerTerms(x=x, none=none, pins=pins, pins_host=pins, lse=lse, core_extra=0, mlp_inner=inner,
+                          selective=selective,
                           sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,
                           shared=2 * t * d * e, head=norm, norm_bwd=4 * t * m.hidden * 4 - t * 4, grad=grad,
                           mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
