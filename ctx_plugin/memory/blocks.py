@@ -21,9 +21,10 @@ kv_w = kv_heads·d per TP rank, f the MLP width:
                 measured here: Transformer-Engine specs (transformer_engine does not install on this CPU machine;
                 TE's LayerNormLinear and fused RoPE keep other tensors — the estimate describes the local spec),
                 the fused SwiGLU's compiled backward and CUDA's RMSNorm kernel (modelled from their saved tensors),
-                the peak of regions of several layers (``sqrt`` on 3 layers: measured 4–5% above the model), CP > 1,
-                and ``+recompute_attn``, under which megatron-core layers measured keep each region's recomputed
-                tensors until backward ends (the peak grows by ~1.6 × the pins per layer; not modelled).
+                CP > 1, and two cases where megatron-core layers measured keep recomputed tensors of a finished
+                region into the next one's backward (not modelled): several multi-layer regions (``sqrt`` on 3
+                layers: peak 4–5% above the model; ``full:uniform:2`` on 4: 12%; one region of any size is exact)
+                and ``+recompute_attn`` (the peak grows by ~1.6 × the pins per layer).
 
 Per layer under ``none`` (every family): two norms, the attention's kept tensors (the *pins*: q and k after
 RoPE, v, the output and the fp32 LSE — what the context-parallel attention keeps, and what full/sqrt regions
