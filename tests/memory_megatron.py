@@ -14,14 +14,14 @@ HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, BATCH, SEQ = 64, 160, 3, 4, 2, 2, 64
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def spec(vocab: int, norm: str, fusion: bool, gated: bool = True):
+def spec(vocab: int, norm: str, fusion: bool, gated: bool = True, layers: int = LAYERS):
     from ctx_plugin.memory import ModelSpec
 
-    return ModelSpec(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN, vocab=vocab,
+    return ModelSpec(layers=layers, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN, vocab=vocab,
                      family="megatron", norm=norm, gated=gated, bias_activation_fusion=fusion, attention_bias=True)
 
 
-def _model(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: bool, gated: bool):
+def _model(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: bool, gated: bool, layers: int = LAYERS):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -34,7 +34,7 @@ def _model(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: bool,
 
     normalization = "RMSNorm" if norm == "rms" else "LayerNorm"
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=KV_HEADS,
+        num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=KV_HEADS,
         ffn_hidden_size=FFN, use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
         add_bias_linear=not gated, add_qkv_bias=True, init_method_std=0.1, normalization=normalization,
         gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu, bias_activation_fusion=fusion,
@@ -55,11 +55,11 @@ def _model(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: bool,
 
 
 def _measure(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: bool, gated: bool,
-             step: bool = True) -> dict:
+             step: bool = True, layers: int = LAYERS) -> dict:
     from ctx_plugin.memory import ParallelSpec, estimate, layer_activations, saved_bytes
     from ctx_plugin.memory.measure import step_bytes
 
-    model = _model(preset, dtype, vocab, norm, fusion, gated)
+    model = _model(preset, dtype, vocab, norm, fusion, gated, layers)
     rope = model.rotary_pos_emb(SEQ)
     x0 = torch.randn(SEQ, BATCH, HIDDEN, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (SEQ * BATCH,))
@@ -72,7 +72,7 @@ def _measure(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: boo
         return x
 
     out, kept = saved_bytes(only_layers, exclude=fixed)
-    m = spec(vocab, norm, fusion, gated)
+    m = spec(vocab, norm, fusion, gated, layers)
     kw = dict(seq_len=SEQ, micro_batch=BATCH, dtype=dtype, device="cpu")
     layers_model = sum(layer_activations(m, ParallelSpec(), preset, **kw))
     if not step:      # (a fused activation's backward would compile with torch.compile: seconds)

@@ -94,9 +94,10 @@ class _Region:
     (``+recompute_attn``): the attention is part of the region, re-run (communication included) with it.
     ``policy``: the selective policy (``selective`` regions only)."""
 
-    def __init__(self, forwards: list, pins: AttentionPins, selective: bool, *, pinned: bool = True,
+    def __init__(self, layers: list[nn.Module], pins: AttentionPins, selective: bool, *, pinned: bool = True,
                  policy=None, offload: HostOffload | None = None) -> None:
-        self.forwards, self.pins, self.selective, self.pinned = forwards, pins, selective, pinned
+        self.layers, self.forwards = layers, [layer.forward for layer in layers]
+        self.pins, self.selective, self.pinned = pins, selective, pinned
         self.offload = offload          # +offload/+offload_attn: the region's input (and attention) in host memory
         self.policy = policy if policy is not None else partial(_selective_policy, pins)
         self.last = None
@@ -115,8 +116,9 @@ class _Region:
 
     def _body(self, *args, **kwargs):
         out = None
-        for fwd in self.forwards:
-            out = fwd(*args, **kwargs)
+        for layer, fwd in zip(self.layers, self.forwards):
+            with _restored_if_cut_short(layer):
+                out = fwd(*args, **kwargs)
             args, kwargs = _with_input(_hidden(out), args, kwargs)
         return out
 
@@ -143,6 +145,30 @@ class _Region:
         if position == len(self.forwards) - 1:
             self.last = None
         return hidden if isinstance(out, torch.Tensor) else (hidden, *out[1:])
+
+
+@contextmanager
+def _restored_if_cut_short(layer: nn.Module):
+    """Undoes what a layer's forward assigned to the layer's own attributes when it does not finish.
+
+    PyTorch's non-reentrant checkpoint stops a region's recomputation once it has re-made the last tensor backward
+    needs (early stop: an exception raised inside the layer's forward), so the end of the last layer's forward never
+    runs again in backward. A layer that keeps an intermediate tensor on itself until its forward ends would keep
+    the recomputed tensor, and the recomputed autograd graph behind it, alive until its next forward: megatron-core's
+    ``TransformerLayer`` holds the hidden states after attention in ``self.mlp_norm_manager`` from its pre-MLP norm
+    until after the MLP's residual add, which kept a finished region's recomputed attention (norm, QKV, RoPE'd q/k,
+    output, LSE) and, through the residual, its earlier layers, into every later region's backward. Only the
+    layer's own ``__dict__`` is restored (its submodules' state and their hooks' bookkeeping, e.g. ZeRO-3's, are
+    untouched; the layer's own hooks do not run inside a region)."""
+    before = dict(vars(layer))
+    try:
+        yield
+    except BaseException:
+        state = vars(layer)
+        for name in [name for name in state if name not in before]:
+            del state[name]
+        state.update(before)
+        raise
 
 
 def _aliases(out: torch.Tensor, x) -> bool:
@@ -267,11 +293,11 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
     if preset == Recompute.SELECTIVE:
         policy = partial(_tiled_selective_policy, tiling, groups.pins) if config.tile_mlp else None
         for i, layer in enumerate(layers):
-            patch(layer, _Region([layer.forward], groups.pins, selective=True, policy=policy).run, index=i)
+            patch(layer, _Region([layer], groups.pins, selective=True, policy=policy).run, index=i)
         return
     offload = HostOffload.from_config(config)      # one host budget for the whole stack
     for start, stop in regions(config, len(layers)):      # full, full:uniform:N, full:block:N, sqrt
-        region = _Region([layer.forward for layer in layers[start:stop]], groups.pins, selective=False,
+        region = _Region(layers[start:stop], groups.pins, selective=False,
                          pinned=not config.recompute_attention, offload=offload)
         attach(layers[start:stop], offload)
         patch(layers[start], region.run, index=start)
