@@ -20,11 +20,10 @@ kv_w = kv_heads·d per TP rank, f the MLP width:
                 ``x_linear + offset`` too. Held to measured bytes on CPU (``tests/memory_megatron.py``). Not
                 measured here: Transformer-Engine specs (transformer_engine does not install on this CPU machine;
                 TE's LayerNormLinear and fused RoPE keep other tensors — the estimate describes the local spec),
-                the fused SwiGLU's compiled backward and CUDA's RMSNorm kernel (modelled from their saved tensors),
-                CP > 1, and two cases where megatron-core layers measured keep recomputed tensors of a finished
-                region into the next one's backward (not modelled): several multi-layer regions (``sqrt`` on 3
-                layers: peak 4–5% above the model; ``full:uniform:2`` on 4: 12%; one region of any size is exact)
-                and ``+recompute_attn`` (the peak grows by ~1.6 × the pins per layer).
+                the fused SwiGLU's compiled backward and CUDA's RMSNorm kernel (modelled from their saved tensors)
+                and CP > 1. Regions of several layers and ``+recompute_attn`` are exact too: ctx_plugin's regions
+                undo what megatron-core's ``TransformerLayer`` keeps on itself (``mlp_norm_manager``) when PyTorch
+                cuts a recomputation short (``tests/unit/test_recompute_cut_short.py``).
 
 Per layer under ``none`` (every family): two norms, the attention's kept tensors (the *pins*: q and k after
 RoPE, v, the output and the fp32 LSE — what the context-parallel attention keeps, and what full/sqrt regions

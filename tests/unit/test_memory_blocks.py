@@ -77,8 +77,8 @@ def test_megatron_gpt_layers(megatron_results):
     """megatron-core GPT layers (local spec, ctx_plugin's core attention, QKV biases, GQA; RMSNorm and LayerNorm,
     SwiGLU): kept bytes exact and the step peak within 3% with Megatron's unfused GLU (eager, as on every device);
     kept bytes exact with its fused SwiGLU (its backward runs eagerly under the measuring dispatch mode, not as the
-    compiled kernel the model describes), a plain GeLU MLP and sqrt's two-layer regions (whose peak is 4–5% above
-    the model's on megatron-core layers, not yet explained)."""
+    compiled kernel the model describes), a plain GeLU MLP and sqrt's two-layer regions (their peak, and what is
+    alive during backward, in tests/unit/test_recompute_cut_short.py)."""
     for case in MEGATRON_PEAK:
         _check(megatron_results[_key(case)], case)
     for case in MEGATRON_KEPT:
