@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import CPConfig
-from ..layouts import shard_layout
 from ..names import Backend, Kernel, Recompute
 from ..recompute import RecomputeConfig, to_megatron
+from ..rules import SettingNames, check_heads, check_seq_len, check_ulysses_size
 
 _USAGE = {
     Backend.RING: "contiguous shards; non-causal",
@@ -24,6 +24,11 @@ _USAGE = {
     Backend.ULYSSES_RING: "Ulysses inside --cp-ulysses-size ranks, zigzag ring across them",
     Backend.ALLGATHER: "all-gather K/V, one softmax per query chunk (GQA)",
 }
+
+
+_NAMES = SettingNames(seq_len="--seq-length", cp="--context-parallel-size", ulysses_size="--cp-ulysses-size",
+                      heads="attention heads per tensor-parallel rank",
+                      kv_heads="--num-query-groups per tensor-parallel rank")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -81,8 +86,7 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
         raise ValueError(f"--cp-backend/--cp-ulysses-size/--cp-kernel: {e}") from None
     cp = args.context_parallel_size
     tp = getattr(args, "tensor_model_parallel_size", 1)
-    if cp % cp_config.ulysses_size:
-        raise ValueError(f"--cp-ulysses-size {cp_config.ulysses_size} must divide --context-parallel-size {cp}")
+    check_ulysses_size(cp_config, cp, _NAMES)
     backend = _value(getattr(args, "attention_backend", "auto"))
     if backend != "auto":
         raise ValueError(f"--attention-backend {backend} would replace ctx_plugin's core attention with Megatron's; "
@@ -99,18 +103,8 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     heads = args.num_attention_heads // tp
     kv_heads = (args.num_query_groups if getattr(args, "group_query_attention", False) and args.num_query_groups
                 else args.num_attention_heads) // tp
-    u = cp if cp_config.backend == Backend.ULYSSES else cp_config.ulysses_size
-    if u > 1 and heads % u:
-        raise ValueError(f"Ulysses over {u} ranks needs the attention heads per tensor-parallel rank ({heads}) to be "
-                         f"divisible by {u}; change --context-parallel-size/--cp-ulysses-size or "
-                         f"--tensor-model-parallel-size")
-    if u > 1 and kv_heads % u and u % kv_heads:
-        raise ValueError(f"Ulysses over {u} ranks needs the query groups per tensor-parallel rank ({kv_heads}) to "
-                         f"divide {u} or be divisible by it; change --num-query-groups or the Ulysses size")
-    unit = shard_layout(cp_config).unit(cp)
-    if args.seq_length % unit:
-        raise ValueError(f"--seq-length {args.seq_length} must be a multiple of {unit} for --cp-backend "
-                         f"{cp_config.backend} over --context-parallel-size {cp}")
+    check_seq_len(cp_config, args.seq_length, cp, _NAMES)
+    check_heads(cp_config, heads, max(kv_heads, 1), cp, _NAMES)
     if getattr(args, "attention_dropout", 0.0):
         raise ValueError(f"ctx_plugin's attention has no dropout; set --attention-dropout 0 "
                          f"(got {args.attention_dropout})")

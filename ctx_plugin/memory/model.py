@@ -22,14 +22,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..config import CPConfig
-from ..layouts import shard_layout
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig, candidates, regions
+from ..rules import SettingNames, check_heads, check_seq_len
 from ..tiled_loss import auto_tokens
 from .blocks import layer_terms
 from .specs import ModelSpec, ParallelSpec, ceil_div
 
+_NAMES = SettingNames(cp="cp", heads="query heads per tensor-parallel rank",
+                      kv_heads="K/V heads per tensor-parallel rank")
 GiB = 2**30
 _REGIONS = (Recompute.FULL, Recompute.SQRT)
 
@@ -178,12 +179,11 @@ class MemoryEstimate:
 def _check(model: ModelSpec, parallel: ParallelSpec, seq_len: int) -> None:
     if not isinstance(model, ModelSpec) or not isinstance(parallel, ParallelSpec):
         raise TypeError("estimate(model=ModelSpec, parallel=ParallelSpec, ...)")
-    unit = shard_layout(CPConfig(backend=parallel.backend, ulysses_size=parallel.ulysses_size)).unit(parallel.cp)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1 or seq_len % unit:
-        raise ValueError(f"seq_len must be a positive multiple of {unit} ({parallel.backend} over cp={parallel.cp}), "
-                         f"got {seq_len!r}")
-    if model.heads % (parallel.tp * parallel.ulysses):
-        raise ValueError(f"heads ({model.heads}) must divide by tp × Ulysses size ({parallel.tp * parallel.ulysses})")
+    check_seq_len(parallel.cp_config, seq_len, parallel.cp, _NAMES)
+    if model.heads % parallel.tp:
+        raise ValueError(f"heads ({model.heads}) must divide by tp ({parallel.tp})")
+    check_heads(parallel.cp_config, model.heads // parallel.tp, max(model.kv_heads // parallel.tp, 1), parallel.cp,
+                _NAMES)
 
 
 def _offloaded(recompute: RecomputeConfig, k, num_layers: int) -> list[tuple[int, int]]:

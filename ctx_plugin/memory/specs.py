@@ -6,7 +6,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import CPConfig
 from ..names import Backend, parse_enum
+from ..rules import SettingNames, check_ulysses_size
+
+_NAMES = SettingNames(cp="cp")
 
 FAMILIES = ("ctx_plugin", "hf", "megatron")
 
@@ -145,10 +149,14 @@ class ParallelSpec:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
         if self.backend == Backend.ULYSSES_RING:
-            if self.cp % self.ulysses_size:
-                raise ValueError(f"ulysses_size ({self.ulysses_size}) must divide cp ({self.cp})")
+            check_ulysses_size(self.cp_config, self.cp, _NAMES)
         elif self.ulysses_size != 1:
             raise ValueError("ulysses_size applies to backend='ulysses_ring' only")
+
+    @property
+    def cp_config(self) -> CPConfig:
+        """The attention configuration of this layout (what the split rules of :mod:`ctx_plugin.rules` check)."""
+        return CPConfig(backend=self.backend, ulysses_size=self.ulysses_size)
 
     @property
     def ulysses(self) -> int:

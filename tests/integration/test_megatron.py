@@ -113,10 +113,13 @@ BAD = [
     (["--cp-ulysses-size", "2"], ValueError, "applies to backend='ulysses_ring' only"),
     (["--context-parallel-size", "2", "--attention-backend", "local"], ValueError, "--attention-backend local"),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a"], ValueError, "--cp-comm-type a2a conflicts"),
-    (["--context-parallel-size", "16", "--cp-backend", "ulysses"], ValueError, "heads per tensor-parallel rank (8)"),
+    (["--context-parallel-size", "16", "--cp-backend", "ulysses"], ValueError,
+     "Ulysses splits heads over 16 ranks, but there are 8 attention heads per tensor-parallel rank; use a "
+     "--context-parallel-size that divides 8"),
     (["--context-parallel-size", "4", "--cp-backend", "ulysses", "--group-query-attention", "--num-query-groups",
       "3"], None, None),
-    (["--context-parallel-size", "3", "--seq-length", "4096"], ValueError, "--seq-length 4096 must be a multiple of 6"),
+    (["--context-parallel-size", "3", "--seq-length", "4096"], ValueError,
+     "--seq-length must be a positive multiple of 6, got 4096"),
     (["--cp-recompute", "full", "--recompute-granularity", "full"], ValueError, "both set what to recompute"),
     (["--cp-recompute", "full:sideways:2"], ValueError, "method must be one of"),
     (["--attention-dropout", "0.1"], ValueError, "set --attention-dropout 0 (got 0.1)"),
@@ -144,7 +147,7 @@ def test_bad_flag_combinations(monkeypatch, flags, error, message):
     except SystemExit:
         pytest.fail(f"Megatron's parser rejected {flags}")
     if error is None:      # num_query_groups 3 is rejected by Megatron's own validation, not by the parser
-        with pytest.raises(ValueError, match="query groups per tensor-parallel rank"):
+        with pytest.raises(ValueError, match=r"needs --num-query-groups per tensor-parallel rank \(3\) to divide 4"):
             settings_from_args(args)
         return
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):

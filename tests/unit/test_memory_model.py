@@ -51,8 +51,14 @@ def test_spec_validation():
         ParallelSpec(cp=6, backend="ulysses_ring", ulysses_size=4)
     with pytest.raises(ValueError, match="sequence_parallel needs tp > 1"):
         ParallelSpec(sequence_parallel=True)
-    with pytest.raises(ValueError, match=r"seq_len must be a positive multiple of 16 \(zigzag over cp=8\)"):
+    with pytest.raises(ValueError, match=r"seq_len must be a positive multiple of 16, got 1000 \(zigzag over cp 8\)"):
         estimate(LLAMA, ParallelSpec(cp=8), "none", seq_len=1000)
+    six = ModelSpec(layers=2, hidden=48, heads=6, kv_heads=3, ffn=96, vocab=10)      # what cp_attention refuses too
+    with pytest.raises(ValueError, match=r"needs K/V heads per tensor-parallel rank \(3\) to divide 2"):
+        estimate(six, ParallelSpec(cp=2, backend="ulysses"), "none", seq_len=64)
+    with pytest.raises(ValueError, match="there are 6 query heads per tensor-parallel rank; use a cp that divides 6"):
+        estimate(six, ParallelSpec(cp=4, backend="ulysses"), "none", seq_len=64)
+    estimate(six, ParallelSpec(cp=3, backend="ulysses"), "none", seq_len=63)          # 3 K/V heads over 3 ranks
     with pytest.raises(ValueError, match="resolve budget:10 first"):
         estimate(LLAMA, ParallelSpec(), "budget:10", seq_len=1024)
 

@@ -193,8 +193,8 @@ def test_megatron_tokenizer_and_load(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (good(attention_dropout=None), r"no dropout; set --attention-dropout 0 \(got 0\.1\)"),
-    (good(seq_length="30"), r"--seq-length 30 must be a multiple of 4 for --cp-backend zigzag"),
-    (good(context_parallel_size="8", seq_length="24"), "must be a multiple of 16"),
+    (good(seq_length="30"), r"--seq-length must be a positive multiple of 4, got 30 \(zigzag over --context-parallel-size 2\)"),
+    (good(context_parallel_size="8", seq_length="24"), "must be a positive multiple of 16, got 24"),
     (GOOD + ["--cp-backend", "ulysses_ring", "--cp-ulysses-size", "3"], "must divide --context-parallel-size 2"),
     (GOOD + ["--cp-comm-type", "a2a"], "--cp-comm-type a2a conflicts"),
     (GOOD + ["--attention-backend", "flash"], "--attention-backend flash would replace"),
