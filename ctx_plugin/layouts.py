@@ -54,17 +54,9 @@ class Layout(ABC):
     multiple: int = 1
 
     def unit(self, size: int) -> int:
-        """The global sequence length must be a positive multiple of this."""
+        """The global sequence length must be a positive multiple of this (checked by
+        :func:`ctx_plugin.rules.check_seq_len`)."""
         return self.multiple * size
-
-    def check_seq_len(self, seq_len: int, size: int) -> None:
-        """ValueError naming the fix when ``seq_len`` cannot be split over ``size`` ranks."""
-        unit = self.unit(size)
-        if seq_len <= 0 or seq_len % unit:
-            raise ValueError(
-                f"the {self.name} layout over {size} rank(s) needs a sequence length that is a positive multiple "
-                f"of {unit}, got {seq_len}; pad the sequence (and mask the padding out of the loss) to a multiple "
-                f"of {unit}")
 
     @abstractmethod
     def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
