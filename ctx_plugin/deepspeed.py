@@ -12,69 +12,25 @@
 The section is ``{"backend", "size", "ulysses_size", "kernel", "recompute", "check_ranks"}`` (``check_ranks``:
 ``CPConfig.check_ranks``, default true). The world is split into groups of ``size`` consecutive ranks sharing
 each sequence; DeepSpeed's data-parallel group (ZeRO partitioning, gradient averaging) is all data × context
-ranks, handed to it as ``mpu``.
+ranks, handed to it as ``mpu``. The section's parsing lives in :mod:`ctx_plugin.deepspeed_config`, batches and
+losses in :mod:`ctx_plugin.deepspeed_data`; their public names are importable from here.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from . import hf, hf_loss
-from .api import shard_sequence
-from .config import CPConfig
+from .deepspeed_config import (SECTION, ContextParallelSection, _load_config, _refuse_patched_linear, _zero_config,
+                               batch_sizes, parse_section)
+from .deepspeed_data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, tiled_causal_lm_loss
 from .groups import CPGroups, build_cp_groups
 from .names import Recompute
 from .recompute import RecomputeConfig, apply
 from .recompute.apply import refuse_hf_checkpointing
-from .rules import SettingNames, check_ulysses_size
-from .tiled_loss import lm_loss_sum, upcast
 
-SECTION = "context_parallel"
-_KEYS = {"backend": str, "size": int, "ulysses_size": int, "kernel": str, "recompute": str, "check_ranks": bool}
-
-
-@dataclass(frozen=True)
-class ContextParallelSection:
-    """The validated ``"context_parallel"`` section."""
-
-    cp_config: CPConfig
-    size: int
-    recompute: RecomputeConfig
-
-
-def parse_section(section: dict) -> ContextParallelSection:
-    """Validates a ``"context_parallel"`` section (a ValueError/TypeError naming the key otherwise)."""
-    if not isinstance(section, dict):
-        raise TypeError(f'"{SECTION}" must be a JSON object, got {type(section).__name__}')
-    unknown = sorted(set(section) - set(_KEYS))
-    if unknown:
-        raise ValueError(f'unknown key(s) {unknown} in "{SECTION}"; allowed: {sorted(_KEYS)}')
-    for key, kind in _KEYS.items():
-        if key in section and (not isinstance(section[key], kind)
-                               or isinstance(section[key], bool) != (kind is bool)):
-            raise TypeError(f'"{SECTION}.{key}" must be a {kind.__name__}, got {section[key]!r}')
-    size = section.get("size")
-    if size is None or size < 1:
-        raise ValueError(f'"{SECTION}.size" (ranks sharing each sequence) must be a positive int, got {size!r}')
-    try:
-        cp_config = CPConfig(backend=section.get("backend", "zigzag"), kernel=section.get("kernel", "auto"),
-                             ulysses_size=section.get("ulysses_size", 1),
-                             check_ranks=section.get("check_ranks", True))
-        recompute = RecomputeConfig.parse(section.get("recompute", "none"))
-    except (TypeError, ValueError) as e:
-        raise type(e)(f'"{SECTION}": {e}') from None
-    if recompute.budget_gib is not None:     # the memory model needs the sequence length, which no key gives
-        raise ValueError(f'"{SECTION}.recompute": "{recompute}" cannot be resolved from a DeepSpeed config (it does '
-                         'not say the sequence length the memory model needs); choose the preset with `ctx-plugin '
-                         f'memory --model <config.json> --seq-len <tokens> --cp {size} --budget '
-                         f'{recompute.budget_gib:g}` (or ctx_plugin.recompute.resolve) and give that preset here')
-    check_ulysses_size(cp_config, size, SettingNames(cp=f'"{SECTION}.size"', ulysses_size=f'"{SECTION}.ulysses_size"'))
-    return ContextParallelSection(cp_config=cp_config, size=size, recompute=recompute)
+__all__ = ["SECTION", "ContextParallelMPU", "ContextParallelSection", "ShardedLoader", "batch_sizes", "causal_lm_loss",
+           "initialize", "lm_loss", "parse_section", "shard_batch", "tiled_causal_lm_loss"]
 
 
 class ContextParallelMPU:
@@ -109,100 +65,12 @@ class ContextParallelMPU:
         return dist.group.WORLD
 
 
-def _load_config(config, args) -> dict:
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
-    if isinstance(config, (str, Path)):
-        config = json.loads(Path(config).read_text())
-    if not isinstance(config, dict):
-        raise TypeError("ctx_plugin.deepspeed.initialize needs config= as a dict or a JSON path (or "
-                        "args.deepspeed_config)")
-    return dict(config)
-
-
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     for name, module in model.named_modules():
         if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):
             return module
     raise ValueError("cannot find the model's decoder layers (a ModuleList named '...layers') to apply the "
                      "recompute preset to")
-
-
-def _zero_config(config: dict, recompute: RecomputeConfig) -> dict:
-    """``config`` with ZeRO-3's ``memory_efficient_linear`` off under ``selective``, which it breaks: DeepSpeed's linear
-    adds the bias in place to a matmul output that selective checkpointing keeps for backward, so the recomputed
-    layer adds the bias twice (wrong gradients on every linear with a bias)."""
-    import torch.nn.functional as functional
-    from deepspeed.runtime.zero.linear import zero3_linear_wrap
-
-    if recompute.preset != Recompute.SELECTIVE:
-        return config
-    if functional.linear is zero3_linear_wrap:
-        raise ValueError(_PATCHED_LINEAR)
-    zero = config.get("zero_optimization")
-    if not isinstance(zero, dict) or zero.get("stage") != 3:
-        return config
-    given = zero.get("memory_efficient_linear", False)
-    if given is not False:
-        raise ValueError(f'"zero_optimization.memory_efficient_linear": {json.dumps(given)} and '
-                         f'"{SECTION}.recompute": "selective" cannot be combined (DeepSpeed\'s linear changes a saved '
-                         'matmul output in place, so the recomputed layer adds the bias twice); leave the key out '
-                         '(ctx_plugin then turns it off) or set it to false, or use recompute "full" or "sqrt"')
-    return {**config, "zero_optimization": {**zero, "memory_efficient_linear": False}}
-
-
-_PATCHED_LINEAR = ('torch.nn.functional.linear is DeepSpeed\'s memory_efficient_linear, which breaks "recompute": '
-                   '"selective" (the recomputed layer adds each bias twice); an earlier ZeRO-3 engine or zero.Init in '
-                   'this process installed it, and DeepSpeed never puts it back: set "zero_optimization": '
-                   '{"memory_efficient_linear": false} there (zero.Init(mem_efficient_linear=False)), or run this '
-                   'model in a fresh process')
-
-
-def _refuse_patched_linear(module, args) -> None:
-    """Forward pre-hook under ``selective``: DeepSpeed's linear installed after :func:`initialize` is refused too."""
-    import torch.nn.functional as functional
-    from deepspeed.runtime.zero.linear import zero3_linear_wrap
-
-    if functional.linear is zero3_linear_wrap:
-        raise ValueError(_PATCHED_LINEAR)
-
-
-def batch_sizes(config: dict, *, world: int, size: int) -> dict:
-    """``config`` with ``train_batch_size`` translated for DeepSpeed.
-
-    Users give the natural value, micro batch × gradient accumulation × data-parallel replicas (``world / size``),
-    as with DeepSpeed's own ``sequence_parallel_size``. DeepSpeed here counts every rank of a context-parallel group
-    as a data-parallel rank, so it gets the three batch keys resolved, with ``train_batch_size`` × ``size``. A value
-    that counts the context-parallel ranks, or that no whole micro batch fits, is a ValueError naming the value to
-    use."""
-    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    total, micro, accumulation = (config.get(key) for key in keys)
-    for key, value in zip(keys, (total, micro, accumulation)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f'"{key}" must be a positive int, got {value!r}')
-    if total is None:
-        return config               # DeepSpeed derives it from the micro batch over all its ranks
-    replicas = world // size
-    how = (f"train_micro_batch_size_per_gpu × gradient_accumulation_steps × {replicas} data-parallel "
-           f"replica(s) ({world} ranks / \"{SECTION}.size\" {size}; context-parallel ranks share samples)")
-    if micro is not None and accumulation is not None:
-        if total != micro * accumulation * replicas:
-            inflated = size > 1 and total == micro * accumulation * world
-            raise ValueError(f'"train_batch_size" is {total}' + (" (it counts the context-parallel ranks)" if inflated
-                             else "") + f"; give {micro * accumulation * replicas} = {how}, or leave it out")
-    else:
-        per_step = (micro or accumulation or 1) * replicas
-        if total % per_step:
-            given = f"train_micro_batch_size_per_gpu ({micro})" if micro else \
-                f"gradient_accumulation_steps ({accumulation or 1})"
-            raise ValueError(f'"train_batch_size" ({total}) must be {how}: a multiple of {given} × {replicas}')
-        if micro is None:
-            micro = total // per_step
-        else:
-            accumulation = total // per_step
-        accumulation = accumulation or 1
-    return {**config, "train_batch_size": micro * accumulation * world, "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": accumulation}
 
 
 def _require_cp_attention(model: torch.nn.Module, groups: CPGroups) -> None:
@@ -304,109 +172,3 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                replicas=world // section.size, replica=dist.get_rank() // section.size,
                                collate_fn=collate_fn)
     return engine, optimizer, loader, lr_scheduler
-
-
-def shard_batch(batch: dict, groups: CPGroups) -> dict:
-    """This rank's part of a causal-LM batch: ``input_ids``, ``position_ids`` (made when absent), ``labels``
-    shifted one token left (the last target ignored) *before* sharding, every other per-token tensor (e.g. a
-    loss mask, ``[batch, seq, ...]``) sharded as it is, and an all-ones ``attention_mask`` dropped (padding is
-    refused). Per-sample values pass through."""
-    cfg = groups.config
-    input_ids = batch["input_ids"]
-    seq = input_ids.shape[1]
-    out = {}
-    for key, value in batch.items():
-        if key in ("input_ids", "labels", "position_ids", "attention_mask"):
-            continue
-        per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq
-        out[key] = shard_sequence(value, config=cfg, groups=groups, dim=1) if per_token else value
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool(torch.all(mask != 0)):
-        raise ValueError("padded batches are not supported under context parallelism: pack or trim sequences and "
-                         "give padding labels -100 instead of an attention_mask")
-    positions = batch.get("position_ids")
-    if positions is None:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    out["input_ids"] = shard_sequence(input_ids, config=cfg, groups=groups, dim=1)
-    out["position_ids"] = shard_sequence(positions, config=cfg, groups=groups, dim=1)
-    if "labels" in batch:
-        labels = batch["labels"]
-        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
-        out["labels"] = shard_sequence(shifted, config=cfg, groups=groups, dim=1)
-    return out
-
-
-class ShardedLoader:
-    """Batches of ``dataset`` for this data-parallel replica (every rank of a context-parallel group gets the
-    same samples), sharded with :func:`shard_batch`."""
-
-    def __init__(self, dataset, batch_size: int, groups: CPGroups, *, replicas: int, replica: int,
-                 collate_fn=None) -> None:
-        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=False)
-        self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                                                  collate_fn=collate_fn)
-        self.groups = groups
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        for batch in self.loader:
-            yield shard_batch(batch, self.groups)
-
-
-def _recompute(engine) -> RecomputeConfig:
-    recompute = getattr(engine, "ctx_plugin_recompute", None)
-    if recompute is None:
-        raise ValueError("this engine was not made by ctx_plugin.deepspeed.initialize with a \"context_parallel\" "
-                         "section")
-    return recompute
-
-
-def _global_mean(local: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """DeepSpeed averages gradients over all data × context ranks, so each rank backpropagates its token sum over
-    the global token count times that rank count; the result is the gradient of the global token mean."""
-    stats = torch.stack([local.detach(), (labels != -100).sum().to(local.dtype)])
-    dist.all_reduce(stats)
-    world = dist.get_world_size()
-    return local * world / stats[1], (stats[0] / stats[1]).item()
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, engine) -> tuple[torch.Tensor, float]:
-    """(loss to backpropagate, global token-mean loss to report) for pre-shifted, sharded ``labels`` (-100:
-    ignored), from the whole logits (at least fp32). A section with ``+tile_loss`` is refused here: use
-    :func:`lm_loss` (Hugging Face models) or :func:`tiled_causal_lm_loss`."""
-    recompute = getattr(engine, "ctx_plugin_recompute", None)      # None: an engine without the section
-    if recompute is not None and recompute.tile_loss:
-        raise ValueError(f'"{SECTION}.recompute" is "{recompute}": +tile_loss computes the loss from the hidden '
-                         "states without whole logits; call ctx_plugin.deepspeed.lm_loss(engine, batch) (Hugging Face "
-                         "models) or tiled_causal_lm_loss(hidden, labels, engine, head=...) instead of "
-                         "causal_lm_loss(logits, ...)")
-    local = F.cross_entropy(upcast(logits).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    return _global_mean(local, labels)
-
-
-def tiled_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, engine, *, head) -> tuple[torch.Tensor, float]:
-    """:func:`causal_lm_loss` from the final hidden states ``[batch, seq, hidden]`` and the LM head module, over
-    chunks of tokens (the section's ``+tile_loss[:<tokens>]``; :mod:`ctx_plugin.tiled_loss`). ``hidden`` must come
-    out of the engine's forward (DeepSpeed prepares backward from hooks on its outputs); call ``head`` as a module
-    so ZeRO-3 fetches its parameters."""
-    recompute = _recompute(engine)
-    if not recompute.tile_loss:
-        raise ValueError(f'"{SECTION}.recompute" is "{recompute}", without +tile_loss: use causal_lm_loss(logits, '
-                         f'...) or lm_loss(engine, batch), or add +tile_loss to the preset')
-    local = lm_loss_sum(hidden, labels, head, tokens=recompute.loss_tokens)
-    return _global_mean(local, labels)
-
-
-def lm_loss(engine, batch: dict) -> tuple[torch.Tensor, float]:
-    """Forward and loss of a Hugging Face causal LM on this rank's ``batch`` (``input_ids``, ``position_ids``,
-    pre-shifted ``labels``, as :class:`ShardedLoader` gives them): (loss to backpropagate, global token-mean loss).
-    With ``+tile_loss`` in the section the model's ``lm_head`` runs over chunks of tokens
-    (:func:`ctx_plugin.hf_loss.hidden_states`, :func:`tiled_causal_lm_loss`), else on the whole logits."""
-    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-    recompute = getattr(engine, "ctx_plugin_recompute", None)      # None: an engine without the section
-    if recompute is None or not recompute.tile_loss:
-        return causal_lm_loss(engine(**inputs).logits, batch["labels"], engine)
-    hidden, head = hf_loss.hidden_states(engine, engine.module, **inputs)
-    return tiled_causal_lm_loss(hidden, batch["labels"], engine, head=head)

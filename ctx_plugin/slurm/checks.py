@@ -118,7 +118,7 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
 def _batch_check(config: dict, world: int, size: int) -> None:
     """The batch rule ``ctx_plugin.deepspeed.initialize`` applies, checked early: ``train_batch_size`` = micro ×
     accumulation × data-parallel replicas (the ranks of one context-parallel group share each sample)."""
-    from ..deepspeed import batch_sizes
+    from ..deepspeed_config import batch_sizes
 
     if config.get("train_batch_size") is None and config.get("train_micro_batch_size_per_gpu") is None:
         raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu")
@@ -128,7 +128,7 @@ def _batch_check(config: dict, world: int, size: int) -> None:
 def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: str) -> str:
     """Checks a DeepSpeed job: the config file and its ``"context_parallel"`` section for ``world`` ranks, and
     the program (``script.py ...`` or ``-m module ...``) that ``torchrun`` starts; returns the layout."""
-    from ..deepspeed import SECTION, parse_section
+    from ..deepspeed_config import SECTION, parse_section
 
     path = _file(ds_config, "--ds-config")
     try:

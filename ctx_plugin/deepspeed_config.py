@@ -1,0 +1,145 @@
+"""The ``"context_parallel"`` section of a DeepSpeed config and what it changes in the rest of the config (batch
+sizes, ZeRO-3's linear under ``selective``); used by :func:`ctx_plugin.deepspeed.initialize` and the launcher."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import CPConfig
+from .names import Recompute
+from .recompute import RecomputeConfig
+from .rules import SettingNames, check_ulysses_size
+
+SECTION = "context_parallel"
+
+
+_KEYS = {"backend": str, "size": int, "ulysses_size": int, "kernel": str, "recompute": str, "check_ranks": bool}
+
+
+@dataclass(frozen=True)
+class ContextParallelSection:
+    """The validated ``"context_parallel"`` section."""
+
+    cp_config: CPConfig
+    size: int
+    recompute: RecomputeConfig
+
+
+def parse_section(section: dict) -> ContextParallelSection:
+    """Validates a ``"context_parallel"`` section (a ValueError/TypeError naming the key otherwise)."""
+    if not isinstance(section, dict):
+        raise TypeError(f'"{SECTION}" must be a JSON object, got {type(section).__name__}')
+    unknown = sorted(set(section) - set(_KEYS))
+    if unknown:
+        raise ValueError(f'unknown key(s) {unknown} in "{SECTION}"; allowed: {sorted(_KEYS)}')
+    for key, kind in _KEYS.items():
+        if key in section and (not isinstance(section[key], kind)
+                               or isinstance(section[key], bool) != (kind is bool)):
+            raise TypeError(f'"{SECTION}.{key}" must be a {kind.__name__}, got {section[key]!r}')
+    size = section.get("size")
+    if size is None or size < 1:
+        raise ValueError(f'"{SECTION}.size" (ranks sharing each sequence) must be a positive int, got {size!r}')
+    try:
+        cp_config = CPConfig(backend=section.get("backend", "zigzag"), kernel=section.get("kernel", "auto"),
+                             ulysses_size=section.get("ulysses_size", 1),
+                             check_ranks=section.get("check_ranks", True))
+        recompute = RecomputeConfig.parse(section.get("recompute", "none"))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f'"{SECTION}": {e}') from None
+    if recompute.budget_gib is not None:     # the memory model needs the sequence length, which no key gives
+        raise ValueError(f'"{SECTION}.recompute": "{recompute}" cannot be resolved from a DeepSpeed config (it does '
+                         'not say the sequence length the memory model needs); choose the preset with `ctx-plugin '
+                         f'memory --model <config.json> --seq-len <tokens> --cp {size} --budget '
+                         f'{recompute.budget_gib:g}` (or ctx_plugin.recompute.resolve) and give that preset here')
+    check_ulysses_size(cp_config, size, SettingNames(cp=f'"{SECTION}.size"', ulysses_size=f'"{SECTION}.ulysses_size"'))
+    return ContextParallelSection(cp_config=cp_config, size=size, recompute=recompute)
+
+
+def _load_config(config, args) -> dict:
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if isinstance(config, (str, Path)):
+        config = json.loads(Path(config).read_text())
+    if not isinstance(config, dict):
+        raise TypeError("ctx_plugin.deepspeed.initialize needs config= as a dict or a JSON path (or "
+                        "args.deepspeed_config)")
+    return dict(config)
+
+
+def _zero_config(config: dict, recompute: RecomputeConfig) -> dict:
+    """``config`` with ZeRO-3's ``memory_efficient_linear`` off under ``selective``, which it breaks: DeepSpeed's linear
+    adds the bias in place to a matmul output that selective checkpointing keeps for backward, so the recomputed
+    layer adds the bias twice (wrong gradients on every linear with a bias)."""
+    import torch.nn.functional as functional
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    if recompute.preset != Recompute.SELECTIVE:
+        return config
+    if functional.linear is zero3_linear_wrap:
+        raise ValueError(_PATCHED_LINEAR)
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict) or zero.get("stage") != 3:
+        return config
+    given = zero.get("memory_efficient_linear", False)
+    if given is not False:
+        raise ValueError(f'"zero_optimization.memory_efficient_linear": {json.dumps(given)} and '
+                         f'"{SECTION}.recompute": "selective" cannot be combined (DeepSpeed\'s linear changes a saved '
+                         'matmul output in place, so the recomputed layer adds the bias twice); leave the key out '
+                         '(ctx_plugin then turns it off) or set it to false, or use recompute "full" or "sqrt"')
+    return {**config, "zero_optimization": {**zero, "memory_efficient_linear": False}}
+
+
+_PATCHED_LINEAR = ('torch.nn.functional.linear is DeepSpeed\'s memory_efficient_linear, which breaks "recompute": '
+                   '"selective" (the recomputed layer adds each bias twice); an earlier ZeRO-3 engine or zero.Init in '
+                   'this process installed it, and DeepSpeed never puts it back: set "zero_optimization": '
+                   '{"memory_efficient_linear": false} there (zero.Init(mem_efficient_linear=False)), or run this '
+                   'model in a fresh process')
+
+
+def _refuse_patched_linear(module, args) -> None:
+    """Forward pre-hook under ``selective``: DeepSpeed's linear installed after
+    :func:`ctx_plugin.deepspeed.initialize` is refused too."""
+    import torch.nn.functional as functional
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    if functional.linear is zero3_linear_wrap:
+        raise ValueError(_PATCHED_LINEAR)
+
+
+def batch_sizes(config: dict, *, world: int, size: int) -> dict:
+    """``config`` with ``train_batch_size`` translated for DeepSpeed.
+
+    Users give the natural value, micro batch × gradient accumulation × data-parallel replicas (``world / size``),
+    as with DeepSpeed's own ``sequence_parallel_size``. DeepSpeed here counts every rank of a context-parallel group
+    as a data-parallel rank, so it gets the three batch keys resolved, with ``train_batch_size`` × ``size``. A value
+    that counts the context-parallel ranks, or that no whole micro batch fits, is a ValueError naming the value to
+    use."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    total, micro, accumulation = (config.get(key) for key in keys)
+    for key, value in zip(keys, (total, micro, accumulation)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f'"{key}" must be a positive int, got {value!r}')
+    if total is None:
+        return config               # DeepSpeed derives it from the micro batch over all its ranks
+    replicas = world // size
+    how = (f"train_micro_batch_size_per_gpu × gradient_accumulation_steps × {replicas} data-parallel "
+           f"replica(s) ({world} ranks / \"{SECTION}.size\" {size}; context-parallel ranks share samples)")
+    if micro is not None and accumulation is not None:
+        if total != micro * accumulation * replicas:
+            inflated = size > 1 and total == micro * accumulation * world
+            raise ValueError(f'"train_batch_size" is {total}' + (" (it counts the context-parallel ranks)" if inflated
+                             else "") + f"; give {micro * accumulation * replicas} = {how}, or leave it out")
+    else:
+        per_step = (micro or accumulation or 1) * replicas
+        if total % per_step:
+            given = f"train_micro_batch_size_per_gpu ({micro})" if micro else \
+                f"gradient_accumulation_steps ({accumulation or 1})"
+            raise ValueError(f'"train_batch_size" ({total}) must be {how}: a multiple of {given} × {replicas}')
+        if micro is None:
+            micro = total // per_step
+        else:
+            accumulation = total // per_step
+        accumulation = accumulation or 1
+    return {**config, "train_batch_size": micro * accumulation * world, "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": accumulation}

@@ -1,0 +1,120 @@
+"""Batches and losses of a DeepSpeed engine made by :func:`ctx_plugin.deepspeed.initialize`: each rank's shard of a
+causal-LM batch, the loader that gives them, and the global token-mean loss (whole logits, or tiled with
+``+tile_loss``)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import hf_loss
+from .api import shard_sequence
+from .deepspeed_config import SECTION
+from .groups import CPGroups
+from .recompute import RecomputeConfig
+from .tiled_loss import lm_loss_sum, upcast
+
+def shard_batch(batch: dict, groups: CPGroups) -> dict:
+    """This rank's part of a causal-LM batch: ``input_ids``, ``position_ids`` (made when absent), ``labels``
+    shifted one token left (the last target ignored) *before* sharding, every other per-token tensor (e.g. a
+    loss mask, ``[batch, seq, ...]``) sharded as it is, and an all-ones ``attention_mask`` dropped (padding is
+    refused). Per-sample values pass through."""
+    cfg = groups.config
+    input_ids = batch["input_ids"]
+    seq = input_ids.shape[1]
+    out = {}
+    for key, value in batch.items():
+        if key in ("input_ids", "labels", "position_ids", "attention_mask"):
+            continue
+        per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq
+        out[key] = shard_sequence(value, config=cfg, groups=groups, dim=1) if per_token else value
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(torch.all(mask != 0)):
+        raise ValueError("padded batches are not supported under context parallelism: pack or trim sequences and "
+                         "give padding labels -100 instead of an attention_mask")
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    out["input_ids"] = shard_sequence(input_ids, config=cfg, groups=groups, dim=1)
+    out["position_ids"] = shard_sequence(positions, config=cfg, groups=groups, dim=1)
+    if "labels" in batch:
+        labels = batch["labels"]
+        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+        out["labels"] = shard_sequence(shifted, config=cfg, groups=groups, dim=1)
+    return out
+
+
+class ShardedLoader:
+    """Batches of ``dataset`` for this data-parallel replica (every rank of a context-parallel group gets the
+    same samples), sharded with :func:`shard_batch`."""
+
+    def __init__(self, dataset, batch_size: int, groups: CPGroups, *, replicas: int, replica: int,
+                 collate_fn=None) -> None:
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=False)
+        self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                                                  collate_fn=collate_fn)
+        self.groups = groups
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield shard_batch(batch, self.groups)
+
+
+def _recompute(engine) -> RecomputeConfig:
+    recompute = getattr(engine, "ctx_plugin_recompute", None)
+    if recompute is None:
+        raise ValueError("this engine was not made by ctx_plugin.deepspeed.initialize with a \"context_parallel\" "
+                         "section")
+    return recompute
+
+
+def _global_mean(local: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """DeepSpeed averages gradients over all data × context ranks, so each rank backpropagates its token sum over
+    the global token count times that rank count; the result is the gradient of the global token mean."""
+    stats = torch.stack([local.detach(), (labels != -100).sum().to(local.dtype)])
+    dist.all_reduce(stats)
+    world = dist.get_world_size()
+    return local * world / stats[1], (stats[0] / stats[1]).item()
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, engine) -> tuple[torch.Tensor, float]:
+    """(loss to backpropagate, global token-mean loss to report) for pre-shifted, sharded ``labels`` (-100:
+    ignored), from the whole logits (at least fp32). A section with ``+tile_loss`` is refused here: use
+    :func:`lm_loss` (Hugging Face models) or :func:`tiled_causal_lm_loss`."""
+    recompute = getattr(engine, "ctx_plugin_recompute", None)      # None: an engine without the section
+    if recompute is not None and recompute.tile_loss:
+        raise ValueError(f'"{SECTION}.recompute" is "{recompute}": +tile_loss computes the loss from the hidden '
+                         "states without whole logits; call ctx_plugin.deepspeed.lm_loss(engine, batch) (Hugging Face "
+                         "models) or tiled_causal_lm_loss(hidden, labels, engine, head=...) instead of "
+                         "causal_lm_loss(logits, ...)")
+    local = F.cross_entropy(upcast(logits).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return _global_mean(local, labels)
+
+
+def tiled_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, engine, *, head) -> tuple[torch.Tensor, float]:
+    """:func:`causal_lm_loss` from the final hidden states ``[batch, seq, hidden]`` and the LM head module, over
+    chunks of tokens (the section's ``+tile_loss[:<tokens>]``; :mod:`ctx_plugin.tiled_loss`). ``hidden`` must come
+    out of the engine's forward (DeepSpeed prepares backward from hooks on its outputs); call ``head`` as a module
+    so ZeRO-3 fetches its parameters."""
+    recompute = _recompute(engine)
+    if not recompute.tile_loss:
+        raise ValueError(f'"{SECTION}.recompute" is "{recompute}", without +tile_loss: use causal_lm_loss(logits, '
+                         f'...) or lm_loss(engine, batch), or add +tile_loss to the preset')
+    local = lm_loss_sum(hidden, labels, head, tokens=recompute.loss_tokens)
+    return _global_mean(local, labels)
+
+
+def lm_loss(engine, batch: dict) -> tuple[torch.Tensor, float]:
+    """Forward and loss of a Hugging Face causal LM on this rank's ``batch`` (``input_ids``, ``position_ids``,
+    pre-shifted ``labels``, as :class:`ShardedLoader` gives them): (loss to backpropagate, global token-mean loss).
+    With ``+tile_loss`` in the section the model's ``lm_head`` runs over chunks of tokens
+    (:func:`ctx_plugin.hf_loss.hidden_states`, :func:`tiled_causal_lm_loss`), else on the whole logits."""
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    recompute = getattr(engine, "ctx_plugin_recompute", None)      # None: an engine without the section
+    if recompute is None or not recompute.tile_loss:
+        return causal_lm_loss(engine(**inputs).logits, batch["labels"], engine)
+    hidden, head = hf_loss.hidden_states(engine, engine.module, **inputs)
+    return tiled_causal_lm_loss(hidden, batch["labels"], engine, head=head)
