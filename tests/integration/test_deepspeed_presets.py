@@ -4,11 +4,13 @@ against plain PyTorch: one process, no DeepSpeed, no ctx_plugin, HF's sdpa atten
 gradient clipping as the DeepSpeed config has them (DeepSpeed clips to 1.0 by default). Two steps: losses and
 DeepSpeed's gradient norms within 1e-5 relative, parameters within 1e-5 of the largest.
 
-The full preset × ZeRO matrix runs at data parallel 2 × CP 2 (world 4, where a saved ZeRO-3 parameter gather gave
-NaN gradients), giving the natural ``train_batch_size`` (CP ranks not counted), with four ``+tile_mlp`` cases (its
-chunk checkpoints under ZeRO-2/3's hooks, with selective and +recompute_attn); at CP 2 alone (world 2) every preset
-runs under ZeRO-3 and ``selective`` under ZeRO 0-2, plus a model that is not a Hugging Face model, wired through
-``attention=`` (and one whose callback wires nothing: its first forward is an error)."""
+At data parallel 2 × CP 2 (world 4, where a saved ZeRO-3 parameter gather gave NaN gradients), giving the natural
+``train_batch_size`` (CP ranks not counted), every preset runs once, at the ZeRO stage of ``ZERO_AT_DP2`` (each stage
+at least twice; ZeRO-3 for ``selective`` and the multi-layer regions ``full:uniform:2`` and ``sqrt``), with four
+``+tile_mlp`` cases (its chunk checkpoints under ZeRO-2/3's hooks, with full, selective and +recompute_attn); at CP 2
+alone (world 2) every preset runs under ZeRO-3 and ``selective`` under ZeRO 0-2, ``+offload``/``+offload_attn``
+under ZeRO-3, plus a model that is not a Hugging Face model, wired through ``attention=`` (and one whose callback
+wires nothing: its first forward is an error)."""
 from __future__ import annotations
 
 import pytest
@@ -23,13 +25,17 @@ from tests.integration.deepspeed_ranks import check_against_plain, plain_train, 
 PRESETS = ["none", "attn_out", "selective", "core_attn", "mlp", "full", "full:uniform:2", "full:block:1", "sqrt"]
 BACKENDS = [b.value for b in Backend if b != Backend.ULYSSES_RING]
 MICRO = 2
+# The ZeRO stage of each preset at DP 2 × CP 2: a rotation, not the product (every stage, presets paired with the
+# backends as in _cases); the +tile_mlp cases below add two ZeRO-3 and one ZeRO-2.
+ZERO_AT_DP2 = {"none": 0, "attn_out": 1, "selective": 3, "core_attn": 2, "mlp": 0, "full": 1, "full:uniform:2": 3,
+               "full:block:1": 2, "sqrt": 3}
 
 
 def _cases(world: int) -> list:
     """(model, backend, zero, preset, extra config); backends rotate over the presets."""
     if world == 4:
-        return ([("hf", BACKENDS[i % len(BACKENDS)], zero, preset, {"train_batch_size": MICRO * 2})
-                 for zero in (0, 1, 2, 3) for i, preset in enumerate(PRESETS)]
+        return ([("hf", BACKENDS[i % len(BACKENDS)], ZERO_AT_DP2[preset], preset, {"train_batch_size": MICRO * 2})
+                 for i, preset in enumerate(PRESETS)]
                 + [("hf", backend, zero, preset, {"train_batch_size": MICRO * 2}) for backend, zero, preset in (
                     ("zigzag", 3, "full+tile_mlp:3"), ("ulysses", 3, "selective+tile_mlp:3"),   # ZeRO-3 at DP 2
                     ("ring", 2, "none+tile_mlp:3"), ("allgather", 3, "sqrt+tile_mlp+recompute_attn"))])
@@ -45,6 +51,7 @@ _results: dict = {}
 
 def test_the_matrix_names_every_preset():
     assert {RecomputeConfig.parse(p).preset for p in PRESETS} == set(Recompute) - {Recompute.BUDGET}
+    assert set(ZERO_AT_DP2) == set(PRESETS) and set(ZERO_AT_DP2.values()) == {0, 1, 2, 3}
 
 
 def _run(world: int):
