@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import ctx_plugin
-from tests.recompute_cases import PRESETS, measured_vs_model, train_step
+from tests.recompute_cases import measured_vs_model, train_step
 
 
 def memory_and_comm(rank: int, world: int, payload: dict) -> dict:
+    """Each config (backend, ulysses_size, shape, presets): the first preset's gradients are the reference."""
     out = {}
-    for backend, u, shape in payload["configs"]:
+    for backend, u, shape, presets in payload["configs"]:
         cfg = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
         groups = ctx_plugin.build_cp_groups(cfg)
         reference = None
-        for preset in PRESETS:
+        for preset in presets:
             measured, model = measured_vs_model(shape, preset, cfg, groups, payload["seq"])
             step = train_step(shape, preset, cfg, groups, payload["seq"])
             reference = reference or step["grads"]
