@@ -87,10 +87,10 @@ def test_a_cold_build_out_of_time_is_stopped_and_leaves_no_lock(tmp_path):
     cxx.write_text(SLOW_CXX)
     cxx.chmod(0o755)
     ext, started = tmp_path / "extensions", time.monotonic()
-    run = _ops(ext, 45, 240, CXX=str(cxx))
+    run = _ops(ext, 25, 240, CXX=str(cxx))   # its compiler starts after ~10 s on 2 loaded cores (imports, ninja)
     assert run.returncode == 1
     assert "building DeepSpeed's deepspeed_shm_comm op once, into" in run.stderr
-    assert "did not finish within 45 s" in run.stderr, run.stderr
+    assert "did not finish within 25 s" in run.stderr, run.stderr
     compilers = [int(p) for p in (cxx.parent / "compiling").read_text().split()]   # the build had started
     assert not (ext / "deepspeed_shm_comm" / "lock").exists()
     assert time.monotonic() - started < 120
