@@ -99,6 +99,35 @@ def spawn(target: str, world: int, payload: dict) -> list:
     return run_spawned(f"tests.integration.deepspeed_ranks:{target}", world, payload, timeout_s=900)
 
 
+TILED = "tests.integration.tiled_loss_deepspeed_ranks:train"
+
+
+@functools.cache
+def launch(world: int) -> list:
+    """Each rank's ``{rank function: result}`` of the DeepSpeed training cases of test_deepspeed.py,
+    test_tiled_loss_deepspeed.py (2 ranks) and test_deepspeed_presets.py at ``world`` ranks, in one launch: a
+    DeepSpeed launch spends ~25 s on 2 cores before its first case (spawn, imports, the first initialize), ~2-3 s per
+    case after. The presets come last: their last case is the model whose first forward fails."""
+    from tests.integration import test_deepspeed, test_deepspeed_presets, test_tiled_loss_deepspeed
+
+    tiled = {TILED: test_tiled_loss_deepspeed.payload()} if world == test_tiled_loss_deepspeed.WORLD else {}
+    return spawn("several", world, {"ds_train": test_deepspeed.payload(world), **tiled,
+                                    "presets_train": test_deepspeed_presets.payload(world)})
+
+
+def several(rank: int, world: int, payload: dict) -> dict:
+    """The rank functions named by ``payload``'s keys (of this module, or ``module:function``), one after the other,
+    each on its payload."""
+    import importlib
+
+    out = {}
+    for target, part in payload.items():
+        module, _, name = target.rpartition(":")
+        fn = getattr(importlib.import_module(module), name) if module else globals()[name]
+        out[target] = fn(rank, world, part)
+    return out
+
+
 def _start(rank: int, world: int) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))   # what torchrun would set

@@ -1,7 +1,8 @@
 """DeepSpeed integration (DS_ACCELERATOR=cpu, gloo): a tiny Qwen2 (q/k/v biases, GQA, init std 0.1) trained two
 Adam steps through ``ctx_plugin.deepspeed.initialize`` with a "context_parallel" section, for every backend at
-CP = 2 and 4 (data parallel 2 × CP 2: test_deepspeed_presets.py), ZeRO 1 and 3, against plain PyTorch training of
-the same model on the same global batch (one process, no DeepSpeed, no ctx_plugin: HF's sdpa attention,
+CP = 2 and 4 (data parallel 2 × CP 2: test_deepspeed_presets.py), each backend under ZeRO 1 at one CP size and ZeRO 3
+at the other (the hybrid, CP 4 only, under both), against plain PyTorch training of the same model on the same
+global batch (one process, no DeepSpeed, no ctx_plugin: HF's sdpa attention,
 ``torch.optim.Adam``, DeepSpeed's default clipping to 1.0): every rank's losses and gradient norms within 1e-5
 relative, every parameter within 1e-5 of the largest (fp32). Adam's eps is 1e-6: with 1e-8, parameters whose gradient
 is ~0 take steps of ±lr decided by rounding noise (a sum over ranks in another order), ~1e-5 differences that say
@@ -15,21 +16,24 @@ pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx
 
 from ctx_plugin.names import Backend  # noqa: E402
 from tests.distributed.harness import run_spawned  # noqa: E402
-from tests.integration.deepspeed_ranks import check_against_plain, plain_train, spawn  # noqa: E402
+from tests.integration.deepspeed_ranks import check_against_plain, launch, plain_train  # noqa: E402
 
 PLAIN = [b.value for b in Backend if b != Backend.ULYSSES_RING]
 # (world, backend, ulysses_size, cp size, micro batch per rank): dp = world / cp replicas of micro batches.
 # Data parallel 2 × CP 2 for every backend and ZeRO 0-3: the presets matrix of test_deepspeed_presets.py.
-RUNS = [(2, b, 1, 2, 2) for b in PLAIN] + [(4, b, 1, 4, 2) for b in PLAIN] + [(4, "ulysses_ring", 2, 4, 2)]
-CASES = [(*run, zero) for run in RUNS for zero in (1, 3)]    # recompute presets: test_deepspeed_presets.py
-_results: dict = {}
+# ZeRO 1 and 3 alternate over the backends, the other way round at CP 4: every backend meets both stages once.
+CASES = ([(2, b, 1, 2, 2, (1, 3)[i % 2]) for i, b in enumerate(PLAIN)]
+         + [(4, b, 1, 4, 2, (3, 1)[i % 2]) for i, b in enumerate(PLAIN)]
+         + [(4, "ulysses_ring", 2, 4, 2, zero) for zero in (1, 3)])    # recompute presets: test_deepspeed_presets.py
 
 
-def results(world: int):
-    if world not in _results:
-        cases = [(b, u, cp, z, mb) for w, b, u, cp, mb, z in CASES if w == world]
-        _results[world] = spawn("ds_train", world, {"cases": cases})
-    return _results[world]
+def payload(world: int) -> dict:
+    """deepspeed_ranks.ds_train's, run in the launch shared with test_deepspeed_presets.py (deepspeed_ranks.launch)."""
+    return {"cases": [(b, u, cp, z, mb) for w, b, u, cp, mb, z in CASES if w == world]}
+
+
+def results(world: int) -> list:
+    return [r["ds_train"] for r in launch(world)]
 
 
 @pytest.mark.parametrize("world,backend,u,cp,micro,zero", CASES,

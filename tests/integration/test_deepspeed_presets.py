@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx
 
 from ctx_plugin.names import Backend, Recompute  # noqa: E402
 from ctx_plugin.recompute import RecomputeConfig  # noqa: E402
-from tests.integration.deepspeed_ranks import check_against_plain, plain_train, spawn  # noqa: E402
+from tests.integration.deepspeed_ranks import check_against_plain, launch, plain_train  # noqa: E402
 
 PRESETS = ["none", "attn_out", "selective", "core_attn", "mlp", "full", "full:uniform:2", "full:block:1", "sqrt"]
 BACKENDS = [b.value for b in Backend if b != Backend.ULYSSES_RING]
@@ -46,7 +46,11 @@ def _cases(world: int) -> list:
 
 
 CASES = [(world, *case) for world in (4, 2) for case in _cases(world)]
-_results: dict = {}
+
+
+def payload(world: int) -> dict:
+    """deepspeed_ranks.presets_train's, run in the launch shared with test_deepspeed.py (deepspeed_ranks.launch)."""
+    return {"micro": MICRO, "cases": [list(c) for c in _cases(world)]}
 
 
 def test_the_matrix_names_every_preset():
@@ -54,10 +58,8 @@ def test_the_matrix_names_every_preset():
     assert set(ZERO_AT_DP2) == set(PRESETS) and set(ZERO_AT_DP2.values()) == {0, 1, 2, 3}
 
 
-def _run(world: int):
-    if world not in _results:
-        _results[world] = spawn("presets_train", world, {"micro": MICRO, "cases": [list(c) for c in _cases(world)]})
-    return _results[world]
+def _run(world: int) -> list:
+    return [r["presets_train"] for r in launch(world)]
 
 
 @pytest.mark.parametrize("world,kind,backend,zero,preset,extra", [c for c in CASES if c[1] != "unwired"],

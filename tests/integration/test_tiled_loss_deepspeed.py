@@ -10,21 +10,19 @@ import pytest
 pytest.importorskip("deepspeed", reason="needs deepspeed: pip install 'ctx-plugin[deepspeed]'")
 pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
 
-from tests.integration.deepspeed_ranks import SEQ, _deepspeed_op, check_against_plain, plain_train  # noqa: E402
+from tests.integration.deepspeed_ranks import SEQ, TILED, check_against_plain, launch, plain_train  # noqa: E402
 
 WORLD = 2
 CASES = [(2, 1, "full+tile_loss:5", 2), (2, 3, "none+tile_loss:3", 2), (1, 2, "sqrt+tile_loss", 1)]
-_results: list = []
+
+
+def payload() -> dict:
+    """tiled_loss_deepspeed_ranks.train's, run in the 2-rank launch of the DeepSpeed tests (deepspeed_ranks.launch)."""
+    return {"cases": [list(c) for c in CASES]}
 
 
 def results() -> list:
-    if not _results:
-        from tests.distributed.harness import run_spawned
-
-        _deepspeed_op()
-        _results.append(run_spawned("tests.integration.tiled_loss_deepspeed_ranks:train", WORLD,
-                                    {"cases": [list(c) for c in CASES]}, timeout_s=900))
-    return _results[0]
+    return [r[TILED] for r in launch(WORLD)]
 
 
 @pytest.mark.parametrize("size,zero,preset,micro", CASES, ids=[f"cp{s}-zero{z}-{p}" for s, z, p, _ in CASES])
