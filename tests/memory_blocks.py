@@ -3,6 +3,7 @@ backward, and the activation peak of a whole step (layers, final norm, LM head, 
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from unittest import mock
 
@@ -122,8 +123,13 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
         logits = head(run_layers(x0 * 1.0, pos))
         return F.cross_entropy(logits.flatten(0, 1).float(), labels)
 
-    with _device_only():
-        _, peak = step_bytes(step, exclude=[*fixed, *(p.grad for p in model.parameters())])
+    gc.collect()
+    gc.disable()     # tensors freed by reference counting only: a cyclic collection mid-step would move the peak
+    try:             # with the process's allocation history (e.g. which modules were imported before)
+        with _device_only():
+            _, peak = step_bytes(step, exclude=[*fixed, *(p.grad for p in model.parameters())])
+    finally:
+        gc.enable()
     m = spec(family, vocab)
     est = estimate(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=batch, dtype=dtype)
     k = layer_terms(m, ParallelSpec(), seq_len, batch, dtype)
