@@ -178,6 +178,7 @@ _MODIFIER_FIELDS = ("tile_loss", "loss_tokens", "tile_mlp", "mlp_tokens", "recom
 def _parse_modifiers(text: str, mods: list[str]) -> dict:
     """``["tile_mlp:4096", "offload:64"]`` → RecomputeConfig keyword arguments."""
     out: dict = {}
+    seen: set[Modifier] = set()
     for mod in mods:
         name, *params = mod.strip().split(":")
         try:
@@ -185,10 +186,9 @@ def _parse_modifiers(text: str, mods: list[str]) -> dict:
         except ValueError:
             raise ValueError(f"unknown recompute modifier {name!r} in {text!r}; choose among "
                              f"{', '.join(m.value for m in Modifier)}") from None
-        if modifier.value in out.get("_seen", ()) or (modifier in (Modifier.OFFLOAD, Modifier.OFFLOAD_ATTN)
-                                                      and "offload_gib" in out):
+        if modifier in seen or (modifier in (Modifier.OFFLOAD, Modifier.OFFLOAD_ATTN) and "offload_gib" in out):
             raise ValueError(f"bad recompute preset {text!r}: +{name} given twice (or both offload and offload_attn)")
-        out.setdefault("_seen", []).append(modifier.value)
+        seen.add(modifier)
         bad = ValueError(f"bad recompute modifier {mod!r} in {text!r}: {_USAGE}")
         if modifier in (Modifier.TILE_LOSS, Modifier.TILE_MLP):
             if len(params) > 1 or (params and not params[0].isdigit()):
@@ -209,7 +209,6 @@ def _parse_modifiers(text: str, mods: list[str]) -> dict:
             except ValueError:
                 raise bad from None
             out["offload_attention"] = modifier == Modifier.OFFLOAD_ATTN
-    out.pop("_seen", None)
     return out
 
 
