@@ -4,10 +4,9 @@ from __future__ import annotations
 import torch
 
 import ctx_plugin
-import ctx_plugin.api
 from ctx_plugin.recompute import RecomputeConfig, regions
 from ctx_plugin.recompute.offload import host_offload
-from tests.recompute_cases import BATCH, build_blocks, decoder_config
+from tests.recompute_cases import BATCH, build_blocks, counting_attention, decoder_config, sharded_input
 
 MODIFIED = ["full", "full:uniform:2", "full:block:1", "sqrt"]
 
@@ -37,28 +36,15 @@ def offload_step(shape: str, preset: str, cfg: ctx_plugin.CPConfig, groups, seq_
     host bytes held after forward and after backward (``None`` without offload)."""
     c = decoder_config(shape)
     blocks = build_blocks(c, cfg, groups, preset).double()
-    calls = {"n": 0}
-    original = ctx_plugin.api.run_backend
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    g = torch.Generator().manual_seed(1)
-    full = torch.randn(BATCH, seq_len, c.hidden, generator=g, dtype=torch.float64)
-    x = ctx_plugin.shard_sequence(full, config=cfg, groups=groups).requires_grad_(True)
-    pos = ctx_plugin.sequence_positions(seq_len, config=cfg, groups=groups)
+    x, pos = sharded_input(c, cfg, groups, seq_len, torch.float64)
     offload = host_offload(blocks)
-    ctx_plugin.api.run_backend = counting
     groups.counter.reset()
-    try:
+    with counting_attention() as calls:
         y = x * 1.0
         for block in blocks:
             y = block(y, pos)
         held = None if offload is None else offload.held_bytes
         y.pow(2).sum().backward()
-    finally:
-        ctx_plugin.api.run_backend = original
     grads = {name: p.grad for name, p in blocks.named_parameters()}
     grads["input"] = x.grad
     return {"grads": grads, "attention_runs": calls["n"], "comm": dict(groups.counter.counts), "held": held,

@@ -1,6 +1,7 @@
 """Shared helpers for the recompute and memory-model tests (one process or spawned ranks)."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -65,10 +66,9 @@ def measured_vs_model(shape: str, preset: str, cfg: ctx_plugin.CPConfig, groups,
     return measured, model
 
 
-def train_step(shape: str, preset: str, cfg: ctx_plugin.CPConfig, groups, seq_len: int):
-    """Gradients, attention executions and FLOPs of one forward+backward of a stack under ``preset``."""
-    c = decoder_config(shape)
-    blocks = build_blocks(c, cfg, groups, preset)
+@contextlib.contextmanager
+def counting_attention():
+    """Counts the backend runs of ``cp_attention`` inside the block (``calls["n"]``)."""
     calls = {"n": 0}
     original = ctx_plugin.api.run_backend
 
@@ -76,21 +76,32 @@ def train_step(shape: str, preset: str, cfg: ctx_plugin.CPConfig, groups, seq_le
         calls["n"] += 1
         return original(*args, **kwargs)
 
-    g = torch.Generator().manual_seed(1)
-    full = torch.randn(BATCH, seq_len, c.hidden, generator=g)
-    x = ctx_plugin.shard_sequence(full, config=cfg, groups=groups).requires_grad_(True)
-    pos = ctx_plugin.sequence_positions(seq_len, config=cfg, groups=groups)
     ctx_plugin.api.run_backend = counting
-    groups.counter.reset()
     try:
-        with FlopCounterMode(display=False) as flops:
-            y = x
-            for block in blocks:
-                y = block(y, pos)
-            forward_flops = flops.get_total_flops()
-            y.pow(2).sum().backward()
+        yield calls
     finally:
         ctx_plugin.api.run_backend = original
+
+
+def sharded_input(c, cfg: ctx_plugin.CPConfig, groups, seq_len: int, dtype: torch.dtype):
+    """This rank's shard of a seeded ``[BATCH, seq_len, hidden]`` input (requires grad) and its positions."""
+    full = torch.randn(BATCH, seq_len, c.hidden, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    x = ctx_plugin.shard_sequence(full, config=cfg, groups=groups).requires_grad_(True)
+    return x, ctx_plugin.sequence_positions(seq_len, config=cfg, groups=groups)
+
+
+def train_step(shape: str, preset: str, cfg: ctx_plugin.CPConfig, groups, seq_len: int):
+    """Gradients, attention executions and FLOPs of one forward+backward of a stack under ``preset``."""
+    c = decoder_config(shape)
+    blocks = build_blocks(c, cfg, groups, preset)
+    x, pos = sharded_input(c, cfg, groups, seq_len, torch.float32)
+    groups.counter.reset()
+    with counting_attention() as calls, FlopCounterMode(display=False) as flops:
+        y = x
+        for block in blocks:
+            y = block(y, pos)
+        forward_flops = flops.get_total_flops()
+        y.pow(2).sum().backward()
     grads = {name: p.grad for name, p in blocks.named_parameters()}
     grads["input"] = x.grad
     return {"grads": grads, "attention_runs": calls["n"], "flops": flops.get_total_flops(),
