@@ -36,6 +36,7 @@ Not run against a real GPU build here: binding and output picking are tested wit
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -118,22 +119,54 @@ def _version(generation: int) -> str:
     return "unknown"
 
 
-def _load(device: torch.device) -> tuple[FlashAttnInfo, ModuleType] | str:
-    """FA3 on Hopper (FA2 elsewhere), the other generation when the preferred one is absent or broken; a reason
-    string if neither. Imports only the generation it returns, and nothing when both register the same torch ops."""
+@dataclass(frozen=True)
+class _Found:
+    """What :func:`_probe` found: the implementation, its module, and its bound functions (or why not)."""
+
+    info: FlashAttnInfo
+    module: ModuleType
+    functions: tuple[Callable[..., Any], tuple[str, ...], Callable[..., Any], tuple[str, ...]] | None
+    unsupported: str | None
+    """Why the adapter cannot bind this build's functions (a TypeError's message), or None."""
+
+
+@functools.cache
+def _probe(prefer_fa3: bool) -> _Found | str:
+    """FA3 first when ``prefer_fa3`` (Hopper), else FA2, the other generation when the preferred one is absent or
+    broken; a reason string if neither. Imports only the generation it returns, and nothing when both register the
+    same torch ops.
+
+    Memoised: the installed packages do not change inside a process, and probing (failed imports, reading the
+    interface sources, binding signatures) costs ~0.2 ms, which :func:`unavailable` would otherwise pay on every
+    ``select_kernel`` call. Code that swaps installs or stand-ins in ``sys.modules`` (tests) calls
+    :func:`forget_probe` afterwards."""
     clash = support.ops_clash(_FA2_MODULES, _FA3_MODULES)
     if clash is not None:
         return clash
     broken = None
-    for generation in ((3, 2) if _is_hopper(device) else (2, 3)):
+    for generation in ((3, 2) if prefer_fa3 else (2, 3)):
         module, why = _import_first(_FA3_MODULES if generation == 3 else _FA2_MODULES)
         if module is not None:
-            return FlashAttnInfo(generation, module.__name__, _version(generation)), module
+            info = FlashAttnInfo(generation, module.__name__, _version(generation))
+            try:
+                return _Found(info, module, _functions(module, generation), None)
+            except TypeError as e:
+                return _Found(info, module, None, str(e))
         broken = broken or why
     if broken:
         return (f"flash-attn is installed but does not import ({broken}): reinstall it built against "
                 f"torch {torch.__version__}: pip install --force-reinstall --no-build-isolation flash-attn")
     return f"flash-attn is not installed: {_INSTALL}"
+
+
+def forget_probe() -> None:
+    """Forget what :func:`_probe` found, so the next call imports again (for tests that swap installs)."""
+    _probe.cache_clear()
+
+
+def _load(device: torch.device) -> _Found | str:
+    """The build the kernel uses on ``device`` (FA3 preferred on Hopper), or why none; see :func:`_probe`."""
+    return _probe(_is_hopper(device))
 
 
 def _too_old(info: FlashAttnInfo) -> str | None:
@@ -152,7 +185,7 @@ def _default_device() -> torch.device:
 def version_info(device: torch.device | None = None) -> FlashAttnInfo | None:
     """The flash-attn implementation the kernel would use on ``device`` (default: current CUDA device), or None."""
     loaded = _load(_default_device() if device is None else device)
-    return None if isinstance(loaded, str) else loaded[0]
+    return None if isinstance(loaded, str) else loaded.info
 
 
 def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
@@ -191,27 +224,28 @@ def _functions(module: ModuleType, generation: int) -> tuple[Callable[..., Any],
 
 
 def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None when flash-attn can run these inputs on ``device``, else a sentence saying why not and the fix."""
-    loaded = _load(device)
-    if isinstance(loaded, str):
-        return loaded
-    info, module = loaded
-    if _too_old(info):
-        return _too_old(info)
+    """None when flash-attn can run these inputs on ``device``, else a sentence saying why not and the fix.
+
+    Device type, dtype and head size are checked before the (memoised) import probe, so asking on a CPU or
+    for float32 never imports anything."""
+    if device.type != "cuda":
+        return f"flash-attn needs a CUDA device, got {device}: run on a GPU or use the torch/reference kernel"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attn computes in float16 or bfloat16 only, got {dtype}: cast q/k/v or use another kernel"
     if head_dim > 256 or head_dim % 8 != 0:
         return f"flash-attn needs head_dim <= 256 and a multiple of 8, got {head_dim}: use another kernel"
-    reason = support.head_dim_reason(info.generation, _legacy_fa3(module), head_dim)
+    found = _load(device)
+    if isinstance(found, str):
+        return found
+    info = found.info
+    if _too_old(info):
+        return _too_old(info)
+    reason = support.head_dim_reason(info.generation, _legacy_fa3(found.module), head_dim)
     if reason is not None:
         return reason
-    try:
-        _functions(module, info.generation)
-    except TypeError as e:
-        return (f"flash-attn {info.version} ({info.module}) is not supported by this adapter ({e}): "
-                f"install FlashAttention 2.1-2.8 or the FA3 hopper build: {_INSTALL}")
-    if device.type != "cuda":
-        return f"flash-attn needs a CUDA device, got {device}: run on a GPU or use the torch/reference kernel"
+    if found.unsupported is not None:
+        return (f"flash-attn {info.version} ({info.module}) is not supported by this adapter "
+                f"({found.unsupported}): install FlashAttention 2.1-2.8 or the FA3 hopper build: {_INSTALL}")
     if not torch.cuda.is_available():
         return "flash-attn needs CUDA, but torch.cuda.is_available() is False: install a CUDA build of torch"
     capability = tuple(torch.cuda.get_device_capability(device))
@@ -248,13 +282,15 @@ class FlashAttnKernel:
     name = "flash_attn"
 
     def __init__(self, device: torch.device | None = None) -> None:
-        loaded = _load(_default_device() if device is None else device)
-        if isinstance(loaded, str):
-            raise RuntimeError(loaded)
-        self.info, module = loaded
+        found = _load(_default_device() if device is None else device)
+        if isinstance(found, str):
+            raise RuntimeError(found)
+        self.info = found.info
         if _too_old(self.info):
             raise RuntimeError(_too_old(self.info))
-        self._fwd, self._fwd_names, self._bwd, self._bwd_names = _functions(module, self.info.generation)
+        if found.functions is None:
+            raise TypeError(found.unsupported)
+        self._fwd, self._fwd_names, self._bwd, self._bwd_names = found.functions
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from ctx_plugin.kernels import SPECS, auto_order, kernel_unavailable, select_kernel
+from ctx_plugin.kernels import SPECS, auto_order, flash_attn, kernel_unavailable, select_kernel
 from ctx_plugin.kernels.sdpa import CpuFlashKernel
 from ctx_plugin.kernels.torch_math import TorchKernel
 from ctx_plugin.names import Kernel
@@ -62,10 +62,12 @@ def gpu(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    flash_attn.forget_probe()   # the adapter memoises its import probe: let it see the hidden modules
 
     def use(capability):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    return use
+    yield use
+    flash_attn.forget_probe()
 
 
 @pytest.mark.parametrize("capability,cudnn,flash", [
@@ -122,3 +124,41 @@ def test_sdpa_kernels_need_a_visible_gpu(gpu, monkeypatch):
     for kernel in (Kernel.SDPA_CUDNN, Kernel.SDPA_FLASH):
         assert "is_available() is False" in kernel_unavailable(kernel, CUDA, torch.float16, 128)
     assert select_kernel(Kernel.AUTO, CUDA, torch.float16, 128).name == Kernel.TORCH.value
+
+
+# ---------------------------------------------------------------- cost: cp_attention selects a kernel on every call
+def _refuse_probing(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("flash-attn import probe repeated")
+    monkeypatch.setattr(flash_attn, "_import_first", boom)
+    monkeypatch.setattr(flash_attn.support, "ops_clash", boom)
+
+
+def _best_us_per_call(*args, calls=200, repeats=5) -> float:
+    import time
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            select_kernel(*args)
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def test_selection_on_cpu_never_probes_flash_attn(monkeypatch):
+    flash_attn.forget_probe()
+    _refuse_probing(monkeypatch)
+    assert isinstance(select_kernel(Kernel.AUTO, CPU, torch.float32, 64), CpuFlashKernel)
+    assert "CUDA device" in kernel_unavailable(Kernel.FLASH_ATTN, CPU, torch.bfloat16, 64)
+    assert _best_us_per_call(Kernel.AUTO, CPU, torch.float32, 64) < 50   # ~8 us measured; ~240 us when probing
+
+
+def test_selection_on_a_gpu_probes_flash_attn_once(gpu, monkeypatch):
+    gpu((9, 0))
+    assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128).name == Kernel.SDPA_CUDNN.value
+    _refuse_probing(monkeypatch)
+    assert "not installed" in kernel_unavailable(Kernel.FLASH_ATTN, CUDA, torch.bfloat16, 128)
+    assert _best_us_per_call(Kernel.AUTO, CUDA, torch.bfloat16, 128) < 50   # ~6 us measured
+    flash_attn.forget_probe()
+    with pytest.raises(AssertionError, match="probe repeated"):
+        select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128)
