@@ -4,24 +4,62 @@ from __future__ import annotations
 import torch
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                    scale: float | None = None) -> torch.Tensor:
-    """softmax(q·kᵀ·scale + mask)·v on ``[B, S, H, D]`` tensors; GQA K/V heads via repeat_interleave."""
+def dense_scores(q: torch.Tensor, k: torch.Tensor, *, causal: bool, scale: float | None = None, window=None,
+                 softcap: float | None = None, q_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The (capped, masked) scores ``[B, H, Sq, Sk]`` of :func:`dense_attention`; −inf where masked."""
     h, hkv = q.shape[2], k.shape[2]
+    sq, sk = q.shape[1], k.shape[1]
     k = k.repeat_interleave(h // hkv, dim=2)
-    v = v.repeat_interleave(h // hkv, dim=2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    pos_q = torch.arange(sq, device=q.device) + (sk - sq) if q_positions is None else q_positions.to(q.device)
+    pos_k = torch.arange(sk, device=q.device)
+    p, j = pos_q[:, None], pos_k[None, :]
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
     if causal:
-        n = q.shape[1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v)
+        allowed &= j <= p
+    if window is not None and window[0] is not None:
+        allowed &= j >= p - window[0]
+    if window is not None and window[1] is not None:
+        allowed &= j <= p + window[1]
+    return s.masked_fill(~allowed, float("-inf"))
 
 
-def dense_with_grads(q, k, v, dout, *, causal: bool, scale: float | None = None):
-    """Output and (dq, dk, dv) of :func:`dense_attention` for upstream gradient ``dout``."""
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                    scale: float | None = None, window=None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None, q_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + mask)·v on ``[B, S, H, D]`` tensors; GQA K/V heads via repeat_interleave.
+
+    Written from the definitions, independent of ctx_plugin: key j sits at position j; query row i at
+    ``q_positions[i]`` (default ``i + Sk − Sq``: bottom-right aligned, the usual positions when Sq == Sk). Query
+    position p sees key position j iff ``j <= p`` (causal) and ``p − left <= j <= p + right`` (``window=(left,
+    right)``, a None side unbounded). ``softcap=c`` caps the scaled scores to ``c·tanh(s/c)`` before the mask.
+    ``sinks`` (``[H]``) adds one logit per head to the softmax as an extra column that carries no value.
+    """
+    h, sq, sk = q.shape[2], q.shape[1], k.shape[1]
+    s = dense_scores(q, k, causal=causal, scale=scale, window=window, softcap=softcap, q_positions=q_positions)
+    v = v.repeat_interleave(h // v.shape[2], dim=2)
+    if sinks is not None:
+        column = sinks.to(s.dtype).reshape(1, h, 1, 1).expand(s.shape[0], h, sq, 1)
+        probs = torch.softmax(torch.cat((s, column), dim=-1), dim=-1)[..., :sk]
+    else:
+        probs = torch.softmax(s, dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def dense_with_grads(q, k, v, dout, *, causal: bool, scale: float | None = None, **variants):
+    """Output and (dq, dk, dv) of :func:`dense_attention` for upstream gradient ``dout`` (``variants``: its
+    window/softcap/q_positions keywords; a ``sinks`` tensor's gradient is returned as a fifth element)."""
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    out = dense_attention(q, k, v, causal=causal, scale=scale)
+    sinks = variants.pop("sinks", None)
+    if sinks is not None:
+        sinks = sinks.detach().clone().requires_grad_(True)
+        out = dense_attention(q, k, v, causal=causal, scale=scale, sinks=sinks, **variants)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad, sinks.grad
+    out = dense_attention(q, k, v, causal=causal, scale=scale, **variants)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 

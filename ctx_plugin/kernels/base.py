@@ -8,15 +8,26 @@ returns ``dk``/``dv`` with ``k``'s head count.
 is the usual lower triangle, and a query chunk attending to the prefix that ends with it is one call).
 Blocks with fewer keys than queries are never causal; kernels reject them.
 
+``window=(left, right)`` (flash-attn's convention, also bottom-right aligned): query row a sees key b iff
+``a + (Sk − Sq) − left <= b <= a + (Sk − Sq) + right``, each side an int >= 0 or ``None`` (unbounded), and also
+``b <= a + (Sk − Sq)`` when causal. Callers hand kernels blocks in which every query row has at least one key.
+``softcap=c`` (a float > 0, or ``None``) replaces the scaled scores s by ``c·tanh(s / c)`` before the softmax;
+the LSE is that of the capped scores, so merging partial results is unchanged.
+
 The log-sum-exp is ``[batch, heads, seq]`` in natural log, in ``accum_dtype(q.dtype)`` (float32 for half
 precision inputs, float64 for float64 inputs) so partial results can be merged exactly.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
+
+Window = tuple[int | None, int | None]
+"""(left, right): how far before/after its own (bottom-right aligned) position a query sees; None = unbounded."""
+FULL: Window = (None, None)
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,14 +40,14 @@ class AttentionKernel(Protocol):
 
     name: str
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                window: Window = FULL, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``out`` (q's shape and dtype) and ``lse`` ``[B, H, Sq]`` in ``accum_dtype``."""
         ...
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float, window: Window = FULL,
+                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of the block given the *final* (merged) ``out`` and ``lse`` of these query rows.
 
         Returns ``dq`` (q's shape), ``dk`` and ``dv`` (k's shape), in any floating dtype of at least the
@@ -58,8 +69,39 @@ class KernelSpec:
     build: Callable[[torch.device], AttentionKernel]
 
 
-def check_block(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
-    """Shared argument check for kernels (causal blocks need at least as many keys as queries)."""
+def check_block(q: torch.Tensor, k: torch.Tensor, causal: bool, window: Window = FULL,
+                softcap: float | None = None) -> None:
+    """Shared argument check for kernels (causal blocks need at least as many keys as queries; window sides are
+    ints >= 0 or None; softcap is None or a finite float > 0)."""
     if causal and q.shape[1] > k.shape[1]:
         raise ValueError(f"causal attention blocks need at least as many keys as queries (bottom-right aligned), "
                          f"got {q.shape[1]} queries and {k.shape[1]} keys")
+    if not isinstance(window, tuple) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) tuple, got {window!r}")
+    for side in window:
+        if side is not None and (isinstance(side, bool) or not isinstance(side, int) or side < 0):
+            raise ValueError(f"window sides must be ints >= 0 or None, got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+
+
+def is_windowed(window: Window) -> bool:
+    """Whether ``window`` bounds either side."""
+    return window[0] is not None or window[1] is not None
+
+
+def keep_mask(sq: int, sk: int, causal: bool, window: Window, device: torch.device) -> torch.Tensor | None:
+    """``[sq, sk]`` bool, True where query row a may see key b (bottom-right aligned); None when all may."""
+    left, right = window
+    if not causal and left is None and right is None:
+        return None
+    diff = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None] - (sk - sq)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        keep &= diff <= 0
+    if right is not None:
+        keep &= diff <= right
+    if left is not None:
+        keep &= diff >= -left
+    return keep

@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 from . import flash_attn_support as support
-from .base import accum_dtype, check_block
+from .base import FULL, Window, accum_dtype, check_block, is_windowed
 
 _FA2_MODULES = ("flash_attn.flash_attn_interface",)
 _FA3_MODULES = ("flash_attn_interface", "flash_attn_3.flash_attn_interface")
@@ -292,18 +292,22 @@ class FlashAttnKernel:
             raise TypeError(found.unsupported)
         self._fwd, self._fwd_names, self._bwd, self._bwd_names = found.functions
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        check_block(q, k, causal)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                window: Window = FULL, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        check_block(q, k, causal, window, softcap)
+        if is_windowed(window) or softcap is not None:
+            raise ValueError("the flash-attn adapter does not pass window/softcap yet: use kernel='torch'")
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         values = {**_settings(scale, causal), "q": q, "k": k, "v": v}
         out, lse = _pick(self._fwd(**{n: values.get(n) for n in self._fwd_names}), q)
         return out.to(q.dtype), lse.to(accum_dtype(q.dtype))
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        check_block(q, k, causal)
+                 out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float, window: Window = FULL,
+                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        check_block(q, k, causal, window, softcap)
+        if is_windowed(window) or softcap is not None:
+            raise ValueError("the flash-attn adapter does not pass window/softcap yet: use kernel='torch'")
         dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         # flash-attn 2.x requires the gradient buffers; 2.6.3+ and FA3 custom ops return only softmax_d.
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..merge import merge_into
-from .base import accum_dtype, check_block
+from .base import FULL, Window, accum_dtype, check_block, is_windowed
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -140,8 +140,15 @@ class _SdpaKernel:
         """``x`` (``[B, S, H, D]``) as the op needs it, returned as its ``[B, H, S, D]`` view."""
         return _bhsd(dense_bshd(x) if self.dense else _last_dim_unit(x))
 
-    def forward(self, q, k, v, *, causal: bool, scale: float):
-        check_block(q, k, causal)
+    def _plain_only(self, q, k, causal: bool, window: Window, softcap: float | None) -> None:
+        """These aten ops take no window or softcap (``select_kernel`` never picks them for such masks)."""
+        check_block(q, k, causal, window, softcap)
+        if is_windowed(window) or softcap is not None:
+            raise ValueError(f"kernel {self.name!r} applies neither sliding windows nor softcap (window={window}, "
+                             f"softcap={softcap}): use kernel='auto', 'torch' or 'flash_attn'")
+
+    def forward(self, q, k, v, *, causal: bool, scale: float, window: Window = FULL, softcap: float | None = None):
+        self._plain_only(q, k, causal, window, softcap)
         lead = k.shape[1] - q.shape[1]
         if causal and lead:
             out, lse = self._block_forward(q, k[:, :lead], v[:, :lead], False, scale)
@@ -150,8 +157,9 @@ class _SdpaKernel:
             return out.to(q.dtype), lse
         return self._block_forward(q, k, v, causal, scale)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float):
-        check_block(q, k, causal)
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window: Window = FULL,
+                 softcap: float | None = None):
+        self._plain_only(q, k, causal, window, softcap)
         lead = k.shape[1] - q.shape[1]
         if causal and lead:
             dq, dk0, dv0 = self._block_backward(dout, q, k[:, :lead], v[:, :lead], out, lse, False, scale)
