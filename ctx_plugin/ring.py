@@ -16,6 +16,7 @@ from .comm import RingComm
 from .groups import CommCounter, RankGroup
 from .kernels import AttentionKernel, accum_dtype
 from .layouts import RingLayout
+from .mask import Mask
 from .merge import merge_into
 
 KV = "ring_kv"
@@ -35,7 +36,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: A
     with RingComm(group, counter) as comm:
         for step in range(size):
             exchange = comm.start(kv, spare, KV) if step < size - 1 else None
-            for blk in layout.plan(rank, (rank - step) % size, size, n, causal):
+            for blk in layout.plan(rank, (rank - step) % size, size, n, Mask(causal)):
                 o_b, lse_b = kernel.forward(q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], causal=blk.causal,
                                             scale=scale)
                 merge_into(out[:, blk.q], lse[:, :, blk.q], o_b, lse_b)
@@ -62,7 +63,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         for step in range(size):
             kv_exchange = comm.start(kv, kv_spare, KV) if step < size - 1 else None
             contrib = dkv[0].zero_()
-            for blk in layout.plan(rank, (rank - step) % size, size, n, causal):
+            for blk in layout.plan(rank, (rank - step) % size, size, n, Mask(causal)):
                 dq_b, dk_b, dv_b = kernel.backward(dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k],
                                                    out[:, blk.q], lse[:, :, blk.q], causal=blk.causal, scale=scale)
                 dq[:, blk.q] += dq_b
