@@ -1,7 +1,9 @@
 """Local attention kernels behind one interface, and the registry that picks one.
 
-``select_kernel(name, device, dtype, head_dim)`` returns a kernel object; ``auto`` takes the first
-available kernel in :func:`auto_order`, which lists them fastest first for the device.
+``select_kernel(name, device, dtype, head_dim, features)`` returns a kernel object; ``auto`` takes the first
+kernel in :func:`auto_order` (fastest first for the device) that can run here and apply every mask feature in
+``features`` (``"window"``, ``"softcap"``). Cheap enough to call on every attention call (~10 µs): flash-attn's
+import probe runs once per process (:func:`.flash_attn.forget_probe`).
 """
 from __future__ import annotations
 
@@ -9,14 +11,17 @@ import torch
 
 from ..names import Kernel
 from . import flash_attn, sdpa
-from .base import AttentionKernel, KernelSpec, accum_dtype
+from .base import FEATURES, AttentionKernel, KernelSpec, accum_dtype, describe
 from .torch_math import TorchKernel
 
-__all__ = ["AttentionKernel", "KernelSpec", "accum_dtype", "SPECS", "auto_order", "select_kernel",
+__all__ = ["AttentionKernel", "KernelSpec", "accum_dtype", "SPECS", "FEATURES", "auto_order", "select_kernel",
            "kernel_unavailable"]
 
+_NONE: frozenset[str] = frozenset()
 
-def _never(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+
+def _never(device: torch.device, dtype: torch.dtype, head_dim: int, features: frozenset[str] = _NONE) -> str | None:
+    """The torch kernel's rule (it applies every feature), also the floor for ``auto``."""
     if not dtype.is_floating_point:
         return f"attention needs floating-point tensors, got {dtype}"
     return None
@@ -44,20 +49,36 @@ def auto_order(device: torch.device) -> tuple[Kernel, ...]:
     return (Kernel.SDPA_CUDNN, Kernel.FLASH_ATTN, Kernel.SDPA_FLASH, Kernel.SDPA_CPU, Kernel.TORCH)
 
 
-def kernel_unavailable(name: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why kernel ``name`` cannot run here (``None`` when it can). ``auto`` is unavailable only for non-floats."""
+def _check_features(features: frozenset[str]) -> None:
+    if not features <= FEATURES:
+        raise ValueError(f"unknown kernel features {sorted(features - FEATURES)}; known: {sorted(FEATURES)}")
+
+
+def kernel_unavailable(name: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int,
+                       features: frozenset[str] = _NONE) -> str | None:
+    """Why kernel ``name`` cannot run here or cannot apply ``features`` (``None`` when it can). ``auto`` is
+    unavailable only for non-floats (the torch kernel applies every feature)."""
+    _check_features(features)
     if name == Kernel.AUTO:
         return _never(device, dtype, head_dim)
-    return _never(device, dtype, head_dim) or SPECS[name].unavailable(device, dtype, head_dim)
+    return _never(device, dtype, head_dim) or SPECS[name].unavailable(device, dtype, head_dim, features)
 
 
-def select_kernel(name: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernel:
-    """The kernel to run; raises ValueError (with how to get it) when an explicit one is unavailable."""
-    reason = kernel_unavailable(name, device, dtype, head_dim)
+def select_kernel(name: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int,
+                  features: frozenset[str] = _NONE) -> AttentionKernel:
+    """The kernel to run; raises ValueError (with how to get it) when an explicit one is unavailable, naming the
+    kernels that can apply ``features`` here when those are what it lacks."""
+    reason = kernel_unavailable(name, device, dtype, head_dim, features)
     if reason is not None:
-        raise ValueError(f"kernel {name.value!r} cannot run here: {reason}")
+        message = f"kernel {name.value!r} cannot run here: {reason}"
+        if features and kernel_unavailable(name, device, dtype, head_dim) is None:
+            capable = [c.value for c in auto_order(device)
+                       if kernel_unavailable(c, device, dtype, head_dim, features) is None]
+            message = (f"kernel {name.value!r} cannot apply {describe(features)} here ({reason}); kernels that "
+                       f"can: {', '.join(capable)} (or kernel='auto')")
+        raise ValueError(message)
     if name != Kernel.AUTO:
         return SPECS[name].build(device)
-    # The torch kernel (last in the order) runs wherever a floating dtype does, so this always finds one.
+    # The torch kernel (last in the order) runs wherever a floating dtype does and applies every feature.
     return next(SPECS[c].build(device) for c in auto_order(device)
-                if kernel_unavailable(c, device, dtype, head_dim) is None)
+                if kernel_unavailable(c, device, dtype, head_dim, features) is None)

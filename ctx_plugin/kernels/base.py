@@ -28,6 +28,14 @@ import torch
 Window = tuple[int | None, int | None]
 """(left, right): how far before/after its own (bottom-right aligned) position a query sees; None = unbounded."""
 FULL: Window = (None, None)
+FEATURES = frozenset({"window", "softcap"})
+"""Mask features a kernel may or may not apply (``ctx_plugin.mask.Mask.features`` names the ones a call needs)."""
+
+
+def describe(features: frozenset[str]) -> str:
+    """``{"window", "softcap"}`` → ``"sliding windows and softcap"`` (sorted, for messages)."""
+    words = {"window": "sliding windows", "softcap": "softcap"}
+    return " and ".join(words[f] for f in sorted(features))
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -60,12 +68,13 @@ class AttentionKernel(Protocol):
 class KernelSpec:
     """A registry entry: how to build a kernel and when it can run.
 
-    ``unavailable(device, dtype, head_dim)`` returns ``None`` when the kernel can run, else a sentence saying
-    why not and how to get it. ``build(device)`` returns the kernel object for that device.
+    ``unavailable(device, dtype, head_dim, features=frozenset())`` returns ``None`` when the kernel can run and
+    apply every feature in ``features`` (a subset of :data:`FEATURES`), else a sentence saying why not and how to
+    get it. ``build(device)`` returns the kernel object for that device.
     """
 
     name: str
-    unavailable: Callable[[torch.device, torch.dtype, int], str | None]
+    unavailable: Callable[[torch.device, torch.dtype, int, frozenset[str]], str | None]
     build: Callable[[torch.device], AttentionKernel]
 
 

@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 from . import flash_attn_support as support
-from .base import FULL, Window, accum_dtype, check_block, is_windowed
+from .base import FULL, Window, accum_dtype, check_block, describe, is_windowed
 
 _FA2_MODULES = ("flash_attn.flash_attn_interface",)
 _FA3_MODULES = ("flash_attn_interface", "flash_attn_3.flash_attn_interface")
@@ -65,14 +65,22 @@ _BWD_TENSORS = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv")
 _NEEDED = (("softmax_scale",), ("causal", "is_causal"))
 
 
-def _settings(scale: float, causal: bool) -> dict[str, Any]:
-    """Every non-tensor argument we know, at its "plain attention" value (both spellings of window/causal)."""
+def _settings(scale: float, causal: bool, window: Window = FULL, softcap: float | None = None) -> dict[str, Any]:
+    """Every non-tensor argument we know (both spellings of window/causal). flash-attn spells an unbounded window
+    side -1 and no softcap 0.0; under causal the right side is 0 (what flash-attn sets itself, and exact: the
+    causal mask already ends at the diagonal)."""
+    left, right = -1, -1                    # exactly what plain (causal or full) attention always passed
+    if window[0] is not None or (window[1] is not None and not causal):
+        left = -1 if window[0] is None else int(window[0])
+        right = 0 if causal else -1 if window[1] is None else int(window[1])
     return {"dropout_p": 0.0, "softmax_scale": float(scale), "causal": bool(causal), "is_causal": bool(causal),
-            "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1, "softcap": 0.0,
+            "window_size": (left, right), "window_size_left": left, "window_size_right": right,
+            "softcap": 0.0 if softcap is None else float(softcap),
             "alibi_slopes": None, "return_softmax": False, "deterministic": False, "rng_state": None}
 
 
 _SETTINGS = frozenset(_settings(1.0, False))
+_WINDOW_NAMES = frozenset({"window_size", "window_size_left"})
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,22 @@ class _Found:
     functions: tuple[Callable[..., Any], tuple[str, ...], Callable[..., Any], tuple[str, ...]] | None
     unsupported: str | None
     """Why the adapter cannot bind this build's functions (a TypeError's message), or None."""
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The mask features this build applies: a window from FA2 2.3 (FA3: all builds), softcap from FA2 2.6
+        (FA3: builds after 2024 whose forward and backward both take it), each only if both functions take it."""
+        if self.functions is None:
+            return frozenset()
+        names = set(self.functions[1]) & set(self.functions[3])
+        v = support.version_tuple(self.info.version) or (2, 1, 0)   # unknown FA2: the oldest supported
+        fa2 = self.info.generation == 2
+        has = set()
+        if names & _WINDOW_NAMES and (not fa2 or v >= (2, 3)):
+            has.add("window")
+        if "softcap" in names and (v >= (2, 6) if fa2 else not _legacy_fa3(self.module)):
+            has.add("softcap")
+        return frozenset(has)
 
 
 @functools.cache
@@ -223,8 +247,16 @@ def _functions(module: ModuleType, generation: int) -> tuple[Callable[..., Any],
     return fwd, _plan(fwd, _FWD_TENSORS, unused), bwd, _plan(bwd, _BWD_TENSORS, unused)
 
 
-def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None when flash-attn can run these inputs on ``device``, else a sentence saying why not and the fix.
+def _lacks(info: FlashAttnInfo, missing: frozenset[str]) -> str:
+    return (f"flash-attn {info.version} ({info.module}) applies no {describe(missing)} (sliding windows need "
+            f"flash-attn >= 2.3 or FlashAttention-3, softcap >= 2.6 or a FlashAttention-3 build from 2025): "
+            f"pip install -U flash-attn --no-build-isolation, or use kernel='torch' or 'auto'")
+
+
+def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int,
+                features: frozenset[str] = frozenset()) -> str | None:
+    """None when flash-attn can run these inputs on ``device`` and apply ``features``, else a sentence saying why
+    not and the fix.
 
     Device type, dtype and head size are checked before the (memoised) import probe, so asking on a CPU or
     for float32 never imports anything."""
@@ -246,6 +278,8 @@ def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str 
     if found.unsupported is not None:
         return (f"flash-attn {info.version} ({info.module}) is not supported by this adapter "
                 f"({found.unsupported}): install FlashAttention 2.1-2.8 or the FA3 hopper build: {_INSTALL}")
+    if features - found.features:
+        return _lacks(info, features - found.features)
     if not torch.cuda.is_available():
         return "flash-attn needs CUDA, but torch.cuda.is_available() is False: install a CUDA build of torch"
     capability = tuple(torch.cuda.get_device_capability(device))
@@ -291,27 +325,33 @@ class FlashAttnKernel:
         if found.functions is None:
             raise TypeError(found.unsupported)
         self._fwd, self._fwd_names, self._bwd, self._bwd_names = found.functions
+        self.features = found.features
+        """The mask features this build applies (see ``unavailable``)."""
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor, causal: bool, window: Window,
+               softcap: float | None) -> None:
+        check_block(q, k, causal, window, softcap)
+        needed = frozenset({"window"} if is_windowed(window) else ()) | frozenset(
+            {"softcap"} if softcap is not None else ())
+        if needed - self.features:
+            raise ValueError(_lacks(self.info, needed - self.features))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                 window: Window = FULL, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        check_block(q, k, causal, window, softcap)
-        if is_windowed(window) or softcap is not None:
-            raise ValueError("the flash-attn adapter does not pass window/softcap yet: use kernel='torch'")
+        self._check(q, k, causal, window, softcap)
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        values = {**_settings(scale, causal), "q": q, "k": k, "v": v}
+        values = {**_settings(scale, causal, window, softcap), "q": q, "k": k, "v": v}
         out, lse = _pick(self._fwd(**{n: values.get(n) for n in self._fwd_names}), q)
         return out.to(q.dtype), lse.to(accum_dtype(q.dtype))
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float, window: Window = FULL,
                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        check_block(q, k, causal, window, softcap)
-        if is_windowed(window) or softcap is not None:
-            raise ValueError("the flash-attn adapter does not pass window/softcap yet: use kernel='torch'")
+        self._check(q, k, causal, window, softcap)
         dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         # flash-attn 2.x requires the gradient buffers; 2.6.3+ and FA3 custom ops return only softmax_d.
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        values = {**_settings(scale, causal), "dout": dout, "q": q, "k": k, "v": v, "out": out,
+        values = {**_settings(scale, causal, window, softcap), "dout": dout, "q": q, "k": k, "v": v, "out": out,
                   "softmax_lse": lse.to(accum_dtype(q.dtype)).contiguous(), "dq": dq, "dk": dk, "dv": dv}
         self._bwd(**{n: values.get(n) for n in self._bwd_names})
         return dq, dk, dv

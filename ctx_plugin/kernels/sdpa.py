@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..merge import merge_into
-from .base import FULL, Window, accum_dtype, check_block, is_windowed
+from .base import FULL, Window, accum_dtype, check_block, describe, is_windowed
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -69,6 +69,17 @@ _SM_RANGE = ((8, 0), (12, 1))
 _CUDNN_MAX_HEAD_DIM = 128   # 256 needs sm90/sm10x, cuDNN > 9.22 and a cudnn-frontend >= 1.24 build (not visible here)
 
 
+def _no_features(features: frozenset[str], what: str) -> str | None:
+    """These aten ops take no window and no softcap, so these kernels refuse both (``auto`` then falls back to
+    flash-attn or the torch kernel). torch 2.13's lower-level ``aten::_flash_attention_forward/_backward`` (``[B, S,
+    H, D]`` tensors, ``window_size_left/right`` keyword arguments) could apply windows, but its mask alignment for
+    Sq != Sk and its backward with an externally merged lse are unverified without a GPU: left for a GPU session
+    to wire, with a tests/gpu check against the torch kernel."""
+    if features:
+        return f"{what} applies no {describe(features)}; kernel='torch' or 'flash_attn' (or 'auto') can"
+    return None
+
+
 def _common(device: torch.device, dtype: torch.dtype, head_dim: int, what: str, max_head_dim: int) -> str | None:
     if device.type != "cuda":
         return f"{what} needs a CUDA device (got {device.type}); use kernel='torch' or 'auto' on this device"
@@ -90,9 +101,10 @@ def _hardware(device: torch.device, what: str) -> tuple[tuple[int, int] | None, 
     return cap, None
 
 
-def cudnn_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+def cudnn_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int,
+                      features: frozenset[str] = frozenset()) -> str | None:
     what = "torch's cuDNN attention"
-    reason = _common(device, dtype, head_dim, what, _CUDNN_MAX_HEAD_DIM)
+    reason = _no_features(features, what) or _common(device, dtype, head_dim, what, _CUDNN_MAX_HEAD_DIM)
     if reason is None and torch.version.hip is not None:
         reason = f"{what} is not part of ROCm builds of torch; use kernel='sdpa_flash' or 'auto'"
     if reason is None and not torch.backends.cudnn.is_available():
@@ -103,9 +115,10 @@ def cudnn_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -
     return reason or _hardware(device, what)[1]
 
 
-def flash_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+def flash_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int,
+                      features: frozenset[str] = frozenset()) -> str | None:
     what = "torch's flash attention"
-    reason = _common(device, dtype, head_dim, what, 256)
+    reason = _no_features(features, what) or _common(device, dtype, head_dim, what, 256)
     if reason is None and not torch.backends.cuda.is_flash_attention_available():
         reason = "this torch build has no flash attention kernel; use kernel='sdpa_cudnn' or 'torch'"
     if reason is not None:
@@ -119,7 +132,10 @@ def flash_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -
     return reason
 
 
-def cpu_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+def cpu_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int,
+                    features: frozenset[str] = frozenset()) -> str | None:
+    if features:
+        return _no_features(features, "torch's CPU flash attention")
     if device.type != "cpu":
         return f"torch's CPU flash attention runs on the CPU only (got {device.type}); use kernel='auto'"
     if dtype not in (torch.float32, torch.float64, *_HALF):

@@ -48,41 +48,56 @@ def _raw_lse(lse: torch.Tensor, shape) -> torch.Tensor:
     return raw.set_(lse.untyped_storage(), offset_bytes // 4, shape, (shape[1] * shape[2], shape[2], 1))
 
 
-def _scores(q, k, scale, causal):
-    """float32 scores; causal masks are aligned bottom-right, as in flash-attn >= 2.1 and FA3."""
+def _scores(q, k, scale, causal, window=(-1, -1), softcap=0.0):
+    """float32 scores, capped (``softcap`` > 0) then masked like flash-attn >= 2.1 and FA3: causal and window
+    aligned bottom-right, query row a sees key b iff a + sk − sq − left <= b <= a + sk − sq + right, -1 = unbounded.
+    Returns (masked capped scores, tanh(s / softcap) or None)."""
     q, k = q.float(), k.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    t = None
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    sq, sk = q.shape[1], k.shape[1]
+    diff = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
     if causal:
-        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril(k.shape[1] - q.shape[1])
-        s = s.masked_fill(~keep, float("-inf"))
-    return s
+        keep &= diff <= 0
+    left, right = window
+    if left >= 0:
+        keep &= diff >= -left
+    if right >= 0:
+        keep &= diff <= right
+    return s.masked_fill(~keep, float("-inf")), t
 
 
 def _fwd_math(q, k, v, scale, causal, window=(-1, -1), softcap=0.0, dropout_p=0.0):
     _require(q, k, v)
-    if tuple(window) != (-1, -1) or softcap != 0.0 or dropout_p != 0.0:
-        raise AssertionError("the adapter must ask for plain attention")
-    s = _scores(q, k, scale, causal)
+    if dropout_p != 0.0:
+        raise AssertionError("the adapter must not ask for dropout")
+    s, _ = _scores(q, k, scale, causal, tuple(window), softcap)
     lse = torch.logsumexp(s, dim=-1)
     vx = v.float().repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]), vx)
     return out.to(q.dtype), lse                                               # lse: float32 [B, H, Sq]
 
 
-def _bwd_math(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window=(-1, -1)):
+def _bwd_math(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window=(-1, -1), softcap=0.0):
     """Writes dq/dk/dv in place from (dout, q, k, v, out, lse) and returns softmax_d, like flash-attn."""
     _require(q, k, v, dout, out)
     if dq is None or dk is None or dv is None:
         raise AssertionError("gradient buffers must be preallocated")
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == q.dtype
-    assert tuple(window) == (-1, -1)
     g = q.shape[2] // k.shape[2]
-    p = torch.exp(_scores(q, k, scale, causal) - _raw_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))[..., None])
-    q, k, v, dout, out = (t.float() for t in (q, k, v, dout, out))
+    s, t = _scores(q, k, scale, causal, tuple(window), softcap)
+    p = torch.exp(s - _raw_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))[..., None])
+    q, k, v, dout, out = (t_.float() for t_ in (q, k, v, dout, out))
     kx, vx = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     d = (dout * out).sum(-1).transpose(1, 2)                                  # [B, H, Sq]
     ds = p * (torch.einsum("bqhd,bkhd->bhqk", dout, vx) - d[..., None])
+    if t is not None:
+        ds = ds * (1 - t * t)
     b, sk, hk, hd = k.shape
     dq.copy_(torch.einsum("bhqk,bkhd->bqhd", ds, kx) * scale)
     dk.copy_((torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale).reshape(b, sk, hk, g, hd).sum(3))
@@ -130,7 +145,7 @@ def fa260_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, a
 
 def fa260_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
               softcap, alibi_slopes, deterministic, rng_state=None):
-    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, softcap)
     return dq, dk, dv, d
 
 
@@ -153,7 +168,7 @@ def fa27_ops():
             window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
             deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
         return _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal,
-                         (window_size_left, window_size_right))
+                         (window_size_left, window_size_right), softcap)
 
     return fwd, bwd
 
@@ -167,7 +182,7 @@ def fa3beta_fwd(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, 
 
 def fa3beta_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
                 sink_token_length=0, softcap=0.0, deterministic=False):
-    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, softcap)
     return dq, dk, dv, d
 
 
@@ -202,7 +217,7 @@ def fa3c08_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequ
                max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
                deterministic=False, sm_margin=0):
     assert all(x is None for x in (cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q, max_seqlen_k))
-    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, softcap)
     return dq, dk, dv, d
 
 
@@ -232,7 +247,7 @@ def fa3new_ops():
             window_size_right: int = -1, softcap: float = 0.0, deterministic: bool = False,
             sm_margin: int = 0) -> torch.Tensor:
         return _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, is_causal,
-                         (window_size_left, window_size_right))
+                         (window_size_left, window_size_right), softcap)
 
     return fwd, bwd
 
@@ -679,3 +694,86 @@ def test_an_already_imported_fa2_is_read_from_its_file(tmp_path, monkeypatch):
     (tmp_path / "imported_fa2.py").write_text(_REGISTERS["fa2-2.8"])
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", imported)
     assert "imports neither" in support.ops_clash(fa._FA2_MODULES, fa._FA3_MODULES)
+
+
+# ---------------------------------------------------------------- sliding windows and softcap
+def fa22_fwd(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
+    out, lse = _fwd_math(q, k, v, softmax_scale, causal, dropout_p=dropout_p)
+    return out, q, k, v, out, lse, _empty(q), _rng()
+
+
+def fa22_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, rng_state=None):
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal)
+    return dq, dk, dv, d
+
+
+FA22 = Version("2.2", 2, "2.2.5", lambda: (fa22_fwd, fa22_bwd))
+# What each stand-in's real build applies (flash-attn's signatures and release notes: window_size from 2.3,
+# softcap from 2.6; FA3's 2024 builds: window only, and the beta's softcap is not trusted, see the adapter).
+FEATURES = {"2.2": set(), "2.5": {"window"}, "2.6.0": {"window", "softcap"}, "2.7-custom-op": {"window", "softcap"},
+            "fa3-beta": {"window"}, "fa3-2024": {"window"}, "fa3-c082294": {"window", "softcap"},
+            "fa3-custom-op": {"window", "softcap"}}
+# (label, sq, sk, causal, window) in the kernel convention; every query row keeps a key.
+WINDOWS = [("causal-inside", 8, 8, True, (3, 0)), ("causal-left-only", 8, 8, True, (2, None)),
+           ("causal-prefix-sk>sq", 4, 10, True, (3, None)), ("full-left-right", 8, 8, False, (2, 3)),
+           ("full-right-only", 8, 8, False, (None, 2)), ("full-left-only", 6, 9, False, (1, None)),
+           ("full-sq>sk", 8, 5, False, (1, 4)), ("causal-larger-than-block", 8, 8, True, (20, 0)),
+           ("plain-causal", 8, 8, True, (None, None))]
+CAP = 1.0
+
+
+def _window_reference(q, k, v, dout, causal, window, softcap):
+    from tests.reference import dense_scores, dense_with_grads
+    q, k, v, dout = (t.double() for t in (q, k, v, dout))
+    out, dq, dk, dv = dense_with_grads(q, k, v, dout, causal=causal, scale=SCALE, window=window, softcap=softcap)
+    lse = torch.logsumexp(dense_scores(q, k, causal=causal, scale=SCALE, window=window, softcap=softcap), -1)
+    return out, lse, dq, dk, dv
+
+
+@pytest.mark.parametrize("label,sq,sk,causal,window", WINDOWS, ids=[w[0] for w in WINDOWS])
+@pytest.mark.parametrize("softcap", [None, CAP], ids=["nocap", "softcap"])
+def test_window_and_softcap_reach_flash_attn_exactly(version, label, sq, sk, causal, window, softcap):
+    """Each build that applies a window / softcap gets it translated exactly (-1 = unbounded, right = 0 under
+    causal); the stand-ins apply them like flash-attn, so an off-by-one or a dropped side fails here."""
+    q, k, v, dout = _inputs(2, sq=sq, sk=sk, seed=len(label))
+    kernel = fa.FlashAttnKernel(torch.device("cpu"))
+    needed = ({"window"} if window != (None, None) else set()) | ({"softcap"} if softcap else set())
+    assert kernel.features == FEATURES[version.label]
+    if needed - kernel.features:
+        with pytest.raises(ValueError, match="applies no"):
+            kernel.forward(q, k, v, causal=causal, scale=SCALE, window=window, softcap=softcap)
+        return
+    out, lse = kernel.forward(q, k, v, causal=causal, scale=SCALE, window=window, softcap=softcap)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=SCALE, window=window, softcap=softcap)
+    ref_out, ref_lse, *ref_grads = _window_reference(q, k, v, dout, causal, window, softcap)
+    _close(out, ref_out)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=LSE_TOL)
+    for got, want in zip(grads, ref_grads):
+        _close(got, want)
+
+
+@pytest.mark.parametrize("stand_in", [FA22, *VERSIONS], ids=lambda v: v.label)
+def test_unavailable_names_the_features_a_build_lacks(monkeypatch, stand_in):
+    _hide_all(monkeypatch)
+    _install(monkeypatch, stand_in)
+    _gpu(monkeypatch, (9, 0) if stand_in.generation == 3 else (8, 0))
+    has = FEATURES[stand_in.label]
+    assert fa.unavailable(CUDA0, torch.bfloat16, 128) is None
+    for feature, words in (("window", "sliding windows"), ("softcap", "softcap")):
+        reason = fa.unavailable(CUDA0, torch.bfloat16, 128, frozenset({feature}))
+        if feature in has:
+            assert reason is None, reason
+        else:
+            assert reason is not None and f"applies no {words}" in reason and "kernel='torch'" in reason
+
+
+def test_versions_before_the_feature_are_refused_even_with_the_argument(monkeypatch):
+    """A build that reports 2.2 but takes window_size (a patched fork) is still refused a window: version gate."""
+    _hide_all(monkeypatch)
+    _install(monkeypatch, Version("2.2.0", 2, "2.2.0", lambda: (fa25_fwd, fa25_bwd)))
+    _gpu(monkeypatch, (8, 0))
+    assert "applies no sliding windows" in fa.unavailable(CUDA0, torch.float16, 64, frozenset({"window"}))
+    _install(monkeypatch, Version("2.5.9", 2, "2.5.9", lambda: (fa260_fwd, fa260_bwd)))
+    fa.forget_probe()
+    assert fa.unavailable(CUDA0, torch.float16, 64, frozenset({"window"})) is None
+    assert "applies no softcap" in fa.unavailable(CUDA0, torch.float16, 64, frozenset({"softcap"}))

@@ -162,3 +162,50 @@ def test_selection_on_a_gpu_probes_flash_attn_once(gpu, monkeypatch):
     flash_attn.forget_probe()
     with pytest.raises(AssertionError, match="probe repeated"):
         select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128)
+
+
+# ---------------------------------------------------------------- mask features: windows and softcap
+WINDOW, SOFTCAP = frozenset({"window"}), frozenset({"softcap"})
+
+
+@pytest.mark.parametrize("features", [WINDOW, SOFTCAP, WINDOW | SOFTCAP], ids=sorted)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_auto_on_cpu_takes_the_torch_kernel_for_windows_and_softcap(features, dtype):
+    assert isinstance(select_kernel(Kernel.AUTO, CPU, dtype, 64, features), TorchKernel)
+    assert isinstance(select_kernel(Kernel.AUTO, CPU, dtype, 64), CpuFlashKernel)
+    assert kernel_unavailable(Kernel.TORCH, CPU, dtype, 64, features) is None
+
+
+def test_explicit_kernel_without_the_feature_names_it_and_the_kernels_that_can():
+    with pytest.raises(ValueError, match="cannot apply sliding windows here") as info:
+        select_kernel(Kernel.SDPA_CPU, CPU, torch.float32, 64, WINDOW)
+    assert "kernels that can: torch" in str(info.value)
+    with pytest.raises(ValueError, match="cannot apply softcap here"):
+        select_kernel(Kernel.SDPA_CPU, CPU, torch.float32, 64, SOFTCAP)
+    with pytest.raises(ValueError, match="unknown kernel features"):
+        select_kernel(Kernel.AUTO, CPU, torch.float32, 64, frozenset({"alibi"}))
+
+
+@pytest.mark.parametrize("features", [WINDOW, SOFTCAP], ids=sorted)
+def test_auto_on_a_gpu_without_flash_attn_falls_back_to_torch_for_features(gpu, features):
+    gpu((9, 0))
+    assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128).name == Kernel.SDPA_CUDNN.value
+    assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128, features).name == Kernel.TORCH.value
+    for name in (Kernel.SDPA_CUDNN, Kernel.SDPA_FLASH):
+        assert "applies no" in kernel_unavailable(name, CUDA, torch.bfloat16, 128, features)
+        with pytest.raises(ValueError, match="kernels that can: torch"):
+            select_kernel(name, CUDA, torch.bfloat16, 128, features)
+
+
+def test_auto_on_a_gpu_prefers_flash_attn_when_it_applies_the_feature(gpu, monkeypatch):
+    """flash-attn 2.5 (window, no softcap) stand-in: auto takes it for windows, falls back to torch for softcap."""
+    from tests.unit.test_flash_attn_adapter import VERSIONS, _install
+
+    gpu((8, 0))
+    _install(monkeypatch, next(v for v in VERSIONS if v.label == "2.5"))
+    flash_attn.forget_probe()
+    assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128, WINDOW).name == Kernel.FLASH_ATTN.value
+    assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128, SOFTCAP).name == Kernel.TORCH.value
+    with pytest.raises(ValueError, match="kernels that can: torch") as info:
+        select_kernel(Kernel.FLASH_ATTN, CUDA, torch.bfloat16, 128, SOFTCAP)
+    assert "2.5.9.post1" in str(info.value) and "softcap" in str(info.value)
