@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .comm import all_gather, reduce_scatter
-from .groups import CommCounter, RankGroup
+from .comm import Observers, all_gather, reduce_scatter
+from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
 from .layouts import Zigzag
 from .ring import refuse_double_backward
@@ -29,7 +29,7 @@ def _perm(seq_len: int, group: RankGroup, device: torch.device) -> torch.Tensor:
     return Zigzag().permutation(seq_len, group.size).to(device)
 
 
-def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: RankGroup, counter: CommCounter) -> torch.Tensor:
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: RankGroup, counter: Observers) -> torch.Tensor:
     """Every rank's K/V, packed ``[2, B, S, Hkv, D]`` in original sequence order."""
     kv = torch.stack((k, v))
     if group.size == 1:
@@ -43,7 +43,7 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: RankGroup, counter: Comm
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kernel: AttentionKernel, group: RankGroup, counter: CommCounter, causal: bool,
+    def forward(ctx, q, k, v, kernel: AttentionKernel, group: RankGroup, counter: Observers, causal: bool,
                 scale: float):
         kv = _gather_kv(k, v, group, counter)
         outs, lses = [], []

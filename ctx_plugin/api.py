@@ -17,8 +17,9 @@ from .config import CPConfig
 from .groups import CPGroups
 from .kernels import select_kernel
 from .attention import run_backend
-from .comm import reduce_scatter
+from .comm import Observers, active_observers, reduce_scatter, restored
 from .layouts import Layout, shard_layout
+from .recompute import pinning
 from .rules import SettingNames, check_heads, check_seq_len
 
 
@@ -98,10 +99,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
         check_seq_len(config, q.shape[1] * groups.size, groups.size, _GLOBAL)
         check_heads(config, q.shape[2], k.shape[2], groups.size)
         _check_device(q, groups)
-        key = (q.device, q.dtype, q.shape[-1])
-        if key not in groups.kernels:
-            groups.kernels[key] = select_kernel(config.kernel, *key)
-        kernel = groups.kernels[key]
+        kernel = select_kernel(config.kernel, q.device, q.dtype, q.shape[-1])
     except (TypeError, ValueError) as e:
         error = e
     if error is not None and groups.check_group is None:
@@ -109,14 +107,17 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     signature = agreement.attention_signature(q, k, v, groups=groups, causal=causal, softmax_scale=softmax_scale,
                                               kernel=None if kernel is None else kernel.name, error=error)
 
-    def compute() -> torch.Tensor:      # not run when a recomputed region replays the remembered output
-        agreement.check(groups, signature)
-        if error is not None:           # the same error on every rank (they agreed on it)
-            raise error
-        return run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=causal,
-                           scale=float(softmax_scale))
+    observers = active_observers()      # a recomputation (core_attn, +recompute_attn) reports to them too
 
-    return groups.pins.run(compute)
+    def compute() -> torch.Tensor:      # not run when a recomputed region replays the remembered output
+        with restored(observers):
+            agreement.check(groups, signature)
+            if error is not None:       # the same error on every rank (they agreed on it)
+                raise error
+            return run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=causal,
+                               scale=float(softmax_scale))
+
+    return pinning.run(compute)
 
 
 def _seq_dim(x: torch.Tensor, dim: int) -> int:
@@ -148,20 +149,21 @@ def shard_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: 
 class _GatherSequence(torch.autograd.Function):
     """All-gather of the shards in original token order. The backward is the gradient of the sum of every
     rank's objective (like ``torch.distributed.nn.all_gather``): :class:`_SumOwnRows`, whose own backward is this
-    gather again (the two linear maps are each other's adjoints), so higher-order gradients are exact too."""
+    gather again (the two linear maps are each other's adjoints), so higher-order gradients are exact too. Both
+    report to the communication observers active at the first forward (``counter``)."""
 
     @staticmethod
-    def forward(ctx, x, layout: Layout, groups: CPGroups, dim: int):
+    def forward(ctx, x, layout: Layout, groups: CPGroups, dim: int, counter: Observers):
         seq_len = x.shape[dim] * groups.size
         parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(groups.size)]
         dist.all_gather(parts, x.contiguous(), group=groups.group)
         inverse = torch.argsort(layout.permutation(seq_len, groups.size)).to(x.device)
-        ctx.args = (layout, groups, dim)
+        ctx.args = (layout, groups, dim, counter)
         return torch.cat(parts, dim).index_select(dim, inverse)
 
     @staticmethod
     def backward(ctx, grad):
-        return _SumOwnRows.apply(grad, *ctx.args), None, None, None
+        return _SumOwnRows.apply(grad, *ctx.args), None, None, None, None
 
 
 class _SumOwnRows(torch.autograd.Function):
@@ -169,18 +171,18 @@ class _SumOwnRows(torch.autograd.Function):
     reduce-scatter of the rows in sharded order. The caller's tensor is never modified."""
 
     @staticmethod
-    def forward(ctx, full, layout: Layout, groups: CPGroups, dim: int):
+    def forward(ctx, full, layout: Layout, groups: CPGroups, dim: int, counter: Observers):
         p, seq_len = groups.size, full.shape[dim]
         ranks_rows = full.index_select(dim, layout.permutation(seq_len, p).to(full.device)).movedim(dim, 0)
         parts = ranks_rows.reshape(p, seq_len // p, *ranks_rows.shape[1:]).contiguous()
         own = reduce_scatter(torch.empty(parts.shape[1:], dtype=full.dtype, device=full.device), parts, groups.cp,
-                             groups.counter, "reduce_scatter_grad")
-        ctx.args = (layout, groups, dim)
+                             counter, "reduce_scatter_grad")
+        ctx.args = (layout, groups, dim, counter)
         return own.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _GatherSequence.apply(grad, *ctx.args), None, None, None
+        return _GatherSequence.apply(grad, *ctx.args), None, None, None, None
 
 
 def gather_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1) -> torch.Tensor:
@@ -201,4 +203,4 @@ def gather_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim:
         agreement.check(groups, agreement.gather_signature(x, dim=dim, groups=groups, error=error))
     if error is not None:
         raise error
-    return _GatherSequence.apply(x, layout, groups, dim)
+    return _GatherSequence.apply(x, layout, groups, dim, active_observers())

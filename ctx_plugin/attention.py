@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .allgather import AllGatherAttention
-from . import rules
+from .comm import active_observers
 from .config import CPConfig
 from .groups import CPGroups
 from .kernels import AttentionKernel
@@ -20,20 +20,17 @@ from .ring import RingAttention
 from .ulysses import AllToAll, kv_replicas
 
 
-def check_heads(heads: int, kv_heads: int, groups: CPGroups) -> None:
-    """:func:`ctx_plugin.rules.check_heads` for ``groups`` (its Ulysses axis has ``groups.ulysses.size`` ranks)."""
-    rules.check_heads(groups.config, heads, kv_heads, groups.ulysses.size)
-
-
 def run_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CPConfig, groups: CPGroups,
                 kernel: AttentionKernel, causal: bool, scale: float) -> torch.Tensor:
+    """Each autograd function gets the communication observers active now (its forward's), for its backward."""
+    counter = active_observers()
     if config.backend == Backend.ALLGATHER:
-        return AllGatherAttention.apply(q, k, v, kernel, groups.ring, groups.counter, causal, scale)
+        return AllGatherAttention.apply(q, k, v, kernel, groups.ring, counter, causal, scale)
     ulysses = groups.ulysses
     if ulysses.size > 1:
         copies = kv_replicas(k.shape[2], ulysses.size)
         if copies > 1:   # more Ulysses ranks than K/V heads: replicate; autograd sums the copies' gradients
             k, v = (t.unsqueeze(3).expand(*t.shape[:3], copies, t.shape[3]).flatten(2, 3) for t in (k, v))
-        q, k, v = (AllToAll.apply(t, ulysses, groups.counter, True) for t in (q, k, v))
-    out = RingAttention.apply(q, k, v, kernel, ring_layout(config), groups.ring, groups.counter, causal, scale)
-    return AllToAll.apply(out, ulysses, groups.counter, False) if ulysses.size > 1 else out
+        q, k, v = (AllToAll.apply(t, ulysses, counter, True) for t in (q, k, v))
+    out = RingAttention.apply(q, k, v, kernel, ring_layout(config), groups.ring, counter, causal, scale)
+    return AllToAll.apply(out, ulysses, counter, False) if ulysses.size > 1 else out

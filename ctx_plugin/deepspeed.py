@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import hf, hf_loss
+from . import comm, hf, hf_loss
 from .deepspeed_config import (SECTION, ContextParallelSection, _load_config, _refuse_patched_linear, _zero_config,
                                batch_sizes, parse_section)
 from .deepspeed_data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, tiled_causal_lm_loss
@@ -73,24 +73,40 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
                      "recompute preset to")
 
 
+class _Communicated:
+    """A communication observer (:func:`ctx_plugin.comm.observing`) that only notes whether anything was sent."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def record(self, kind: str) -> None:
+        self.seen = True
+
+
 def _require_cp_attention(model: torch.nn.Module, groups: CPGroups) -> None:
     """Checks on the model's first forward that its attention went through ``groups`` (they communicate at
-    ``size`` > 1); a forward that did not is a RuntimeError instead of training on unsharded attention."""
-    before = []
+    ``size`` > 1); a forward that did not is a RuntimeError instead of training on unsharded attention.
 
-    def pre(module, args):
-        before.append(sum(groups.counter.counts.values()))
+    The forward runs wrapped (an instance attribute, removed once a forward passed the check) inside
+    :func:`ctx_plugin.comm.observing`, which sees every communication ctx_plugin issues in it."""
+    had_own = "forward" in vars(model)
+    original = model.forward
 
-    def post(module, args, output):
-        if sum(groups.counter.counts.values()) == before.pop():
+    def forward(*args, **kwargs):
+        with comm.observing(_Communicated()) as sent:
+            out = original(*args, **kwargs)
+        if not sent.seen:
             raise RuntimeError("the model's forward did not call ctx_plugin.cp_attention with the engine's groups, "
                                "but its batches are sharded along the sequence: with attention=fn, fn(groups) must "
                                "make the model's attention call ctx_plugin.cp_attention(q, k, v, "
                                "config=groups.config, groups=groups)")
-        handles[0].remove()
-        handles[1].remove()
+        if had_own:
+            model.forward = original
+        else:
+            del model.forward           # the class's forward shows again
+        return out
 
-    handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+    model.forward = forward
 
 
 def _cp_group(size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -158,7 +174,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if section.size > 1:
         _require_cp_attention(model, groups)
     if layers is not None:
-        apply(layers, layer_preset, groups=groups)
+        apply(layers, layer_preset)
     if section.recompute.preset == Recompute.SELECTIVE:
         model.register_forward_pre_hook(_refuse_patched_linear)
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         torch.manual_seed(args.seed)
         model = DecoderLM(model_cfg, config, groups).to(device)
         if name == "context_parallel":      # the layers' part of the preset; the loss applies +tile_loss
-            recompute.apply(model.blocks, preset.for_layers, groups=groups)
+            recompute.apply(model.blocks, preset.for_layers)
         runs[name] = train(model, config, groups, args.steps, args.batch, args.seq_len, model_cfg.vocab, args.lr,
                            args.seed, recompute=preset if name == "context_parallel" else None)
     (ref_losses, _), (cp_losses, tokens_per_s) = runs["reference"], runs["context_parallel"]

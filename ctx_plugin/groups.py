@@ -1,60 +1,33 @@
-"""Process groups for context parallelism, built once and passed explicitly to every call."""
+"""Process groups for context parallelism, built once and passed explicitly to every call.
+
+Topology only: communication observers live in :mod:`ctx_plugin.comm` (counters in :mod:`ctx_plugin.bench`),
+the recompute record/replay state in :mod:`ctx_plugin.recompute.pinning`, the kernel choice in
+:mod:`ctx_plugin.kernels`, simulated ranks in :mod:`ctx_plugin.bench.simulated`."""
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from .config import CPConfig
 from .names import Backend
-from .pinning import AttentionPins
 from .rules import check_ulysses_size
 
-
-@dataclass(eq=False)
-class CommCounter:
-    """Counts communication operations issued through these groups (tests read it; cheap enough to keep on).
-
-    Keys are operation kinds: ``"ring_kv"`` (one K/V rotation), ``"ring_dkv"`` (one dK/dV hop), ``"a2a"`` (one
-    Ulysses all-to-all), ``"allgather_kv"``, ``"reduce_scatter_dkv"`` and ``"reduce_scatter_grad"`` (the backward of
-    ``gather_sequence``); ``"agree"`` is one rank-agreement check (:mod:`ctx_plugin.agreement`)."""
-
-    counts: Counter = field(default_factory=Counter)
-
-    def record(self, kind: str, n: int = 1) -> None:
-        self.counts[kind] += n
-
-    def reset(self) -> None:
-        self.counts.clear()
-
-
-class Transport(Protocol):
-    """What :mod:`ctx_plugin.comm` asks of a group's data mover when it is not torch.distributed."""
-
-    def exchange(self, group: RankGroup, send, recv, send_to: int, recv_from: int, tag: int):
-        """Posts ``send`` → ``send_to`` and ``recv`` ← ``recv_from``; returns an object whose ``wait()`` completes."""
-        ...
-
-    def all_to_all(self, group: RankGroup, out, inp) -> None: ...
-
-    def all_gather(self, group: RankGroup, out, inp) -> None: ...
-
-    def reduce_scatter(self, group: RankGroup, out, inp) -> None: ...
+if TYPE_CHECKING:
+    from .comm import Transport
 
 
 @dataclass(frozen=True, eq=False)
 class RankGroup:
     """One process group as the collectives see it: the group, this process's rank in it, its size."""
 
-    group: dist.ProcessGroup | None
-    """``None`` for a group of one process that never communicates, or a group served by ``transport``."""
+    group: dist.ProcessGroup | Transport | None
+    """The process group: a ``torch.distributed.ProcessGroup``, ``None`` for a group of one process that never
+    communicates, or a simulated group that moves the data itself (:class:`ctx_plugin.comm.Transport`: the
+    benchmark's simulated ranks, :mod:`ctx_plugin.bench.simulated`, which run a group's ranks in one process)."""
     rank: int
     size: int
-    transport: Transport | None = None
-    """Moves the data instead of torch.distributed: the benchmark's simulated ranks (``ctx_plugin.bench``), which
-    run a group's ranks in one process. ``None`` (always, outside benchmarks and tests): torch.distributed."""
 
 
 ALONE = RankGroup(group=None, rank=0, size=1)
@@ -82,13 +55,6 @@ class CPGroups:
     (:mod:`ctx_plugin.agreement`, ``CPConfig.check_ranks``): ``cp``'s own group when its backend serves CPU
     tensors, else a gloo group :func:`build_cp_groups` created. ``None`` (no check) for one rank, simulated
     ranks, or ``check_ranks=False``."""
-    counter: CommCounter = field(default_factory=CommCounter)
-    """Communication counts, for tests and diagnostics."""
-    pins: AttentionPins = field(default_factory=AttentionPins)
-    """Keeps the attention out of recomputation (driven by :func:`ctx_plugin.recompute.apply`)."""
-    kernels: dict = field(default_factory=dict)
-    """The local kernel chosen per (device, dtype, head_dim): selection probes imports (flash-attn) and
-    device capabilities, which is done once, not on every attention call."""
 
     @property
     def group(self) -> dist.ProcessGroup | None:

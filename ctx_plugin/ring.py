@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .comm import RingComm
-from .groups import CommCounter, RankGroup
+from .comm import Observers, RingComm
+from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
 from .layouts import RingLayout
 from .mask import Mask
@@ -24,7 +24,7 @@ DKV = "ring_dkv"
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: AttentionKernel,
-                 layout: RingLayout, group: RankGroup, counter: CommCounter, causal: bool,
+                 layout: RingLayout, group: RankGroup, counter: Observers, causal: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     b, n, h, d = q.shape
     size, rank = group.size, group.rank
@@ -48,7 +48,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: A
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, *, kernel: AttentionKernel, layout: RingLayout, group: RankGroup,
-                  counter: CommCounter, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  counter: Observers, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, n, h, d = q.shape
     size, rank = group.size, group.rank
     acc = accum_dtype(q.dtype)
@@ -97,7 +97,7 @@ class RingAttention(torch.autograd.Function):
     """Differentiable ring attention; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel: AttentionKernel, layout: RingLayout, group: RankGroup, counter: CommCounter,
+    def forward(ctx, q, k, v, kernel: AttentionKernel, layout: RingLayout, group: RankGroup, counter: Observers,
                 causal: bool, scale: float):
         out, lse = ring_forward(q, k, v, kernel=kernel, layout=layout, group=group, counter=counter, causal=causal,
                                 scale=scale)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from .comm import all_to_all
-from .groups import CommCounter, RankGroup
+from .comm import Observers, all_to_all
+from .groups import RankGroup
 
 
-def seq_to_heads(x: torch.Tensor, group: RankGroup, counter: CommCounter) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, group: RankGroup, counter: Observers) -> torch.Tensor:
     b, n, h, d = x.shape
     p = group.size
     send = x.reshape(b, n, p, h // p, d).permute(2, 0, 1, 3, 4).contiguous()     # [P, B, n, H/P, D]
@@ -20,7 +20,7 @@ def seq_to_heads(x: torch.Tensor, group: RankGroup, counter: CommCounter) -> tor
     return recv.permute(1, 0, 2, 3, 4).reshape(b, p * n, h // p, d)
 
 
-def heads_to_seq(y: torch.Tensor, group: RankGroup, counter: CommCounter) -> torch.Tensor:
+def heads_to_seq(y: torch.Tensor, group: RankGroup, counter: Observers) -> torch.Tensor:
     b, s, hp, d = y.shape
     p = group.size
     send = y.reshape(b, p, s // p, hp, d).permute(1, 0, 2, 3, 4).contiguous()  # [P, B, n, H/P, D]
@@ -33,7 +33,7 @@ class AllToAll(torch.autograd.Function):
     differentiable (both are linear), so higher-order gradients through the all-to-all are exact."""
 
     @staticmethod
-    def forward(ctx, x, group: RankGroup, counter: CommCounter, to_heads: bool):
+    def forward(ctx, x, group: RankGroup, counter: Observers, to_heads: bool):
         ctx.args = (group, counter, to_heads)
         return (seq_to_heads if to_heads else heads_to_seq)(x, group, counter)
 

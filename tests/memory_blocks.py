@@ -97,7 +97,7 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
     model, layers, run_layers, head = build(vocab, dtype, groups)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")       # core_attn warns by design
-        recompute.apply(layers, preset, groups=groups)
+        recompute.apply(layers, preset)
     x0 = torch.randn(batch, seq_len, HIDDEN, dtype=dtype, requires_grad=True)
     pos = torch.arange(seq_len)
     labels = torch.randint(0, vocab, (batch * seq_len,))

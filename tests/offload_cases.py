@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 import ctx_plugin
+from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin.recompute import RecomputeConfig, regions
 from ctx_plugin.recompute.offload import host_offload
 from tests.recompute_cases import BATCH, build_blocks, counting_attention, decoder_config, sharded_input
@@ -38,8 +39,7 @@ def offload_step(shape: str, preset: str, cfg: ctx_plugin.CPConfig, groups, seq_
     blocks = build_blocks(c, cfg, groups, preset).double()
     x, pos = sharded_input(c, cfg, groups, seq_len, torch.float64)
     offload = host_offload(blocks)
-    groups.counter.reset()
-    with counting_attention() as calls:
+    with counting_attention() as calls, CommCounter().counting() as counter:
         y = x * 1.0
         for block in blocks:
             y = block(y, pos)
@@ -47,7 +47,7 @@ def offload_step(shape: str, preset: str, cfg: ctx_plugin.CPConfig, groups, seq_
         y.pow(2).sum().backward()
     grads = {name: p.grad for name, p in blocks.named_parameters()}
     grads["input"] = x.grad
-    return {"grads": grads, "attention_runs": calls["n"], "comm": dict(groups.counter.counts), "held": held,
+    return {"grads": grads, "attention_runs": calls["n"], "comm": dict(counter.counts), "held": held,
             "after": None if offload is None else offload.held_bytes}
 
 

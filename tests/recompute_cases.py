@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import ctx_plugin
 import ctx_plugin.api
+from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin import recompute
 from ctx_plugin.memory import ModelSpec, ParallelSpec, layer_activations, saved_bytes
 from ctx_plugin.models import CoreAttention, DecoderBlock, DecoderConfig
@@ -34,7 +35,7 @@ def build_blocks(c: DecoderConfig, cfg: ctx_plugin.CPConfig, groups, preset: str
     blocks = torch.nn.ModuleList(DecoderBlock(c, CoreAttention(cfg, groups)) for _ in range(c.layers))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # core_attn warns by design
-        recompute.apply(blocks, preset, groups=groups)
+        recompute.apply(blocks, preset)
     return blocks
 
 
@@ -95,8 +96,7 @@ def train_step(shape: str, preset: str, cfg: ctx_plugin.CPConfig, groups, seq_le
     c = decoder_config(shape)
     blocks = build_blocks(c, cfg, groups, preset)
     x, pos = sharded_input(c, cfg, groups, seq_len, torch.float32)
-    groups.counter.reset()
-    with counting_attention() as calls, FlopCounterMode(display=False) as flops:
+    with counting_attention() as calls, FlopCounterMode(display=False) as flops, CommCounter().counting() as counter:
         y = x
         for block in blocks:
             y = block(y, pos)
@@ -105,4 +105,4 @@ def train_step(shape: str, preset: str, cfg: ctx_plugin.CPConfig, groups, seq_le
     grads = {name: p.grad for name, p in blocks.named_parameters()}
     grads["input"] = x.grad
     return {"grads": grads, "attention_runs": calls["n"], "flops": flops.get_total_flops(),
-            "forward_flops": forward_flops, "comm": dict(groups.counter.counts)}
+            "forward_flops": forward_flops, "comm": dict(counter.counts)}

@@ -6,7 +6,8 @@ For each backend the world is one context-parallel group of N = world size ranks
 - *real*: ``cp_attention`` with its communication (NCCL on GPUs, gloo on CPU);
 - *compute*: the same rank's work with the communication taken out (the simulated-rank transport that moves
   nothing, :data:`ctx_plugin.bench.simulated.SILENT`);
-- *comm*: the communication alone (the real groups with a local kernel that does nothing).
+- *comm*: the communication alone (the real groups, the rank-agreement check and the backend run with a local
+  kernel that does nothing, :class:`NullKernel`).
 
 The hidden share of the communication is ``(compute + comm − real) ÷ comm`` (clipped to [0, 1]): 1 when the
 transfers cost nothing beyond the compute, 0 when they add fully. The table reports the slowest rank's real
@@ -23,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from .. import agreement
+from ..attention import run_backend
 from ..groups import build_cp_groups
-from ..kernels import accum_dtype
+from ..kernels import accum_dtype, select_kernel
 from ..names import Kernel
 from .harness import Shape, attention_step, ideal_time, median_time
 from .report import add_arguments, configs, row, settle, shape_from_args, write_outputs
@@ -47,10 +49,24 @@ class NullKernel:
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _timed(shape: Shape, config, groups, tensors, backward: bool, reps: int) -> float:
-    together = dist.barrier if groups.cp.transport is None else None     # real communication: start together
-    return median_time(attention_step(shape, config, groups, *tensors, backward), shape.device, reps,
-                       before=together)
+def comm_step(shape: Shape, config, groups, q, k, v, dout, backward: bool):
+    """``cp_attention``'s communication without its compute: the ranks' agreement check and the backend with
+    :class:`NullKernel` (forward, or forward and backward)."""
+    kernel = NullKernel()
+
+    def go():
+        agreement.check(groups, agreement.attention_signature(q, k, v, groups=groups, causal=shape.causal,
+                                                              softmax_scale=None, kernel=kernel.name, error=None))
+        out = run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=shape.causal,
+                          scale=shape.head_dim ** -0.5)
+        if backward:
+            out.backward(dout)
+    return go
+
+
+def _timed(shape: Shape, config, groups, tensors, backward: bool, reps: int, step=attention_step) -> float:
+    together = dist.barrier if isinstance(groups.cp.group, dist.ProcessGroup) else None   # real ranks: together
+    return median_time(step(shape, config, groups, *tensors, backward), shape.device, reps, before=together)
 
 
 def _check_time(shape: Shape, groups, tensors) -> float:
@@ -59,7 +75,7 @@ def _check_time(shape: Shape, groups, tensors) -> float:
     if groups.check_group is None:
         return 0.0
     q, k, v, _ = tensors
-    kernel = groups.kernels[(q.device, q.dtype, q.shape[-1])].name       # selected by the timed runs before
+    kernel = select_kernel(groups.config.kernel, q.device, q.dtype, q.shape[-1]).name
 
     def check():
         agreement.check(groups, agreement.attention_signature(q, k, v, groups=groups, causal=shape.causal,
@@ -99,11 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             tensors = shape.tensors(shape.seq_len // size, torch.Generator().manual_seed(rank), grad=backward)
             real_groups = build_cp_groups(config)
-            null_groups = build_cp_groups(config)
-            null_groups.kernels[(device, shape.dtype, shape.head_dim)] = NullKernel()
             silent = simulated_groups(config, rank, size, SILENT, device.type)
             real = _timed(shape, config, real_groups, tensors, backward, args.reps)
-            comm = _timed(shape, config, null_groups, tensors, backward, args.reps)
+            comm = _timed(shape, config, real_groups, tensors, backward, args.reps, step=comm_step)
             compute = _timed(shape, config, silent, tensors, backward, args.reps)
             hidden = min(1.0, max(0.0, (compute + comm - real) / comm)) if comm > 0 else 1.0
             times, comms, hiddens = _gather(real, device), _gather(comm, device), _gather(hidden, device)

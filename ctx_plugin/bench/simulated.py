@@ -1,8 +1,9 @@
 """Simulated ranks: an N-rank context-parallel group inside one process, running the real ``cp_attention``.
 
-Each simulated rank gets :class:`~ctx_plugin.groups.CPGroups` whose groups carry a transport instead of a
-torch.distributed process group, laid out exactly as :func:`~ctx_plugin.build_cp_groups` lays them out (Ulysses
-groups of ``ulysses_size`` consecutive ranks, ring groups of every ``ulysses_size``-th rank). Two transports:
+Each simulated rank gets :class:`~ctx_plugin.groups.CPGroups` whose groups' process group is a
+:class:`SimulatedGroup` (a :class:`ctx_plugin.comm.Transport`: it moves the data itself) instead of a
+torch.distributed one, laid out exactly as :func:`~ctx_plugin.build_cp_groups` lays them out (Ulysses
+groups of ``ulysses_size`` consecutive ranks, ring groups of every ``ulysses_size``-th rank). Two data movers:
 
 - :class:`ThreadedWorld` moves the data: the N ranks run in N threads and exchange tensors through mailboxes and
   barriers, so every rank computes exactly what it computes in a distributed run (tests check this);
@@ -33,7 +34,7 @@ class _Done:
 
 
 class Silent:
-    """A transport that moves nothing (see the module docstring)."""
+    """A data mover that moves nothing (see the module docstring)."""
 
     def exchange(self, group, send, recv, send_to, recv_from, tag):
         return _Done()
@@ -114,19 +115,37 @@ class ThreadedWorld:
         out.copy_(total.view(out.shape))
 
 
-class SimGroup(RankGroup):
-    """A RankGroup of simulated ranks that knows its members' world ranks (for the mailboxes)."""
+class SimulatedGroup:
+    """The process group of one simulated rank (``RankGroup.group``): its members' world ranks (for the
+    mailboxes), its rank among them, and the data mover (:data:`SILENT` or a :class:`ThreadedWorld`).
+    Implements :class:`ctx_plugin.comm.Transport`."""
 
-    def __init__(self, members: tuple[int, ...], rank: int, transport) -> None:
-        super().__init__(group=None, rank=rank, size=len(members), transport=transport)
-        object.__setattr__(self, "members", members)
+    def __init__(self, members: tuple[int, ...], rank: int, mover) -> None:
+        self.members, self.rank, self.size, self.mover = members, rank, len(members), mover
+
+    def exchange(self, send, recv, send_to: int, recv_from: int, tag: int):
+        return self.mover.exchange(self, send, recv, send_to, recv_from, tag)
+
+    def all_to_all(self, out, inp) -> None:
+        self.mover.all_to_all(self, out, inp)
+
+    def all_gather(self, out, inp) -> None:
+        self.mover.all_gather(self, out, inp)
+
+    def reduce_scatter(self, out, inp) -> None:
+        self.mover.reduce_scatter(self, out, inp)
 
 
-def simulated_groups(config: CPConfig, rank: int, size: int, transport, device_type: str) -> CPGroups:
-    """Rank ``rank`` of a simulated group of ``size`` ranks, grouped as ``build_cp_groups`` groups real ranks."""
+def _group(members: tuple[int, ...], rank: int, mover) -> RankGroup:
+    return RankGroup(group=SimulatedGroup(members, rank, mover), rank=rank, size=len(members))
+
+
+def simulated_groups(config: CPConfig, rank: int, size: int, mover, device_type: str) -> CPGroups:
+    """Rank ``rank`` of a simulated group of ``size`` ranks, grouped as ``build_cp_groups`` groups real ranks;
+    ``mover``: :data:`SILENT` or a :class:`ThreadedWorld`."""
     check_ulysses_size(config, size, SettingNames(cp="simulated size"))
     everyone = tuple(range(size))
-    cp = SimGroup(everyone, rank, transport)
+    cp = _group(everyone, rank, mover)
     if config.backend == Backend.ULYSSES:
         ulysses, ring = cp, ALONE
     elif config.ulysses_size == 1:
@@ -136,8 +155,8 @@ def simulated_groups(config: CPConfig, rank: int, size: int, transport, device_t
     else:
         u = config.ulysses_size
         outer, inner = divmod(rank, u)
-        ulysses = SimGroup(everyone[outer * u:(outer + 1) * u], inner, transport)
-        ring = SimGroup(everyone[inner::u], outer, transport)
+        ulysses = _group(everyone[outer * u:(outer + 1) * u], inner, mover)
+        ring = _group(everyone[inner::u], outer, mover)
     return CPGroups(config=config, cp=cp, ulysses=ulysses, ring=ring, device_types=frozenset({device_type}))
 
 

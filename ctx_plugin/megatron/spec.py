@@ -219,7 +219,7 @@ def prepare_model(model, settings: MegatronCPSettings, groups_provider: GroupsPr
     groups = groups_provider.get(context_parallel_group(pg_collection))
     use_layout_rope(model, settings.cp_config, groups)
     if settings.megatron_recompute is None:
-        recompute_presets.apply(model.decoder.layers, settings.recompute.for_layers, groups=groups,
+        recompute_presets.apply(model.decoder.layers, settings.recompute.for_layers,
                                 sequence_dim=0)           # Megatron's hidden states are [s, b, h]
     if settings.recompute.tile_loss:
         from .loss import use_tiled_loss

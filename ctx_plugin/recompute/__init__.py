@@ -1,7 +1,7 @@
 """Selective-recompute granularity: named presets, their application to layers, and framework mappings.
 
     cfg = ctx_plugin.recompute.RecomputeConfig.parse("full:uniform:2")
-    ctx_plugin.recompute.apply(model.model.layers, cfg, groups=cp_groups)
+    ctx_plugin.recompute.apply(model.model.layers, cfg)
     megatron_fields = ctx_plugin.recompute.to_megatron(cfg, num_layers=32)
     chosen = ctx_plugin.recompute.resolve("budget:60", model_spec, parallel_spec, seq_len=131072)
 

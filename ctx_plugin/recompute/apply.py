@@ -2,9 +2,9 @@
 
 Layers keep their identity, parameters and state-dict keys: ``apply`` replaces each layer's ``forward`` on the
 instance (``remove`` restores it). Regions use non-reentrant ``torch.utils.checkpoint``; ``selective`` adds
-PyTorch's selective-checkpoint policy. Every region pins the CP attention (see :mod:`ctx_plugin.pinning`), so
-only ``core_attn`` and the ``+recompute_attn`` modifier ever re-run attention — and with it, its communication —
-in backward.
+PyTorch's selective-checkpoint policy. Every region pins the CP attention (see
+:mod:`ctx_plugin.recompute.pinning`), so only ``core_attn`` and the ``+recompute_attn`` modifier ever re-run
+attention — and with it, its communication — in backward.
 
 Modifiers applied here: ``+tile_mlp[:<tokens>]`` replaces every layer's ``.mlp`` forward by the chunked,
 per-chunk-checkpointed one of :mod:`ctx_plugin.recompute.tiling` (with any preset; under ``mlp`` it replaces the
@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..groups import CPGroups
 from ..names import Recompute
-from ..pinning import AttentionPins, Recording, Reusable
+from . import pinning
+from .pinning import Recording, Reusable
 from .offload import HostOffload, attach, detach
 from .presets import RecomputeConfig, regions
 from .tiling import TilingState, check_mlp, tiled_forward
@@ -41,27 +41,27 @@ _SAVE_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default,
                        _aten._scaled_dot_product_flash_attention_for_cpu.default})
 
 
-def _selective_policy(pins: AttentionPins, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save matmul and fused-attention outputs; recompute every other op, communication included.
 
     The context-parallel attention needs no saving: it is pinned (recorded in forward, its output replayed in
-    backward, see :mod:`ctx_plugin.pinning`), so its ring / all-to-all traffic runs once whatever this says. Any
+    backward, see :mod:`ctx_plugin.recompute.pinning`), so its ring / all-to-all traffic runs once whatever this says. Any
     other collective inside a layer belongs to the framework around it, and caching its result is wrong:
     torch.distributed's collectives write into buffers their caller owns and frees or refills, e.g. ZeRO-3
     all-gathers each module's parameters into a buffer it releases after the module ran, so a saved gather hands
     stale memory to the recomputation (NaN gradients at data parallel 2). Re-running them is what such
     frameworks expect (ZeRO-3 gathers the parameters again for backward anyway)."""
-    if pins.in_attention:      # the pinned attention is replayed whole, never op by op
+    if pinning.in_attention():      # the pinned attention is replayed whole, never op by op
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _tiled_selective_policy(tiling: TilingState, pins: AttentionPins, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _tiled_selective_policy(tiling: TilingState, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """:func:`_selective_policy`, recomputing everything inside a tiled MLP (its chunks are checkpointed
     themselves; saving their matrix products would keep every chunk's tokens × ffn outputs)."""
     if tiling.active:
         return CheckpointPolicy.PREFER_RECOMPUTE
-    return _selective_policy(pins, ctx, op, *args, **kwargs)
+    return _selective_policy(ctx, op, *args, **kwargs)
 
 
 @contextmanager
@@ -94,25 +94,25 @@ class _Region:
     (``+recompute_attn``): the attention is part of the region, re-run (communication included) with it.
     ``policy``: the selective policy (``selective`` regions only)."""
 
-    def __init__(self, layers: list[nn.Module], pins: AttentionPins, selective: bool, *, pinned: bool = True,
+    def __init__(self, layers: list[nn.Module], selective: bool, *, pinned: bool = True,
                  policy=None, offload: HostOffload | None = None) -> None:
         self.layers, self.forwards = layers, [layer.forward for layer in layers]
-        self.pins, self.selective, self.pinned = pins, selective, pinned
+        self.selective, self.pinned = selective, pinned
         self.offload = offload          # +offload/+offload_attn: the region's input (and attention) in host memory
-        self.policy = policy if policy is not None else partial(_selective_policy, pins)
+        self.policy = policy if policy is not None else _selective_policy
         self.last = None
 
     def _contexts(self, hooks=None):
         if not self.pinned:
-            return self.pins.unpinned(), Reusable(self.pins.unpinned)
+            return pinning.unpinned(), Reusable(pinning.unpinned)
         # One Recording per forward run (several may be in flight before their backwards); the recompute context
         # is entered once per backward (more than once with retain_graph=True), so it is built anew each time.
         run = Recording(once=self.selective, hooks=hooks)    # hooks: how the attention keeps its tensors (offload)
-        record = self.pins.recording(run)
+        record = pinning.recording(run)
         if not self.selective:
-            return record, Reusable(partial(self.pins.replaying, run))
+            return record, Reusable(partial(pinning.replaying, run))
         sac_fwd, sac_recompute = create_selective_checkpoint_contexts(self.policy)
-        return _entered(sac_fwd, record), Reusable(lambda: _entered(self.pins.replaying(run), sac_recompute))
+        return _entered(sac_fwd, record), Reusable(lambda: _entered(pinning.replaying(run), sac_recompute))
 
     def _body(self, *args, **kwargs):
         out = None
@@ -224,22 +224,21 @@ def _checkpointed_module(module: nn.Module):
     return forward
 
 
-def _core_recompute(forward, pins: AttentionPins):
+def _core_recompute(forward):
     def patched(*args, **kwargs):
-        with pins.recomputing_core():
+        with pinning.recomputing_core():
             return forward(*args, **kwargs)
     return patched
 
 
-def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups: CPGroups | None = None,
-          sequence_dim: int = 1) -> None:
+def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequence_dim: int = 1) -> None:
     """Applies ``config`` to ``layers`` (in the order the model calls them), in place.
 
-    ``groups`` are the :class:`CPGroups` the layers' attention runs with (``None`` only for models without
-    ctx_plugin attention, and then only for presets that do not recompute attention-bearing regions).
-    ``budget:<GiB>`` must first be resolved with :func:`ctx_plugin.recompute.resolve`. ``sequence_dim``: the
-    sequence dimension of the hidden states the layers' MLPs get, for ``+tile_mlp`` (1 for ``[batch, seq,
-    hidden]`` models, 0 for Megatron's ``[seq, batch, hidden]``). ``+tile_loss`` is refused: the loss applies it,
+    The pinned attention's record/replay state is context-scoped (:mod:`ctx_plugin.recompute.pinning`), so
+    no groups are needed: the regions pin whatever ``cp_attention`` calls run inside them. ``budget:<GiB>`` must
+    first be resolved with :func:`ctx_plugin.recompute.resolve`. ``sequence_dim``: the sequence dimension of
+    the hidden states the layers' MLPs get, for ``+tile_mlp`` (1 for ``[batch, seq, hidden]`` models, 0 for
+    Megatron's ``[seq, batch, hidden]``). ``+tile_loss`` is refused: the loss applies it,
     the layers take ``config.for_layers``."""
     config = RecomputeConfig.parse(config)
     layers = list(layers)
@@ -256,8 +255,6 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
     if preset == Recompute.BUDGET:
         raise ValueError(f"{config} must be resolved to a concrete preset first: "
                          "ctx_plugin.recompute.resolve(config, model=..., parallel=..., ...)")
-    if groups is not None and not isinstance(groups, CPGroups):
-        raise TypeError(f"groups must come from ctx_plugin.build_cp_groups, got {type(groups).__name__}")
     if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int) or sequence_dim < 0:
         raise ValueError(f"sequence_dim must be a non-negative int (1 for [batch, seq, hidden], 0 for Megatron's "
                          f"[seq, batch, hidden]), got {sequence_dim!r}")
@@ -269,9 +266,6 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
         missing = [i for i, layer in enumerate(layers) if not isinstance(getattr(layer, "mlp", None), nn.Module)]
         if missing:
             raise ValueError(f"the mlp preset needs layers with an `.mlp` submodule; layers {missing} have none")
-    if groups is None and preset not in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP):
-        raise ValueError(f"the {config} preset re-runs or pins the attention; pass groups= (the CPGroups the "
-                         "layers' cp_attention uses)")
     patch = partial(_patch, layers=layers, config=config)
     tiling = TilingState()
     for i, layer in enumerate(layers):            # +tile_mlp: every preset; under `mlp` it replaces the checkpoint
@@ -288,16 +282,16 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, groups:
                       "its ring/all-to-all communication, and saves no memory over 'none' with ctx_plugin's "
                       "flash-style attention; prefer 'selective' or 'full'", stacklevel=2)
         for i, layer in enumerate(layers):
-            patch(layer, _core_recompute(layer.forward, groups.pins), index=i)
+            patch(layer, _core_recompute(layer.forward), index=i)
         return
     if preset == Recompute.SELECTIVE:
-        policy = partial(_tiled_selective_policy, tiling, groups.pins) if config.tile_mlp else None
+        policy = partial(_tiled_selective_policy, tiling) if config.tile_mlp else None
         for i, layer in enumerate(layers):
-            patch(layer, _Region([layer], groups.pins, selective=True, policy=policy).run, index=i)
+            patch(layer, _Region([layer], selective=True, policy=policy).run, index=i)
         return
     offload = HostOffload.from_config(config)      # one host budget for the whole stack
     for start, stop in regions(config, len(layers)):      # full, full:uniform:N, full:block:N, sqrt
-        region = _Region(layers[start:stop], groups.pins, selective=False,
+        region = _Region(layers[start:stop], selective=False,
                          pinned=not config.recompute_attention, offload=offload)
         attach(layers[start:stop], offload)
         patch(layers[start], region.run, index=start)

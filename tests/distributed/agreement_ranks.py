@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import ctx_plugin
 import ctx_plugin.groups
+from ctx_plugin.bench.counting import CommCounter
 from tests.recompute_cases import train_step
 from tests.reference import dense_with_grads, rel_err
 
@@ -141,20 +142,23 @@ def agreeing(rank: int, world: int, payload: dict) -> dict:
             q, k, v = (shard(t).requires_grad_(True) for t in full)
             for name, (_, counted) in wrapped.items():
                 setattr(dist, name, counted)
+            counter = CommCounter()
             try:
                 calls.update(all_reduce=0, all_gather=0)
-                o = ctx_plugin.cp_attention(q, k, v, config=cfg, groups=groups)
-                fwd = {**calls, "counter": groups.counter.counts.get("agree", 0)}
+                with counter.counting():
+                    o = ctx_plugin.cp_attention(q, k, v, config=cfg, groups=groups)
+                fwd = {**calls, "counter": counter.counts.get("agree", 0)}
                 calls.update(all_reduce=0, all_gather=0)
                 o.backward(shard(dout))
-                bwd = {**calls, "counter": groups.counter.counts.get("agree", 0) - fwd["counter"]}
+                bwd = {**calls, "counter": counter.counts.get("agree", 0) - fwd["counter"]}
             finally:
                 for name, (original, _) in wrapped.items():
                     setattr(dist, name, original)
-            before = groups.counter.counts.get("agree", 0)
-            got = [ctx_plugin.gather_sequence(t, config=cfg, groups=groups) for t in (o.detach(), q.grad, k.grad,
-                                                                                       v.grad)]
-            runs[check] = {"fwd": fwd, "bwd": bwd, "gather_checks": groups.counter.counts.get("agree", 0) - before,
+            before = counter.counts.get("agree", 0)
+            with counter.counting():
+                got = [ctx_plugin.gather_sequence(t, config=cfg, groups=groups) for t in (o.detach(), q.grad, k.grad,
+                                                                                           v.grad)]
+            runs[check] = {"fwd": fwd, "bwd": bwd, "gather_checks": counter.counts.get("agree", 0) - before,
                            "got": got}
         on, off = runs[True], runs[False]
         out[f"{backend}-u{u}"] = {

@@ -7,6 +7,7 @@ import warnings
 import torch
 
 import ctx_plugin
+from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin.names import Backend
 from tests.recompute_cases import BATCH, build_blocks, decoder_config
 
@@ -55,24 +56,24 @@ def gather_backward(rank: int, world: int, payload) -> dict:
               for r in range(world)]
         rows = ctx_plugin.sequence_positions(SEQ, config=cfg, groups=groups)
         x = full_x[:, rows].clone().requires_grad_(True)
+        with CommCounter().counting() as counter:
+            full = ctx_plugin.gather_sequence(x, config=cfg, groups=groups)
+            upstream = 2 * cs[rank] * full.detach()
+            kept = upstream.clone()
+            full.backward(upstream)
+            total = sum(cs)
+            first_err = (x.grad - 2 * (total * full_x)[:, rows]).abs().max().item()
 
-        full = ctx_plugin.gather_sequence(x, config=cfg, groups=groups)
-        upstream = 2 * cs[rank] * full.detach()
-        kept = upstream.clone()
-        full.backward(upstream)
-        total = sum(cs)
-        first_err = (x.grad - 2 * (total * full_x)[:, rows]).abs().max().item()
-
-        x.grad = None
-        full = ctx_plugin.gather_sequence(x, config=cfg, groups=groups)
-        dx, = torch.autograd.grad((cs[rank] * full.pow(2)).sum(), x, create_graph=True)
-        w = torch.randn(x.shape, generator=torch.Generator().manual_seed(200 + rank), dtype=torch.float64)
-        first_again = (dx.detach() - 2 * (total * full_x)[:, rows]).abs().max().item()
-        (dx * w).sum().backward()
-        second_err = (x.grad - 2 * total[:, rows] * w).abs().max().item()
+            x.grad = None
+            full = ctx_plugin.gather_sequence(x, config=cfg, groups=groups)
+            dx, = torch.autograd.grad((cs[rank] * full.pow(2)).sum(), x, create_graph=True)
+            w = torch.randn(x.shape, generator=torch.Generator().manual_seed(200 + rank), dtype=torch.float64)
+            first_again = (dx.detach() - 2 * (total * full_x)[:, rows]).abs().max().item()
+            (dx * w).sum().backward()
+            second_err = (x.grad - 2 * total[:, rows] * w).abs().max().item()
         out[backend.value] = {"upstream_untouched": torch.equal(upstream, kept), "first_err": first_err,
                               "first_err_create_graph": first_again, "second_err": second_err,
-                              "comm": dict(groups.counter.counts)}
+                              "comm": dict(counter.counts)}
     return out
 
 
@@ -91,17 +92,18 @@ def repeated_backward(rank: int, world: int, payload) -> dict:
         full = torch.randn(BATCH, seq, c.hidden, generator=torch.Generator().manual_seed(5))
         x = ctx_plugin.shard_sequence(full, config=cfg, groups=groups).requires_grad_(True)
         pos = ctx_plugin.sequence_positions(seq, config=cfg, groups=groups)
-        y = x
-        for block in blocks:
-            y = block(y, pos)
-        loss = y.pow(2).sum()
-        groups.counter.reset()
-        loss.backward(retain_graph=True)
-        first_comm, first = dict(groups.counter.counts), x.grad.clone()
-        groups.counter.reset()
+        with CommCounter().counting() as counter:
+            y = x
+            for block in blocks:
+                y = block(y, pos)
+            loss = y.pow(2).sum()
+        counter.reset()
+        loss.backward(retain_graph=True)    # counted: by the counter active at the forward
+        first_comm, first = dict(counter.counts), x.grad.clone()
+        counter.reset()
         x.grad = None
         message = _error(lambda: loss.backward())
-        second_comm = dict(groups.counter.counts)
+        second_comm = dict(counter.counts)
         out[preset] = {"error": message, "first_comm": first_comm, "second_comm": second_comm,
                        "same": message is None and torch.equal(x.grad, first)}
     return out

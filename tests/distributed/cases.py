@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 import ctx_plugin
+from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin.names import Backend
 from tests.reference import dense_with_grads, rel_err
 
@@ -95,12 +96,13 @@ def count_exchanges(rank: int, world: int, payload: dict) -> dict:
             q = torch.randn(1, 4, 4, 8, requires_grad=True)
             kv = torch.randn(1, 4, 2, 8, requires_grad=True)
             calls["n"] = 0
-            out = ctx_plugin.cp_attention(q, kv, kv, config=cfg, groups=groups)
-            fwd_calls, fwd_counts = calls["n"], dict(groups.counter.counts)
-            groups.counter.reset()
-            out.sum().backward()
+            with CommCounter().counting() as counter:
+                out = ctx_plugin.cp_attention(q, kv, kv, config=cfg, groups=groups)
+            fwd_calls, fwd_counts = calls["n"], dict(counter.counts)
+            counter.reset()
+            out.sum().backward()        # outside the context: counted by the counter active at the forward
             result[f"{backend}-u{u}"] = {"fwd_p2p": fwd_calls, "fwd": fwd_counts, "bwd_p2p": calls["n"] - fwd_calls,
-                                         "bwd": dict(groups.counter.counts)}
+                                         "bwd": dict(counter.counts)}
         return result
     finally:
         dist.batch_isend_irecv = original
@@ -134,14 +136,15 @@ def bad_inputs(rank: int, world: int, payload) -> dict:
             ctx_plugin.CPConfig(backend="ulysses_ring", ulysses_size=2)),
     }
     errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = None
-        except (ValueError, TypeError) as e:
-            errors[name] = f"{type(e).__name__}: {e}"
+    with CommCounter().counting() as counter:
+        for name, call in calls.items():
+            try:
+                call()
+                errors[name] = None
+            except (ValueError, TypeError) as e:
+                errors[name] = f"{type(e).__name__}: {e}"
     # Only the ranks' agreement on each call (agreement.py: metadata, no data) may have communicated.
-    counts = [(k, v) for g in (zig_groups, ring_groups, uly_groups) for k, v in g.counter.counts.items()]
+    counts = list(counter.counts.items())
     started = {k: v for k, v in counts if k != "agree"}
     probe = torch.ones(1)
     dist.all_reduce(probe)   # would hang or fail if a bad call had left a request behind

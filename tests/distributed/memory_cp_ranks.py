@@ -26,7 +26,7 @@ def kept(rank: int, world: int, payload: dict) -> dict:
         groups = ctx_plugin.build_cp_groups(cfg)
         torch.manual_seed(0)
         model, layers, run_layers, _ = _hf("llama", 16, dtype, groups, cfg)
-        recompute.apply(layers, preset, groups=groups)
+        recompute.apply(layers, preset)
         shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
         x0 = shard(torch.randn(BATCH, SEQ, HIDDEN, dtype=dtype)).requires_grad_(True)
         pos = shard(torch.arange(SEQ)[None])[0]

@@ -59,7 +59,7 @@ def run(rank: int, world: int, payload: dict) -> dict:
         groups = ctx_plugin.build_cp_groups(cfg)
         model = _model(cfg, groups)
         config = recompute.RecomputeConfig.parse(preset)
-        recompute.apply(model.blocks, config.for_layers, groups=groups)
+        recompute.apply(model.blocks, config.for_layers)
         tokens, labels = _data()
         shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
         positions = ctx_plugin.sequence_positions(SEQ, config=cfg, groups=groups)

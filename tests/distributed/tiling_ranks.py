@@ -12,7 +12,9 @@ import torch
 import ctx_plugin
 import ctx_plugin.api
 from ctx_plugin import recompute
+from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin.models import CoreAttention, DecoderBlock, DecoderConfig
+from ctx_plugin.recompute import pinning
 
 C = DecoderConfig(hidden=32, ffn=64, layers=3, heads=4, kv_heads=2, gated=False)     # GELU MLP with biases
 BATCH = 2
@@ -26,7 +28,7 @@ def _step(preset: str, cfg: ctx_plugin.CPConfig, groups, seq: int) -> dict:
             torch.nn.init.normal_(p, 0.5, 0.3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")        # core_attn warns by design
-        recompute.apply(blocks, preset, groups=groups)
+        recompute.apply(blocks, preset)
     full = torch.randn(BATCH, seq, C.hidden, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     x = ctx_plugin.shard_sequence(full, config=cfg, groups=groups).requires_grad_(True)
     pos = ctx_plugin.sequence_positions(seq, config=cfg, groups=groups)
@@ -38,18 +40,18 @@ def _step(preset: str, cfg: ctx_plugin.CPConfig, groups, seq: int) -> dict:
         return original(*args, **kwargs)
 
     ctx_plugin.api.run_backend = counting
-    groups.counter.reset()
     try:
-        y = x
-        for block in blocks:
-            y = block(y, pos)
-        forward = dict(groups.counter.counts)
-        y.pow(2).sum().backward()
+        with CommCounter().counting() as counter:
+            y = x
+            for block in blocks:
+                y = block(y, pos)
+            forward = dict(counter.counts)
+            y.pow(2).sum().backward()
     finally:
         ctx_plugin.api.run_backend = original
     grads = {"input": x.grad, **{name: p.grad for name, p in blocks.named_parameters()}}
-    return {"grads": grads, "forward": forward, "total": dict(groups.counter.counts), "runs": calls["n"],
-            "mode": groups.pins._mode}
+    return {"grads": grads, "forward": forward, "total": dict(counter.counts), "runs": calls["n"],
+            "mode": pinning.state().mode}
 
 
 def stacks(rank: int, world: int, payload: dict) -> dict:
@@ -105,7 +107,7 @@ def _megatron_layer(presets: list[str]) -> dict:
                 torch.manual_seed(0)
                 layer = build_module(spec, config=config, layer_number=1).double()
                 if preset is not None:
-                    recompute.apply([layer], preset, groups=groups, sequence_dim=0)
+                    recompute.apply([layer], preset, sequence_dim=0)
                 x = torch.randn(seq, BATCH, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
                 x = (x.chunk(tp, dim=0)[tp_rank] if sp else x).clone().requires_grad_(True)
                 with _cpu_shims():

@@ -36,7 +36,7 @@ def _stack(c: DecoderConfig, preset: str, kernel: str, dtype: torch.dtype):
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.1)
     blocks = blocks.to("cuda", dtype)
-    recompute.apply(blocks, preset, groups=groups)
+    recompute.apply(blocks, preset)
     return blocks
 
 

@@ -202,7 +202,7 @@ def test_layers_taking_hidden_states_by_keyword():
     def run(preset):
         torch.manual_seed(0)
         layers = nn.ModuleList(_KeywordBlock() for _ in range(3)).double()
-        recompute.apply(layers, preset, groups=ctx_plugin.build_cp_groups(CFG))
+        recompute.apply(layers, preset)
         x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 1.0
         mask = torch.full((2, 5, 1), 0.5, dtype=torch.float64)
         first = weakref.ref(x)
@@ -236,7 +236,7 @@ def test_hugging_face_decoder_stack():
         hf.enable(model, groups.config, groups)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            recompute.apply(model.model.layers, preset, groups=groups)
+            recompute.apply(model.model.layers, preset)
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
         loss = model(input_ids=ids, position_ids=torch.arange(16).expand(2, 16)).logits.pow(2).mean()
         offload = host_offload(model.model.layers)
@@ -260,7 +260,7 @@ def test_unsupported_device_is_refused():
 
 def test_offload_needs_a_hidden_states_tensor():
     layers = nn.ModuleList([nn.Identity()])
-    recompute.apply(layers, "full+offload:1", groups=ctx_plugin.build_cp_groups(CFG))
+    recompute.apply(layers, "full+offload:1")
     with pytest.raises(TypeError, match=r"\+offload:1 offloads a region's hidden states"):
         layers[0](hidden_states=[torch.ones(2, requires_grad=True)])
 

@@ -47,7 +47,7 @@ def _stack(preset: str, hooks: list | None):
         for layer in layers:
             layer.register_forward_pre_hook(lambda m, args: (_Alias.apply(args[0], hooks),))
             layer.register_forward_hook(lambda m, args, out: _Alias.apply(out, hooks))
-    recompute.apply(layers, preset, groups=ctx_plugin.build_cp_groups(ctx_plugin.CPConfig()))
+    recompute.apply(layers, preset)
     return layers
 
 
@@ -106,7 +106,7 @@ def test_hf_gradient_checkpointing_then_a_preset_is_refused(preset):
         model.gradient_checkpointing_enable()
         with pytest.raises(ValueError, match=r"decoder layers \[0, 1, 2\] use Hugging Face's own gradient "
                                              r"checkpointing .* use one or the other"):
-            recompute.apply(model.model.layers, preset, groups=groups)
+            recompute.apply(model.model.layers, preset)
 
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p != "attn_out"])   # attn_out patches nothing
@@ -115,7 +115,7 @@ def test_a_preset_then_hf_gradient_checkpointing_fails_at_forward(preset):
     model, groups = _hf_model()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        recompute.apply(model.model.layers, preset, groups=groups)
+        recompute.apply(model.model.layers, preset)
         _step(model)                                  # fine on its own
         model.gradient_checkpointing_enable()
         with pytest.raises(ValueError, match=r"decoder layers \[0\] use Hugging Face's own gradient checkpointing"):
@@ -130,15 +130,14 @@ def test_hf_gradient_checkpointing_alone_is_left_alone():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.gradient_checkpointing_enable()
-    recompute.apply(model.model.layers, "none", groups=groups)
+    recompute.apply(model.model.layers, "none")
     _step(model)
 
 
 def test_selective_saves_matmuls_and_no_collective():
     """Collectives are recomputed: the CP attention is pinned, and a saved torch.distributed collective aliases a
     buffer its owner frees or refills (ZeRO-3's parameter gathers gave NaN gradients)."""
-    pins = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig()).pins
-    policy = [_selective_policy(pins, None, op) for op in (
+    policy = [_selective_policy(None, op) for op in (
         torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
         torch.ops.c10d._allgather_base_.default, torch.ops.c10d.allreduce_.default,
         torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.all_reduce.default,

@@ -147,17 +147,15 @@ def test_apply_errors_and_remove():
     layers = nn.ModuleList(_Layer() for _ in range(3))
     groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig())
     with pytest.raises(ValueError, match="must be resolved"):
-        recompute.apply(layers, "budget:10", groups=groups)
-    with pytest.raises(ValueError, match="pass groups="):
-        recompute.apply(layers, "full", groups=None)
+        recompute.apply(layers, "budget:10")
     with pytest.raises(ValueError, match=r"needs layers with an `.mlp` submodule; layers \[0, 1, 2\]"):
-        recompute.apply(layers, "mlp", groups=groups)
-    with pytest.raises(TypeError, match="build_cp_groups"):
-        recompute.apply(layers, "full", groups="world")
-    recompute.apply(layers, "full:uniform:3", groups=groups)
+        recompute.apply(layers, "mlp")
+    with pytest.raises(TypeError, match="groups"):         # the pins state is context-scoped: no groups taken
+        recompute.apply(layers, "full", groups=groups)
+    recompute.apply(layers, "full:uniform:3")
     assert all("forward" in vars(layer) for layer in layers)
     with pytest.raises(ValueError, match="already applied"):
-        recompute.apply(layers, "full", groups=groups)
+        recompute.apply(layers, "full")
     x = torch.randn(2, 4, requires_grad=True)
     y = x
     for layer in layers:
@@ -173,7 +171,7 @@ def test_apply_errors_and_remove():
 def test_core_attn_warns():
     layers = nn.ModuleList([_Layer()])
     with pytest.warns(UserWarning, match="repeating its ring/all-to-all communication"):
-        recompute.apply(layers, "core_attn", groups=ctx_plugin.build_cp_groups(ctx_plugin.CPConfig()))
+        recompute.apply(layers, "core_attn")
 
 
 LLAMA = ModelSpec.preset("llama3-8b")

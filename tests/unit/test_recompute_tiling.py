@@ -35,7 +35,7 @@ def _blocks(preset: str | None, dtype, c: DecoderConfig = C):
     if preset is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")       # core_attn warns by design
-            recompute.apply(blocks, preset, groups=groups)
+            recompute.apply(blocks, preset)
     return blocks
 
 
@@ -105,7 +105,7 @@ def _hf_grads(preset: str | None):
     groups = None if preset is None else ctx_plugin.build_cp_groups(CFG)
     model = _hf_llama(groups)
     if preset is not None:
-        recompute.apply(model.model.layers, preset, groups=groups)
+        recompute.apply(model.model.layers, preset)
     ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
     logits = model(input_ids=ids, position_ids=torch.arange(SEQ).expand(2, SEQ)).logits
     torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
@@ -205,9 +205,10 @@ def test_peak_falls_by_the_chunking_factor(preset):
 def test_unpinned_restores_the_enclosing_mode():
     """A +recompute_attn region inside a recording one: attention runs plainly there (not remembered), and the
     enclosing recording goes on after it."""
-    from ctx_plugin.pinning import AttentionPins, Recording
+    from ctx_plugin.recompute import pinning as pins
+    from ctx_plugin.recompute.pinning import Recording
 
-    pins, run = AttentionPins(), Recording()
+    run = Recording()
     x = torch.ones(2, requires_grad=True)
     with pins.recording(run):
         with pins.unpinned():
@@ -252,11 +253,11 @@ class _Layer(nn.Module):
 def test_refusals():
     groups = ctx_plugin.build_cp_groups(CFG)
     with pytest.raises(ValueError, match=r"\+tile_loss .* applied by the loss .* config\.for_layers \(full\)"):
-        recompute.apply([_Layer(nn.Linear(4, 4))], "full+tile_loss", groups=groups)
+        recompute.apply([_Layer(nn.Linear(4, 4))], "full+tile_loss")
     with pytest.raises(ValueError, match=r"\+tile_mlp needs layers with an `.mlp` submodule; layer 0"):
-        recompute.apply([_Layer(None)], "none+tile_mlp", groups=groups)
+        recompute.apply([_Layer(None)], "none+tile_mlp")
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        recompute.apply([_Layer(_MoE())], "full+tile_mlp", groups=groups)
+        recompute.apply([_Layer(_MoE())], "full+tile_mlp")
     with pytest.raises(ValueError, match="sequence_dim must be a non-negative int"):
         recompute.apply([_Layer(nn.Linear(4, 4))], "none+tile_mlp", sequence_dim=-1)
     layers = [_Layer(_RouterMLP())]

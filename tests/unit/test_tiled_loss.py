@@ -224,7 +224,7 @@ def _decoder(preset: str):
     for p in model.parameters():                              # non-trivial init: biases and norms not at 0 / 1
         torch.nn.init.normal_(p, std=0.3)
     config = recompute.RecomputeConfig.parse(preset)
-    recompute.apply(model.blocks, config.for_layers, groups=groups)
+    recompute.apply(model.blocks, config.for_layers)
     return model, config
 
 
