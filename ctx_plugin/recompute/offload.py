@@ -7,8 +7,8 @@ region with its hidden states as the first positional argument (also when the la
 ``hidden_states=``, as Megatron's block does) and wraps the call in hooks that move exactly that tensor to host
 memory: nothing keeps the device tensor, gradients still flow to it through the forward graph, and the
 recomputation in backward gets the tensor back through the hooks. With ``offload_attn`` the pinned attention's saved
-tensors (q, k, v, out, LSE) and its remembered output (:class:`ctx_plugin.pinning.Recording`, the same tensor as the
-saved ``out``: copied once) go the same way.
+tensors (q, k, v, out, LSE) and its remembered output (:class:`ctx_plugin.recompute.pinning.Recording`, the same
+tensor as the saved ``out``: copied once) go the same way.
 
 When. Each region's forward opens a *group* (its input plus, with ``offload_attn``, its attention tensors); groups
 of one forward pass are chained in order. The first tensor of group *i* needed in backward (the region's input, when
