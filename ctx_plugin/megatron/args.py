@@ -108,10 +108,12 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     if getattr(args, "attention_dropout", 0.0):
         raise ValueError(f"ctx_plugin's attention has no dropout; set --attention-dropout 0 "
                          f"(got {args.attention_dropout})")
-    from .options import check_data_options, check_model_options     # the table of refused options
+    from .options import check_data_options, check_model_options, window     # the table of refused options
 
     check_model_options(args, where="ctx_plugin's attention")
     check_data_options(args)
+    if getattr(args, "window_size", None) is not None:
+        window(args.window_size, causal=True)           # GPT models' attention is causal
     recompute = _recompute(args, resolve_budget)
     megatron_fields = None
     layers = recompute.for_layers           # +tile_loss is the loss's: spec.prepare_model installs it on the model

@@ -8,11 +8,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is_layer_window_attention,
+                                             make_sharded_tensors_for_checkpoint)
 
 from ..api import cp_attention
 from ..config import CPConfig
 from ..groups import CPGroups, build_cp_groups
-from .options import check_model_options
+from .options import check_model_options, window
 
 _MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
 
@@ -46,8 +48,13 @@ class CPCoreAttention(MegatronModule):
     Takes Megatron's ``[s, b, heads, dim]`` query and ``[s, b, groups, dim]`` key/value (GQA not expanded) and
     returns ``[s, b, heads·dim]``. Causal and no-mask types, applied by the attention itself: a mask tensor is an
     error (:func:`ctx_plugin.megatron.spec.shard_batch` checks that the dataloader's mask is the causal one and
-    drops it). Every option it does not implement (options.py: sliding windows, softmax offsets, QK-clip, MLA,
-    FP8 attention, dropout, ...; padding/arbitrary masks, attention bias, packed sequences) is an error."""
+    drops it). Sliding windows as megatron-core decides them per layer (``window_size``,
+    ``window_attn_skip_freq``; :func:`ctx_plugin.megatron.options.window`) and ``softmax_type`` ``off-by-one``
+    (a zero sink logit per head) and ``learnable`` (a ``softmax_offset`` parameter per head of this tensor-parallel
+    rank, made, initialised and checkpointed like megatron-core's ``DotProductAttention``'s; its gradient is this
+    rank's part, reduced over data × context ranks like every other parameter's). Every option it does not
+    implement (options.py: QK-clip, MLA, FP8 attention, dropout, ...; padding/arbitrary masks, attention bias,
+    packed sequences) is an error."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  cp_comm_type: str | None = None, softmax_scale: float | None = None, pg_collection=None, *,
@@ -76,6 +83,25 @@ class CPCoreAttention(MegatronModule):
         self.cp_config = cp_config
         self.groups = groups_provider.get(group)
         self.softmax_scale = softmax_scale
+        self.window = None                  # megatron-core's per-layer choice (its DotProductAttention's test)
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            self.window = window(config.window_size, causal=attn_mask_type == AttnMaskType.causal)
+        self.tp_group = _tensor_parallel_group(pg_collection)
+        self.softmax_type = config.softmax_type
+        tp_size = self.tp_group.size() if self.tp_group is not None else 1
+        if self.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"softmax_type={self.softmax_type!r} is not one of megatron-core's 'vanilla', "
+                             f"'off-by-one', 'learnable'")
+        if config.num_attention_heads % tp_size:
+            raise ValueError(f"num_attention_heads={config.num_attention_heads} is not divisible by the "
+                             f"tensor-parallel size {tp_size}")
+        self.softmax_offset = None
+        if self.softmax_type == "learnable":    # as megatron-core's DotProductAttention makes and initialises it
+            device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+            self.softmax_offset = torch.nn.Parameter(torch.empty(config.num_attention_heads // tp_size,
+                                                                 device=device, dtype=config.params_dtype))
+            if config.perform_initialization:
+                self.softmax_offset = config.init_method(self.softmax_offset)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                 attn_mask_type: AttnMaskType | None = None, attention_bias=None, packed_seq_params=None):
@@ -94,10 +120,35 @@ class CPCoreAttention(MegatronModule):
                              f"otherwise pass --no-create-attention-mask-in-dataloader")
         s, b, heads, dim = query.shape
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
+        window_ = self.window
+        if window_ is not None and mask_type != self.attn_mask_type:     # the window was checked for the other type
+            window_ = window(self.config.window_size, causal=mask_type == AttnMaskType.causal)
+        sinks = self.softmax_offset
+        if self.softmax_type == "off-by-one":                           # exp(0) = 1 in every row's denominator
+            sinks = torch.zeros(heads, dtype=query.dtype, device=query.device)
         out = cp_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                            config=self.cp_config, groups=self.groups, causal=mask_type == AttnMaskType.causal,
-                           softmax_scale=scale)
+                           softmax_scale=scale, window=window_, sinks=sinks)
         return out.transpose(0, 1).reshape(s, b, heads * dim)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The learnable ``softmax_offset`` sharded over tensor-parallel heads, as megatron-core's
+        ``DotProductAttention`` saves it (so checkpoints move between the two)."""
+        if self.softmax_type != "learnable":
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
+                                                   {"softmax_offset": 0}, sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+
+def _tensor_parallel_group(pg_collection=None) -> dist.ProcessGroup | None:
+    """Megatron's tensor-parallel group: ``pg_collection.tp`` when given, else parallel_state's (None before
+    Megatron's groups exist: one tensor-parallel rank)."""
+    group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    if group is None and dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_tensor_model_parallel_group()
+    return group
 
 
 def _megatron_version() -> str:

@@ -4,7 +4,7 @@ megatron-core's ``TransformerConfig`` and Megatron-LM's parsed arguments use the
 generated from the config's fields), so one table checks both: ``check_model_options(config)`` in
 ``CPCoreAttention.__init__`` and ``check_model_options(args)`` in ``settings_from_args``. The options that
 *are* honoured, and why, are listed in README.md ("Megatron-LM / megatron-core", options table); a test
-covers every row of both lists.
+covers every row of both lists. :func:`window` maps megatron-core's ``window_size`` onto ctx_plugin's window.
 """
 from __future__ import annotations
 
@@ -36,11 +36,6 @@ def _not_none(value) -> bool:
 
 
 MODEL_OPTIONS: tuple[Refused, ...] = (
-    Refused("window_size", _not_none, "sliding-window attention is not implemented by ctx_plugin's attention yet",
-            "unset it (full causal attention), or train without ctx_plugin"),
-    Refused("softmax_type", lambda v: v not in (None, "vanilla"),
-            "the off-by-one / learnable softmax offset (attention sink) is not implemented by ctx_plugin's attention "
-            "(the learnable offset parameter would not exist)", "use softmax_type='vanilla'"),
     Refused("attention_dropout", lambda v: bool(v and v > 0), "ctx_plugin's attention has no dropout",
             "set it to 0"),
     Refused("qk_clip", _truthy, "QK-clip needs every core attention to report its heads' largest attention logit "
@@ -102,3 +97,25 @@ def check_data_options(args) -> None:
     found = refused_options(args, DATA_OPTIONS)
     if found:
         raise ValueError("ctx_plugin cannot honour these data settings:\n  " + "\n  ".join(found))
+
+
+def window(window_size, causal: bool) -> tuple[int | None, int | None]:
+    """ctx_plugin's ``window`` for megatron-core's ``window_size=(left, right)`` (-1: unlimited): query i sees keys
+    ``i - left <= j <= i + right`` (Transformer Engine's and megatron-core's local attention's band), intersected
+    with causality under a causal mask. ValueError for values megatron-core's two attentions read differently:
+    under a causal mask a right side other than 0 (the local ``DotProductAttention`` then attends ``right`` future
+    tokens, its band replacing the causal mask; Transformer Engine sets it to 0), and ``(-1, 0)`` without a mask
+    (Transformer Engine reads it as no window, the local attention as a causal band)."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or any(
+            isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size):
+        raise ValueError(f"window_size={window_size!r} (--window-size) must be two integers (left, right), each >= 0 "
+                         f"or -1 (unlimited)")
+    left, right = window_size
+    if causal and right != 0:
+        raise ValueError(f"window_size={tuple(window_size)!r} (--window-size) has right={right} under a causal mask: "
+                         f"megatron-core's local attention would attend {'every' if right < 0 else right} future "
+                         f"token(s) while Transformer Engine ignores it; give ({left}, 0)")
+    if not causal and (left, right) == (-1, 0):
+        raise ValueError("window_size=(-1, 0) (--window-size) without a causal mask means no window to Transformer "
+                         "Engine and a causal band to megatron-core's local attention; give (-1, -1) or drop it")
+    return (None if left < 0 else left), (None if right < 0 else right)

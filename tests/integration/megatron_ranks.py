@@ -25,6 +25,10 @@ VARIANTS = {   # name: (TransformerConfig fields, GPTModel arguments, qk_layerno
     "knobs": ({"apply_query_key_layer_scaling": True, "softmax_scale": 0.3, "attention_output_gate": True,
                "no_rope_freq": [0, 1], "rotary_interleaved": True, "qk_layernorm": True},
               {"rotary_percent": 0.5, "seq_len_interpolation_factor": 2.0, "rope_scaling": True}, True),
+    # attention variants: layer 1 a window of 5 past tokens (under every rank's shard), layer 2 full
+    # (window_attn_skip_freq), learnable softmax offsets; both layers a window of 12 with the off-by-one softmax
+    "window": ({"window_size": (5, 0), "window_attn_skip_freq": 2, "softmax_type": "learnable"}, {}, False),
+    "offbyone": ({"window_size": (12, 0), "softmax_type": "off-by-one"}, {}, False),
 }
 
 
@@ -50,23 +54,37 @@ def _zigzag_rows_on_cpu(pos_emb, seq_dim, cp_group):
 @contextlib.contextmanager
 def _cpu_shims():
     """Megatron's RotaryEmbedding/YaRN move frequencies to ``torch.cuda.current_device()`` (YaRN's constructor also
-    slices a cache with a CUDA index at CP > 1), its DotProductAttention takes a buffer there and forks the CUDA RNG
-    tracker around dropout (0 here): point them at the CPU."""
+    slices a cache with a CUDA index at CP > 1), its DotProductAttention takes a buffer there, forks the CUDA RNG
+    tracker around dropout (0 here) and builds its sliding-window mask on "cuda": point them at the CPU (the
+    window mask by megatron-core's own function, its ``torch.ones`` made on the CPU)."""
     from megatron.core import tensor_parallel
+    from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
 
     class Tracker:
         def fork(self, *args, **kwargs):
             return contextlib.nullcontext()
 
+    window_mask = fused_softmax.get_sliding_window_causal_mask
+
+    def window_mask_on_cpu(*args):
+        ones = torch.ones
+        torch.ones = lambda *a, device=None, **kw: ones(*a, device="cpu", **kw)
+        try:
+            return window_mask(*args)
+        finally:
+            torch.ones = ones
+
     saved = torch.cuda.current_device, tensor_parallel.get_cuda_rng_tracker, yarn.get_pos_emb_on_this_cp_rank
     torch.cuda.current_device = lambda: "cpu"
     tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: Tracker()
     yarn.get_pos_emb_on_this_cp_rank = _zigzag_rows_on_cpu
+    fused_softmax.get_sliding_window_causal_mask = window_mask_on_cpu
     try:
         yield
     finally:
         torch.cuda.current_device, tensor_parallel.get_cuda_rng_tracker, yarn.get_pos_emb_on_this_cp_rank = saved
+        fused_softmax.get_sliding_window_causal_mask = window_mask
 
 
 def _model(world: int, position: str, variant: str, core_spec, **refused):
@@ -111,6 +129,12 @@ def _step(model, batch, group) -> dict:
             "weights": sum(p.detach().double().sum().item() for p in model.parameters())}
 
 
+def _offset_shards(model) -> dict:
+    """How the distributed checkpoint shards the softmax offsets: key -> (type, global shape, fragmentation)."""
+    return {k: (type(v).__name__, tuple(v.global_shape), tuple(v.axis_fragmentations))
+            for k, v in model.sharded_state_dict().items() if k.endswith("softmax_offset")}
+
+
 def reference_step(rank: int, world: int, payload: dict) -> dict:
     """Megatron's own GPTModel (local spec: DotProductAttention, its RoPE/YaRN) on one rank, with the causal mask
     its dataloader passes; one result per (position embedding, variant)."""
@@ -124,7 +148,8 @@ def reference_step(rank: int, world: int, payload: dict) -> dict:
         with _cpu_shims():
             for position, variant in payload["cases"]:
                 model = _model(1, position, variant, lambda spec: spec)
-                out[f"{position}-{variant}"] = _step(model, _batch(with_mask=True), None)
+                out[f"{position}-{variant}"] = {**_step(model, _batch(with_mask=True), None),
+                                                "offsets": _offset_shards(model)}
     finally:
         parallel_state.destroy_model_parallel()
     return out
@@ -160,7 +185,7 @@ def gpt_step(rank: int, world: int, payload: dict) -> dict:
                 result = _step(model, batch, cp_group)
             out[case_key(backend, u, position, preset, variant, with_mask)] = {
                 **result, "grads": result["grads"] if rank == 0 else None,
-                "rope_class": type(getattr(model, "rotary_pos_emb", None)).__name__}
+                "rope_class": type(getattr(model, "rotary_pos_emb", None)).__name__, "offsets": _offset_shards(model)}
         for fields in payload.get("refused", []):      # options the issue reproduced as silently wrong
             cp_config = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
             try:

@@ -1,8 +1,9 @@
 """Megatron integration (megatron-core, CPU, gloo): a tiny GPTModel (2 layers, GQA, biases, init std 0.1, float64)
 built through ctx_plugin's spec gives, for every backend at CP = 2 and 4 (hybrid: ulysses_size 2), the loss and
 every parameter gradient of Megatron's own model (local spec: DotProductAttention, its RoPE/YaRN) on one rank
-within 1e-9 — with RoPE, YaRN, learned positions, honoured options (tests/integration/megatron_ranks.py VARIANTS)
-and the dataloader's causal mask; flags parse with Megatron's real parser and bad combinations give clear
+within 1e-9 — with RoPE, YaRN, learned positions, honoured options (tests/integration/megatron_ranks.py VARIANTS:
+per-layer sliding windows, learnable and off-by-one softmax offsets among them, with the offsets' gradients) and
+the dataloader's causal mask; flags parse with Megatron's real parser and bad combinations give clear
 messages."""
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ CASES += [(2, "zigzag", 1, "rope", "full", "base", True), (2, "ulysses", 1, "rop
           (2, "zigzag", 1, "yarn", "none", "base", False), (4, "striped", 1, "yarn", "none", "base", True)]
 CASES += [(2, "zigzag", 1, "rope", "selective+tile_mlp:5", "base", True),     # +tile_mlp: [s, b, h], (output, bias)
           (2, "ring", 1, "rope", "sqrt+tile_mlp+recompute_attn", "base", False)]
+# windows per layer (window_attn_skip_freq) with learnable softmax offsets, windows with the off-by-one softmax
+CASES += [(2, "ring", 1, "rope", "none", "window", True), (2, "zigzag", 1, "rope", "selective", "window", True),
+          (2, "allgather", 1, "rope", "none", "window", False), (2, "ulysses", 1, "rope", "none", "offbyone", False),
+          (4, "striped", 1, "rope", "none", "offbyone", True), (4, "ulysses_ring", 2, "rope", "none", "window", False)]
 ROPE_CLASS = {"rope": "LayoutRotaryEmbedding", "yarn": "LayoutYarnRotaryEmbedding", "learned_absolute": "NoneType"}
 _results: dict[int, list] = {}
 
@@ -55,6 +60,8 @@ def test_gpt_model_matches_megatron(world, backend, u, position, preset, variant
     key = case_key(backend, u, position, preset, variant, mask)
     assert got[0][key]["weights"] == want["weights"], "the two models were not initialised alike"
     assert got[0][key]["rope_class"] == ROPE_CLASS[position]
+    assert got[0][key]["offsets"] == want["offsets"]                  # softmax offsets checkpointed alike
+    assert bool(want["offsets"]) == (variant == "window")
     for rank in range(world):
         assert abs(got[rank][key]["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"])
     grads = got[0][key]["grads"]
@@ -66,15 +73,14 @@ def test_gpt_model_matches_megatron(world, backend, u, position, preset, variant
         assert err <= 1e-9, f"{name}: relative error {err:.2e}"
 
 
-REFUSED_MODELS = [({"window_size": (8, 0)}, "window_size=(8, 0) (--window-size): sliding-window attention"),
-                  ({"softmax_type": "learnable"}, "softmax_type='learnable' (--softmax-type)"),
-                  ({"softmax_type": "off-by-one"}, "softmax_type='off-by-one' (--softmax-type)")]
+REFUSED_MODELS = [({"window_size": (8, 4)}, "window_size=(8, 4) (--window-size) has right=4 under a causal mask"),
+                  ({"window_size": (8, -1)}, "window_size=(8, -1) (--window-size) has right=-1 under a causal mask")]
 
 
 @pytest.mark.parametrize("fields,message", REFUSED_MODELS, ids=[repr(f) for f, _ in REFUSED_MODELS])
 def test_gpt_model_refuses_what_it_would_compute_wrong(fields, message):
-    """The issue's reproductions (a window ignored: gradient error 120% against Megatron's own attention; the
-    softmax offset parameter dropped) now stop at model construction, on every rank."""
+    """Windows megatron-core's own attentions read differently (its local attention attends the future tokens of a
+    window's right side, Transformer Engine drops them) stop at model construction, on every rank."""
     for got in results(2):
         assert message in got[repr(sorted(fields.items()))]
 
@@ -101,6 +107,11 @@ def test_flags_with_megatrons_parser(monkeypatch):
     assert str(s.recompute) == "mlp"
     assert s.megatron_recompute == {"recompute_granularity": "selective", "recompute_method": None,
                                     "recompute_num_layers": None, "recompute_modules": ["mlp"]}
+    window = _parse(monkeypatch, "--window-size", "(4,0)", "--window-attn-skip-freq", "[1,0,1,0]",
+                    "--softmax-type", "learnable")         # honoured (test_gpt_model_matches_megatron)
+    assert (window.window_size, window.window_attn_skip_freq, window.softmax_type) == ((4, 0), [1, 0, 1, 0],
+                                                                                       "learnable")
+    settings_from_args(window)
     default = settings_from_args(_parse(monkeypatch, "--context-parallel-size", "2"))
     assert default.cp_config.backend == "zigzag" and default.megatron_recompute["recompute_granularity"] is None
     assert settings_from_args(_parse(monkeypatch, "--cp-recompute", "sqrt")).megatron_recompute is None
@@ -126,8 +137,8 @@ BAD = [
     (["--reset-attention-mask"], ValueError, "reset_attention_mask=True (--reset-attention-mask): document masks"),
     (["--reset-position-ids"], ValueError, "reset_position_ids=True (--reset-position-ids)"),
     (["--dataloader-inter-document-masking"], ValueError, "(--dataloader-inter-document-masking): packed sequences"),
-    (["--window-size", "(4,0)"], ValueError, "window_size=(4, 0) (--window-size): sliding-window"),
-    (["--softmax-type", "learnable"], ValueError, "softmax_type='learnable' (--softmax-type)"),
+    (["--window-size", "(4,2)"], ValueError, "window_size=(4, 2) (--window-size) has right=2 under a causal mask"),
+    (["--window-size", "(4,-2)"], ValueError, "window_size=(4, -2) (--window-size) must be two integers"),
     (["--position-embedding-type", "mrope", "--mrope-section", "2", "2", "4"], ValueError,
      "position_embedding_type='mrope' (--position-embedding-type): multimodal RoPE"),
     (["--qk-clip"], ValueError, "qk_clip=True (--qk-clip)"),

@@ -1,7 +1,8 @@
 """Options ctx_plugin's Megatron adapter does not implement are errors at model set-up (one process, no
 communication): every row of ctx_plugin.megatron.options, the core attention's own arguments, mask tensors,
-the dataloader's masks in shard_batch, and rotary embeddings other than RoPE and YaRN. The options it honours are
-checked against Megatron's own model in test_megatron.py."""
+the dataloader's masks in shard_batch, and rotary embeddings other than RoPE and YaRN. Sliding windows (megatron-core's
+window_size and per-layer choice) and softmax offsets against a float64 reference here, and against Megatron's own
+model in test_megatron.py with the other options it honours."""
 from __future__ import annotations
 
 import pytest
@@ -19,16 +20,17 @@ from ctx_plugin.megatron.options import MODEL_OPTIONS  # noqa: E402
 CP_CONFIG = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
 # A value each refused option is refused with, written out here (not taken from the table) so that a row
 # dropped from the table fails this test, and so does a table row without a test.
-REFUSED = {"window_size": (4, 0), "softmax_type": "learnable", "attention_dropout": 0.1, "qk_clip": True,
+REFUSED = {"attention_dropout": 0.1, "qk_clip": True,
            "log_max_attention_logit": True, "multi_latent_attention": True, "experimental_attention_variant": "dsa",
            "fp8_dot_product_attention": True, "fp8_multi_head_attention": True, "use_kitchen_attention": True,
            "flash_attention_version": 3, "batch_invariant_mode": True, "flash_decode": True,
            "position_embedding_type": "mrope"}
 
 
-def _config(**fields) -> TransformerConfig:
+def _config(*, init_method_std: float = 0.02, **fields) -> TransformerConfig:
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                               attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
+                               attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
+                               init_method_std=init_method_std)
     for name, value in fields.items():      # after construction: Megatron's own checks of some need CUDA/TE
         setattr(config, name, value)
     return config
@@ -52,11 +54,70 @@ def test_core_attention_refuses(field):
     assert f"{field}={REFUSED[field]!r} (--{field.replace('_', '-')})" in str(e.value)
 
 
-@pytest.mark.parametrize("value", ["off-by-one", "learnable"])
-def test_softmax_offsets_refused_and_vanilla_accepted(value):
-    _core(_config(softmax_type="vanilla"))
-    with pytest.raises(ValueError, match=f"softmax_type='{value}'"):
-        _core(_config(softmax_type=value))
+WINDOWS = [((5, 0), True, (5, 0)), ((0, 0), True, (0, 0)), ((-1, 0), True, (None, 0)), ((3, 2), False, (3, 2)),
+           ((-1, 4), False, (None, 4)), ((-1, -1), False, (None, None)), ([2, 0], True, (2, 0))]
+BAD_WINDOWS = [((5, 1), True, "has right=1 under a causal mask"), ((-1, -1), True, "has right=-1 under a causal mask"),
+               ((-1, 0), False, "means no window to Transformer Engine"), ((4,), True, "must be two integers"),
+               ((True, 0), True, "must be two integers"), ((-2, 0), True, "must be two integers"),
+               ("4,0", True, "must be two integers"), ((4.0, 0), True, "must be two integers")]
+
+
+@pytest.mark.parametrize("window_size,causal,want", WINDOWS)
+def test_window_size_maps_onto_ctx_plugins_window(window_size, causal, want):
+    from ctx_plugin.megatron.options import window
+
+    assert window(window_size, causal) == want
+
+
+@pytest.mark.parametrize("window_size,causal,message", BAD_WINDOWS)
+def test_window_sizes_megatron_reads_two_ways_are_refused(window_size, causal, message):
+    from ctx_plugin.megatron.options import window
+
+    with pytest.raises(ValueError, match=message):
+        window(window_size, causal)
+
+
+@pytest.mark.parametrize("skip,windowed", [(None, [1, 2, 3, 4]), (2, [1, 3]), ([0, 1, 1, 0], [2, 3])])
+def test_windows_per_layer_as_megatron_decides(skip, windowed):
+    config = _config(num_layers=4, window_size=(6, 0), window_attn_skip_freq=skip)
+    for layer in range(1, 5):
+        assert _core(config, layer_number=layer).window == ((6, 0) if layer in windowed else None)
+    assert _core(_config(), layer_number=1).window is None
+
+
+def test_softmax_offsets():
+    assert _core(_config(softmax_type="vanilla")).softmax_offset is None
+    assert _core(_config(softmax_type="off-by-one")).softmax_offset is None          # zeros at each call
+    torch.manual_seed(3)
+    offset = _core(_config(softmax_type="learnable", init_method_std=0.5)).softmax_offset
+    assert isinstance(offset, torch.nn.Parameter) and offset.shape == (4,) and offset.dtype == torch.float32
+    torch.manual_seed(3)
+    assert torch.equal(offset, torch.empty(4).normal_(0, 0.5))           # megatron-core's init_method, its draw
+    with pytest.raises(ValueError, match="softmax_type='softmax1' is not one of"):
+        _core(_config(softmax_type="softmax1"))
+
+
+@pytest.mark.parametrize("softmax_type,window_size", [("off-by-one", (3, 0)), ("learnable", None),
+                                                      ("learnable", (2, 0)), ("vanilla", (0, 0))])
+def test_windows_and_offsets_against_a_float64_reference(softmax_type, window_size):
+    """One rank: the core attention against an explicit masked softmax with a sink column (plain PyTorch)."""
+    core = _core(_config(softmax_type=softmax_type, window_size=window_size, init_method_std=1.0)).double()
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    i = torch.arange(8)
+    allowed = i[None, :] <= i[:, None]
+    if window_size is not None:
+        allowed &= i[None, :] >= i[:, None] - window_size[0]
+    sink = core.softmax_offset if softmax_type == "learnable" else torch.zeros(4, dtype=torch.float64)
+    scores = torch.einsum("ibhd,jbhd->bhij", q, k.repeat_interleave(2, 2)) / 4.0
+    scores = torch.cat([scores.masked_fill(~allowed, float("-inf")), sink[None, :, None, None].expand(2, 4, 8, 1)], -1)
+    probs = scores.softmax(-1)[..., :-1] if softmax_type != "vanilla" else scores[..., :-1].softmax(-1)
+    want = torch.einsum("bhij,jbhd->ibhd", probs, v.repeat_interleave(2, 2)).reshape(8, 2, 64)
+    out = core(q, k, v, None)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    inputs = (q, k, v) + ((core.softmax_offset,) if softmax_type == "learnable" else ())
+    dout = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    for have, ref in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(want, inputs, dout)):
+        torch.testing.assert_close(have, ref, rtol=1e-12, atol=1e-12)
 
 
 def test_core_attention_arguments():
