@@ -7,9 +7,13 @@ The attention function follows transformers' interface (q ``[b, h, s, d]``, k/v 
 (``ctx_plugin.sequence_positions``) with the sharded ``input_ids``. The name is deliberately not registered as a
 mask implementation: transformers would read the jumps in sharded position ids as packed sequences.
 
+Sliding windows (``sliding_window``, per layer through ``layer_types``), logit soft-capping (``softcap``) and
+per-head attention sinks (``s_aux``) arrive as keywords of the attention interface and are passed on to
+:func:`ctx_plugin.cp_attention` with transformers' own mask semantics (:func:`hf_window`).
+
 Nothing is dropped silently. :func:`enable` refuses models with attention options ctx_plugin does not implement
-(soft-capping, sliding windows, sinks, dropout, non-attention token mixers, attention outside transformers'
-interface); before every forward, the model's inputs are checked (padding masks, caches, position ids, labels)
+(dropout, chunked attention, non-attention token mixers, attention outside transformers' interface); before
+every forward, the model's inputs are checked (padding masks, caches, position ids, labels)
 and the ranks of the context-parallel group share their findings (one small all-reduce), so a problem on any rank
 is the same ``ValueError`` on every rank; and the attention function refuses every keyword it does not know to be
 harmless (:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`: the README's table).
@@ -29,10 +33,13 @@ from .rules import SettingNames, check_heads
 
 HONOURED = {"scaling": "softmax scale (default head_dim**-0.5)",
             "is_causal": "causal or bidirectional (default: the module's is_causal, else causal)",
-            "dropout": "must be 0: ctx_plugin's attention has no dropout"}
+            "dropout": "must be 0: ctx_plugin's attention has no dropout",
+            "sliding_window": "sliding-window attention with transformers' masks: causal, the last w keys "
+                              "(window (w - 1, 0)); bidirectional by is_causal=False, |i - j| <= w (window (w, w))",
+            "softcap": "attention logit soft-capping, c * tanh(scores / c) before the softmax (Gemma-2)",
+            "s_aux": "attention sinks, one learnable logit per query head (gpt-oss)"}
 """Keywords of transformers' attention interface that ctx_plugin implements exactly."""
-MUST_BE_UNSET = {"sliding_window": "sliding-window attention", "softcap": "attention logit soft-capping",
-                 "s_aux": "attention sinks", "sinks": "attention sinks",
+MUST_BE_UNSET = {"sinks": "per-token attention sinks",
                  "position_bias": "an additive position bias (relative attention)",
                  "cu_seq_lens_q": "packed sequences", "cu_seq_lens_k": "packed sequences",
                  "max_length_q": "packed sequences", "max_length_k": "packed sequences",
@@ -46,11 +53,10 @@ HARMLESS = {"position_ids": "RoPE is applied before attention; the model's input
             "num_items_in_batch": "loss normalisation, not attention"}
 """Keywords that do not affect attention. Any keyword in none of the three tables is refused by name."""
 
-_FULL_LAYERS = ("full_attention", "attention")
-_MODULE_OPTIONS = {"sinks": "attention sinks, passed as s_aux (e.g. gpt-oss)",
-                   "sliding_window": "sliding-window attention",
-                   "attn_logit_softcapping": "attention logit soft-capping (e.g. Gemma-2)",
-                   "attention_dropout": "attention dropout (set it to 0)"}
+_LAYER_TYPES = ("full_attention", "attention", "sliding_attention")
+_MODULE_OPTIONS = {"attention_dropout": "attention dropout (set it to 0)"}
+_PASSED_AS = {"sliding_window": "sliding_window", "attn_logit_softcapping": "softcap", "sinks": "s_aux"}
+"""Attributes of attention modules and the keyword the model must pass them as (else the attention refuses)."""
 
 
 def _require_transformers():
@@ -85,7 +91,7 @@ class _Attention:
                     raise ValueError(f"ctx_plugin's attention does not implement {MUST_BE_UNSET[name]} "
                                      f"({name}={val if not isinstance(val, torch.Tensor) else 'a tensor'}); "
                                      f"use a model (config) without it")
-            elif name not in HARMLESS and name != "is_causal":
+            elif name not in HARMLESS and name not in HONOURED:
                 raise ValueError(f"ctx_plugin's attention got the keyword {name!r}, which it does not know to be "
                                  f"harmless, so it refuses it rather than ignore it (known: "
                                  f"{sorted({*HONOURED, *MUST_BE_UNSET, *HARMLESS})})")
@@ -98,11 +104,46 @@ class _Attention:
         if query.shape[2] != key.shape[2]:
             raise ValueError("ctx_plugin's attention runs training/prefill without a KV cache; call the model with "
                              "use_cache=False")
-        causal = kwargs.get("is_causal")
-        causal = getattr(module, "is_causal", True) if causal is None else causal
+        for attr, keyword in _PASSED_AS.items():
+            val = getattr(module, attr, None)
+            if keyword not in kwargs and (isinstance(val, torch.Tensor) or (
+                    not isinstance(val, torch.nn.Module) and _set(val))):
+                raise ValueError(f"{type(module).__name__}.{attr} is set but the model does not pass it to the "
+                                 f"attention interface as {keyword}=, so ctx_plugin's attention cannot apply it")
+        given = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if given is None else given)
+        sinks = kwargs.get("s_aux")
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1
+                                  or sinks.shape[0] != query.shape[1]):
+            raise ValueError(f"ctx_plugin's attention takes s_aux as one sink logit per query head (shape "
+                             f"[{query.shape[1]}]), got {tuple(getattr(sinks, 'shape', ())) or type(sinks).__name__}")
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
-                           groups=self.groups, causal=bool(causal), softmax_scale=scaling)
+                           groups=self.groups, causal=causal, softmax_scale=scaling,
+                           window=hf_window(kwargs.get("sliding_window"), given, causal),
+                           softcap=kwargs.get("softcap"), sinks=sinks)
         return out, None
+
+
+def hf_window(sliding_window, is_causal: bool | None, causal: bool) -> tuple[int, int] | None:
+    """ctx_plugin's ``window`` for transformers' ``sliding_window`` keyword, read as transformers' masks read it
+    (``masking_utils``): causal, ``kv_idx > q_idx - w`` — the query and the ``w - 1`` keys before it, ``(w - 1, 0)``;
+    bidirectional through ``is_causal=False`` (a config's ``is_causal``, ``create_bidirectional_sliding_window_mask``),
+    ``|q_idx - kv_idx| <= w`` — ``(w, w)``. A module bidirectional on its own (``is_causal`` attribute, e.g. Gemma-3's
+    ``use_bidirectional_attention``) gets its window mask from model code that differs between models (Gemma-3:
+    ``|q_idx - kv_idx| < w``), so that is an error. ``causal`` is the decision (``is_causal`` keyword, else the
+    module's)."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if causal:
+        return (sliding_window - 1, 0)
+    if is_causal is False:
+        return (sliding_window, sliding_window)
+    raise ValueError(f"a bidirectional attention module (is_causal=False) with sliding_window={sliding_window}: "
+                     f"transformers' models build such masks in their own code, differently (masking_utils: "
+                     f"|i - j| <= w; Gemma-3's use_bidirectional_attention: |i - j| < w), so ctx_plugin does not "
+                     f"guess; use a causal model, or a config with is_causal=False (masking_utils' |i - j| <= w)")
 
 
 def _register(cp_config: CPConfig, groups: CPGroups, name: str | None) -> tuple[str, _Attention]:
@@ -141,28 +182,21 @@ def _unsupported(model) -> list[str]:
                if isinstance(c, PreTrainedConfig)}
     for c in configs.values():
         where = type(c).__name__
-        if getattr(c, "attn_logit_softcapping", None) is not None:
-            note("attn_logit_softcapping", f"attn_logit_softcapping={c.attn_logit_softcapping} (attention logit "
-                 f"soft-capping)", where)
         layer_types = getattr(c, "layer_types", None)
         if layer_types is not None:
-            other = sorted({t for t in layer_types if t not in _FULL_LAYERS})
+            other = sorted({t for t in layer_types if t not in _LAYER_TYPES})
             if other:
-                note("layer_types", f"layer_types with {other} layers (only full attention is implemented; sliding "
-                     f"windows and recurrent/linear token mixers are not)", where)
-        elif getattr(c, "sliding_window", None) is not None and getattr(c, "use_sliding_window", True):
-            note("sliding_window", f"sliding_window={c.sliding_window} (sliding-window attention; a window longer "
-                 f"than every sequence is the same model: then set it to None)", where)
+                note("layer_types", f"layer_types with {other} layers (full and sliding-window attention are "
+                     f"implemented; recurrent/linear token mixers and other attention types are not)", where)
         if getattr(c, "attention_chunk_size", None) is not None:
             note("attention_chunk_size", f"attention_chunk_size={c.attention_chunk_size} (chunked attention)", where)
         if getattr(c, "attention_dropout", 0) or 0:
             note("attention_dropout", f"attention_dropout={c.attention_dropout} (ctx_plugin's attention has no "
                  f"dropout: set it to 0 before building the model)", where)
-    covered = set(found) | ({"sliding_window"} if "layer_types" in found else set())
     for path, m in model.named_modules():
         for attr, what in _MODULE_OPTIONS.items():
             val = getattr(m, attr, None)
-            if attr not in covered and (isinstance(val, torch.Tensor) or (
+            if attr not in found and (isinstance(val, torch.Tensor) or (
                     not isinstance(val, torch.nn.Module) and _set(val) and val != 0)):
                 shown = "a tensor" if isinstance(val, torch.Tensor) else repr(val)
                 note(attr, f"{attr}={shown} on attention modules: {what}", path or "the model")

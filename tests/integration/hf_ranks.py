@@ -1,7 +1,8 @@
 """Tiny transformers models (built from configs: no download) on spawned gloo ranks (see test_hf.py).
 
-One launch per world size runs everything (:func:`suite`): parity against HF's own sdpa attention on one rank,
-inputs refused on every rank together, and several models with their own groups in one process."""
+One launch per world size runs everything (:func:`suite`): parity against HF's own attention on one rank (sdpa;
+eager for Gemma-2 and gpt-oss), inputs refused on every rank together, and several models with their own groups in
+one process."""
 from __future__ import annotations
 
 import time
@@ -14,20 +15,40 @@ import torch.nn.functional as F
 SEQ, BATCH, VOCAB = 32, 2, 128
 
 
+# HF's own attention each kind is compared with: sdpa (exact in float64), or eager where transformers has no sdpa
+# for the model (Gemma-2's softcap: eager's softmax runs in fp32; gpt-oss's sinks: eager in the model's dtype)
+REFERENCE = {"llama": "sdpa", "llama_bidir": "sdpa", "qwen2": "sdpa", "mistral_swa": "sdpa", "mistral_bidir": "sdpa",
+             "qwen2_mixed": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}
+
+
 def model(kind: str, attn_implementation: str | None):
-    """``llama`` (GQA, fp32), ``llama_bidir`` (config.is_causal=False) or ``qwen2`` (q/k/v biases, GQA,
-    initializer_range 0.1, float64); the same weights for every attention implementation."""
+    """``llama`` (GQA, fp32), ``llama_bidir`` (config.is_causal=False) or, in float64 with initializer_range 0.1
+    and GQA: ``qwen2`` (q/k/v biases), ``mistral_swa`` (sliding_window 5, under a rank's shard), ``mistral_bidir``
+    (the same, config.is_causal=False), ``qwen2_mixed`` (layer_types sliding (window 6) then full), ``gemma2``
+    (attn_logit_softcapping 1, sliding and full layers) and ``gpt_oss`` (sinks, sliding and full layers, two
+    experts); the same weights for every attention implementation."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=SEQ, attention_dropout=0.0, use_cache=False)
+    wide = dict(common, initializer_range=0.1)
     config = {"llama": lambda: transformers.LlamaConfig(**common),
               "llama_bidir": lambda: transformers.LlamaConfig(**common, is_causal=False),
-              "qwen2": lambda: transformers.Qwen2Config(**common, initializer_range=0.1, use_sliding_window=False)}[kind]()
-    cls = transformers.Qwen2ForCausalLM if kind == "qwen2" else transformers.LlamaForCausalLM
+              "qwen2": lambda: transformers.Qwen2Config(**wide, use_sliding_window=False),
+              "mistral_swa": lambda: transformers.MistralConfig(**wide, sliding_window=5),
+              "mistral_bidir": lambda: transformers.MistralConfig(**wide, sliding_window=5, is_causal=False),
+              "qwen2_mixed": lambda: transformers.Qwen2Config(**wide, use_sliding_window=True, sliding_window=6,
+                                                              layer_types=["sliding_attention", "full_attention"]),
+              "gemma2": lambda: transformers.Gemma2Config(**wide, head_dim=16, sliding_window=6,
+                                                          attn_logit_softcapping=1.0, query_pre_attn_scalar=16),
+              "gpt_oss": lambda: transformers.GptOssConfig(**wide, head_dim=16, num_local_experts=2,
+                                                           num_experts_per_tok=1, sliding_window=6)}[kind]()
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    extra = {"experts_implementation": "eager"} if kind == "gpt_oss" else {}     # grouped_mm has no float64
     torch.manual_seed(1234)
-    m = cls(config) if attn_implementation is None else cls._from_config(config, attn_implementation=attn_implementation)
-    return m.to(torch.float64 if kind == "qwen2" else torch.float32).train()
+    m = cls(config) if attn_implementation is None and not extra else \
+        cls._from_config(config, **({"attn_implementation": attn_implementation} if attn_implementation else {}), **extra)
+    return m.to(torch.float32 if kind.startswith("llama") else torch.float64).train()
 
 
 def data():
@@ -44,7 +65,7 @@ def _rel(have: torch.Tensor, want: torch.Tensor) -> float:
 
 def _reference(kind: str) -> dict:
     input_ids, labels, positions = data()
-    m = model(kind, "sdpa")
+    m = model(kind, REFERENCE[kind])
     logits = m(input_ids=input_ids, position_ids=positions, use_cache=False).logits
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     loss.backward()

@@ -6,9 +6,13 @@ float64) against HF's own sdpa attention on one rank: loss, logits (gathered) an
 ctx_plugin cannot honour (right padding held by one rank, caches, missing or packed positions, labels) raise the
 same error on every rank within seconds; models with other groups in one process keep their own.
 
+The attention variants (sliding windows, also per layer and bidirectional, Gemma-2's softcap, gpt-oss's sinks)
+match HF's own attention at CP 2 and 4 with their gradients (the sinks' summed over the ranks, as every parameter's).
+
 In this process (one CP rank): options a model's config or attention modules carry that ctx_plugin does not
-implement are errors at enable (Gemma-2 soft-capping, gpt-oss sinks, sliding windows, dropout, ...), and every
-keyword of transformers' attention interface is honoured, harmless or refused by name (the README's table).
+implement are errors at enable (dropout, non-attention layers, ...); every keyword of transformers' attention
+interface is honoured, harmless or refused by name (the README's table); the honoured sliding_window, softcap and
+s_aux match transformers' own masks and eager attention functions, gradients included.
 """
 from __future__ import annotations
 
@@ -30,7 +34,14 @@ SIZES = {Backend.ULYSSES_RING: [(4, 2)], **{b: [(2, 1), (4, 1)] for b in Backend
 PARITY = [(w, "llama", b.value, u) for b, sizes in SIZES.items() for w, u in sizes] + \
          [(2, "llama_bidir", "ring", 1), (2, "qwen2", "zigzag", 1), (2, "qwen2", "ulysses", 1),
           (2, "qwen2", "allgather", 1)]
-TOLERANCE = {"llama": 1e-5, "llama_bidir": 1e-5, "qwen2": 1e-10}     # fp32 / float64
+# attention variants (hf_ranks.model): sliding windows under a rank's shard, per-layer sliding/full, softcap, sinks
+PARITY += [(2, "mistral_swa", "ring", 1), (2, "mistral_swa", "zigzag", 1), (2, "mistral_bidir", "ring", 1),
+           (2, "qwen2_mixed", "striped", 1), (2, "qwen2_mixed", "ulysses", 1), (2, "gemma2", "zigzag", 1),
+           (2, "gemma2", "allgather", 1), (2, "gpt_oss", "ring", 1), (2, "gpt_oss", "ulysses", 1),
+           (4, "mistral_swa", "ring", 1), (4, "gpt_oss", "ulysses_ring", 2)]
+# fp32 / float64 against sdpa / float64 against Gemma-2's eager attention, whose softmax runs in fp32
+TOLERANCE = {"llama": 1e-5, "llama_bidir": 1e-5, "qwen2": 1e-10, "mistral_swa": 1e-10, "mistral_bidir": 1e-10,
+             "qwen2_mixed": 1e-10, "gemma2": 1e-5, "gpt_oss": 1e-10}
 REFUSED = {2: ["zigzag", "ring-nocheck"], 4: ["ring"]}     # -nocheck: CPConfig(check_ranks=False), no CPU-side group
 _results: dict[int, list] = {}
 
@@ -44,7 +55,7 @@ def suite(world: int) -> list:
 
 
 @pytest.mark.parametrize("world,kind,backend,u", PARITY, ids=[f"P{w}-{k}-{b}-u{u}" for w, k, b, u in PARITY])
-def test_matches_hf_sdpa_on_one_rank(world, kind, backend, u):
+def test_matches_hf_attention_on_one_rank(world, kind, backend, u):
     tol = TOLERANCE[kind]
     for rank, res in enumerate(suite(world)):
         r = res["parity"][f"{kind}-{backend}-{u}"]
@@ -90,15 +101,6 @@ def test_models_with_other_groups_keep_their_own():
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 REFUSED_MODELS = {
-    "gemma2_softcap": (lambda: transformers.Gemma2Config(**COMMON, layer_types=["full_attention"] * 2),
-                       "attn_logit_softcapping=50.0"),
-    "gemma2_default": (lambda: transformers.Gemma2Config(**COMMON), "sliding_attention"),
-    "gpt_oss_sinks": (lambda: transformers.GptOssConfig(**COMMON, num_local_experts=2, num_experts_per_tok=1,
-                                                        layer_types=["full_attention"] * 2), "sinks=a tensor"),
-    "mistral_window": (lambda: transformers.MistralConfig(**COMMON, sliding_window=16), "sliding_window=16"),
-    "qwen2_window": (lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16,
-                                                      max_window_layers=0), "sliding_attention"),
-    "gemma3_local_layers": (lambda: transformers.Gemma3TextConfig(**COMMON), "sliding_attention"),
     "llama_dropout": (lambda: transformers.LlamaConfig(**COMMON, attention_dropout=0.1), "attention_dropout=0.1"),
     "jamba_mamba_layers": (lambda: transformers.JambaConfig(**{k: v for k, v in COMMON.items() if k != "head_dim"},
                                                             num_experts=1, attn_layer_period=2, attn_layer_offset=1,
@@ -137,12 +139,17 @@ def test_heads_ulysses_cannot_split_are_errors_at_enable(heads, kv_heads, text):
     assert model.config._attn_implementation == "eager"                 # nothing changed
 
 
-@pytest.mark.parametrize("make_config", [lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
-                                         lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=False),
-                                         lambda: transformers.Gemma3TextConfig(**COMMON, sliding_window=None,
-                                                                               layer_types=["full_attention"] * 2)],
-                         ids=["mistral", "qwen2", "gemma3_full"])
-def test_the_same_models_without_those_options_are_accepted(make_config):
+@pytest.mark.parametrize("make_config", [
+    lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+    lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=False),
+    lambda: transformers.Gemma3TextConfig(**COMMON, sliding_window=None, layer_types=["full_attention"] * 2),
+    # options ctx_plugin implements: sliding windows (per layer), soft-capping, sinks
+    lambda: transformers.MistralConfig(**COMMON, sliding_window=16),
+    lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=0),
+    lambda: transformers.Gemma2Config(**COMMON), lambda: transformers.Gemma3TextConfig(**COMMON),
+    lambda: transformers.GptOssConfig(**COMMON, num_local_experts=2, num_experts_per_tok=1)],
+    ids=["mistral", "qwen2", "gemma3_full", "mistral_window", "qwen2_window", "gemma2", "gemma3", "gpt_oss"])
+def test_models_with_options_it_implements_are_accepted(make_config):
     model = transformers.AutoModelForCausalLM.from_config(make_config())
     name = cphf.enable(model, *_one_rank())
     assert model.config._attn_implementation == name
@@ -160,8 +167,7 @@ def _enabled_llama():
     return model, transformers.AttentionInterface()[name]
 
 
-REFUSED_KWARGS = {"softcap": 30.0, "s_aux": torch.zeros(4), "sinks": torch.zeros(4), "sliding_window": 4,
-                  "position_bias": torch.zeros(1, 4, 8, 8), "cu_seq_lens_q": torch.tensor([0, 8]),
+REFUSED_KWARGS = {"sinks": torch.zeros(2, 4, 8, 1), "position_bias": torch.zeros(1, 4, 8, 8), "cu_seq_lens_q": torch.tensor([0, 8]),
                   "cu_seq_lens_k": torch.tensor([0, 8]), "max_length_q": 8, "max_length_k": 8,
                   "seq_idx": torch.zeros(1, 8, dtype=torch.int32), "indices": torch.zeros(1, 8, 2),
                   "block_indices": torch.zeros(1, 8, 2), "block_table": torch.zeros(1, 1),
@@ -199,6 +205,74 @@ def test_attention_keywords_honoured_and_harmless():
         fn(module, q, k, v, torch.zeros(2, 1, 8, 8))
     with pytest.raises(ValueError, match="not passed to ctx_plugin.hf.enable"):
         fn(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).model.layers[0].self_attn, q, k, v, None)
+
+
+def _hf_reference(variant: str, q, k, v, window: int, sinks=None, softcap=None):
+    """transformers' own code: its masks (masking_utils) with its sdpa function, Gemma-2's eager attention
+    (softcap) or gpt-oss's (sinks); a stand-in module carries what they read."""
+    from types import SimpleNamespace
+
+    from transformers import masking_utils as mu
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    bidir = variant == "bidirectional"
+    function = (mu.sliding_window_bidirectional_mask_function if bidir else mu.sliding_window_causal_mask_function)
+    mask = mu.eager_mask(batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2],
+                         mask_function=function(window), dtype=q.dtype)
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], sinks=sinks, training=False,
+                             is_causal=not bidir, head_dim=q.shape[-1])
+    if variant == "softcap":
+        return gemma2_eager(module, q, k, v, mask, scaling=0.3, softcap=softcap)[0]
+    if variant == "sinks":
+        return gpt_oss_eager(module, q, k, v, mask, scaling=0.3)[0]
+    return sdpa_attention_forward(module, q, k, v, mask, scaling=0.3, is_causal=False)[0]
+
+
+# variant: (keywords of the attention call, tolerance); window 3 of 8 tokens, the reference in float64
+VARIANTS = {"causal": ({}, 1e-12), "bidirectional": ({"is_causal": False}, 1e-12),
+            "softcap": ({"softcap": 0.7}, 1e-6),               # Gemma-2's eager softmax runs in fp32
+            "sinks": ({}, 1e-12)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sliding_window_softcap_and_sinks_match_transformers(variant):
+    model, fn = _enabled_llama()
+    module = model.model.layers[0].self_attn
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    sinks = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    extra, tol = VARIANTS[variant]
+    if variant == "sinks":
+        extra = {"s_aux": sinks}
+    out, _ = fn(module, q, k, v, None, scaling=0.3, sliding_window=3, **extra)
+    want = _hf_reference(variant, q, k, v, 3, sinks=sinks, softcap=extra.get("softcap"))
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+    inputs = (q, k, v, sinks) if variant == "sinks" else (q, k, v)
+    dout = torch.randn_like(out, generator=torch.Generator().manual_seed(6))
+    for have, ref in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(want, inputs, dout)):
+        torch.testing.assert_close(have, ref, rtol=tol, atol=tol)
+
+
+def test_variants_it_cannot_apply_exactly_are_refused():
+    model, fn = _enabled_llama()
+    module = model.model.layers[0].self_attn
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="one sink logit per query head"):
+        fn(module, q, k, v, None, s_aux=torch.zeros(2))
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        fn(module, q, k, v, None, sliding_window=0)
+    module.is_causal = False                    # bidirectional by the module alone (e.g. Gemma-3's option)
+    with pytest.raises(ValueError, match="bidirectional attention module .* sliding_window=3"):
+        fn(module, q, k, v, None, sliding_window=3)
+    module.is_causal = True
+    module.sliding_window = 3                   # carried by the module but not passed to the attention
+    with pytest.raises(ValueError, match="sliding_window is set but the model does not pass it .* sliding_window="):
+        fn(module, q, k, v, None)
+    del module.sliding_window
+    module.sinks = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="sinks is set but the model does not pass it .* as s_aux="):
+        fn(module, q, k, v, None)
 
 
 def test_names_are_per_groups_and_never_taken_over():
