@@ -1,8 +1,10 @@
 """All-gather-KV context parallelism (Llama-3 style).
 
 K/V are all-gathered once (packed ``[2, B, n, Hkv, D]``, one collective) and put back in sequence order. Each
-rank holds zigzag chunks r and 2P−1−r of the queries; each chunk attends to exactly the keys it needs (a
-prefix ending at the chunk, bottom-right causal) in one kernel call, so there are no partial merges. Backward
+rank holds zigzag chunks r and 2P−1−r of the queries; each chunk attends to exactly the keys it needs (under a
+causal mask a prefix ending at the chunk; with a sliding window the window's range, the kernel window in the
+block's bottom-right convention: :func:`ctx_plugin.layouts.band_block`) in one kernel call, so there are no
+partial merges. Attention sinks are applied once to the concatenated result (:mod:`ctx_plugin.sinks`). Backward
 re-gathers K/V, accumulates the full dK/dV in fp32 and reduce-scatters them to their owners.
 Forward saves only q, k, v, out and lse.
 """
@@ -13,16 +15,19 @@ import torch
 from .comm import Observers, all_gather, reduce_scatter
 from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
-from .layouts import Zigzag
+from .layouts import Block, Zigzag, band_block
+from .mask import Mask
 from .ring import refuse_double_backward
+from .sinks import apply_sinks, sink_grad
 
 
-def _query_chunks(rank: int, size: int, local_len: int, causal: bool) -> list[tuple[slice, int]]:
-    """(local query rows, number of keys they need) for each chunk this rank holds."""
-    if not causal:
-        return [(slice(0, local_len), local_len * size)]
+def _query_chunks(rank: int, size: int, local_len: int, mask: Mask) -> list[Block]:
+    """Per query chunk this rank holds: its local rows, the global key range it needs and its kernel mask."""
+    if not mask.causal and not mask.windowed:
+        return [Block(slice(0, local_len), slice(0, local_len * size), False)]
     c = local_len // 2
-    return [(slice(0, c), (rank + 1) * c), (slice(c, local_len), (2 * size - rank) * c)]
+    chunks = ((slice(0, c), rank * c), (slice(c, local_len), (2 * size - 1 - rank) * c))
+    return [band_block(mask, start, 0, 1, rows, slice(0, local_len * size)) for rows, start in chunks]
 
 
 def _perm(seq_len: int, group: RankGroup, device: torch.device) -> torch.Tensor:
@@ -43,39 +48,45 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: RankGroup, counter: Obse
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kernel: AttentionKernel, group: RankGroup, counter: Observers, causal: bool,
+    def forward(ctx, q, k, v, sinks, kernel: AttentionKernel, group: RankGroup, counter: Observers, mask: Mask,
                 scale: float):
         kv = _gather_kv(k, v, group, counter)
         outs, lses = [], []
-        for rows, keys in _query_chunks(group.rank, group.size, q.shape[1], causal):
-            o, lse = kernel.forward(q[:, rows], kv[0, :, :keys], kv[1, :, :keys], causal=causal, scale=scale)
+        for blk in _query_chunks(group.rank, group.size, q.shape[1], mask):
+            o, lse = kernel.forward(q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], causal=blk.causal, scale=scale,
+                                    window=blk.window, softcap=mask.softcap)
             outs.append(o)
             lses.append(lse)
         out, lse = torch.cat(outs, 1), torch.cat(lses, 2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (kernel, group, counter, causal, scale)
+        if sinks is not None:
+            out, lse = apply_sinks(out, lse, sinks)
+            out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (kernel, group, counter, mask, scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         refuse_double_backward("all-gather attention")
-        q, k, v, out, lse = ctx.saved_tensors
-        kernel, group, counter, causal, scale = ctx.args
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        kernel, group, counter, mask, scale = ctx.args
         dout = dout.contiguous()
         kv = _gather_kv(k, v, group, counter)
         acc = accum_dtype(q.dtype)
         dq = torch.empty(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-        for rows, keys in _query_chunks(group.rank, group.size, q.shape[1], causal):
-            dq_c, dk_c, dv_c = kernel.backward(dout[:, rows], q[:, rows], kv[0, :, :keys], kv[1, :, :keys],
-                                               out[:, rows], lse[:, :, rows], causal=causal, scale=scale)
-            dq[:, rows] = dq_c
-            dkv[0, :, :keys] += dk_c
-            dkv[1, :, :keys] += dv_c
+        for blk in _query_chunks(group.rank, group.size, q.shape[1], mask):
+            dq_c, dk_c, dv_c = kernel.backward(dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k],
+                                               out[:, blk.q], lse[:, :, blk.q], causal=blk.causal, scale=scale,
+                                               window=blk.window, softcap=mask.softcap)
+            dq[:, blk.q] = dq_c
+            dkv[0, :, blk.k] += dk_c
+            dkv[1, :, blk.k] += dv_c
         if group.size > 1:   # back to sharded order, then each rank receives the sum of its own rows
             two, b, s, hkv, d = dkv.shape
             sharded = dkv.index_select(2, _perm(s, group, dkv.device)).reshape(two, b, group.size, s // group.size,
                                                                                  hkv, d)
             dkv = reduce_scatter(torch.empty((two, b, s // group.size, hkv, d), dtype=acc, device=dkv.device),
                                  sharded.permute(2, 0, 1, 3, 4, 5).contiguous(), group, counter, "reduce_scatter_dkv")
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None, None

@@ -19,6 +19,7 @@ from .kernels import select_kernel
 from .attention import run_backend
 from .comm import Observers, active_observers, reduce_scatter, restored
 from .layouts import Layout, shard_layout
+from .mask import Mask
 from .recompute import pinning
 from .rules import SettingNames, check_heads, check_seq_len
 
@@ -76,36 +77,62 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({hkv}) for grouped-query attention")
 
 
+def _check_sinks(sinks, q: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise TypeError(f"sinks must be None or a floating-point tensor of one logit per query head, got "
+                        f"{sinks.dtype if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+    if tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(f"sinks must have shape [heads] = ({q.shape[2]},) (one logit per query head, every head "
+                         f"of the model's layer, not a Ulysses rank's share), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CPConfig, groups: CPGroups,
-                 causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+                 causal: bool = True, softmax_scale: float | None = None, window=None,
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact softmax attention over the whole sequence, each rank holding its shard of q, k and v.
 
     q is ``[batch, local_seq, heads, head_dim]``, k and v ``[batch, local_seq, kv_heads, head_dim]``, sharded
     with :func:`shard_sequence` (same config). Returns this rank's output rows, q's shape and dtype.
-    ``softmax_scale`` defaults to ``head_dim ** -0.5``. Differentiable in q, k and v.
+    ``softmax_scale`` defaults to ``head_dim ** -0.5``. Differentiable in q, k, v and ``sinks``.
+
+    ``window=(left, right)``: global query position i sees keys i − left .. i + right (``None`` sides unbounded;
+    intersected with causality), flash-attn's sliding window. ``softcap=c``: scaled scores s become
+    ``c·tanh(s/c)`` before the softmax. ``sinks``: one logit per query head (``[heads]``, floating, on q's
+    device) that joins every row's softmax denominator without a value (gpt-oss, megatron-core's learnable
+    softmax); its ``.grad`` on each rank is that rank's part: sum it over the context-parallel group (data
+    parallelism's gradient reduction over the CP ranks does). See :mod:`ctx_plugin.mask` and :mod:`ctx_plugin.sinks`.
     """
     _check_groups(groups)
-    kernel = error = None
+    kernel = error = mask = None
     try:                # this rank's own checks; the ranks then agree on their outcome before communicating
         _check_setup(config, groups)
         _check_qkv(q, k, v)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        mask = Mask(causal, window, softcap)
+        _check_sinks(sinks, q)
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
         elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
                 or not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
         check_seq_len(config, q.shape[1] * groups.size, groups.size, _GLOBAL)
+        mask = mask.within(q.shape[1] * groups.size)
         check_heads(config, q.shape[2], k.shape[2], groups.size)
         _check_device(q, groups)
-        kernel = select_kernel(config.kernel, q.device, q.dtype, q.shape[-1])
+        kernel = select_kernel(config.kernel, q.device, q.dtype, q.shape[-1], mask.features)
     except (TypeError, ValueError) as e:
         error = e
     if error is not None and groups.check_group is None:
         raise error
     signature = agreement.attention_signature(q, k, v, groups=groups, causal=causal, softmax_scale=softmax_scale,
-                                              kernel=None if kernel is None else kernel.name, error=error)
+                                              kernel=None if kernel is None else kernel.name, error=error,
+                                              window=window if mask is None else mask.window, softcap=softcap,
+                                              sinks=sinks is not None)
 
     observers = active_observers()      # a recomputation (core_attn, +recompute_attn) reports to them too
 
@@ -114,8 +141,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
             agreement.check(groups, signature)
             if error is not None:       # the same error on every rank (they agreed on it)
                 raise error
-            return run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=causal,
-                               scale=float(softmax_scale))
+            return run_backend(q, k, v, config=config, groups=groups, kernel=kernel, mask=mask,
+                               scale=float(softmax_scale), sinks=sinks)
 
     return pinning.run(compute)
 

@@ -115,21 +115,22 @@ class RingComm:
 
     def __init__(self, group: RankGroup, counter: Observers) -> None:
         self.group, self.counter = group, counter
-        self.send_to = (group.rank + 1) % group.size
-        self.recv_from = (group.rank - 1) % group.size
         self._pending: list[Exchange] = []
 
-    def start(self, send: torch.Tensor, recv: torch.Tensor, kind: str, tag: int = 0) -> Exchange:
+    def start(self, send: torch.Tensor, recv: torch.Tensor, kind: str, tag: int = 0, shift: int = 1) -> Exchange:
         """Posts ``send`` → next rank and ``recv`` ← previous rank as one batch; returns without waiting.
 
-        ``tag`` keeps different streams of messages apart on backends that match by tag (gloo)."""
-        pg = self.group.group
+        ``tag`` keeps different streams of messages apart on backends that match by tag (gloo). ``shift``
+        other than 1 exchanges with ranks further away: ``send`` → rank ``r + shift``, ``recv`` ← ``r − shift``
+        (mod the group size; the ring's direct fetches and dK/dV's way home)."""
+        pg, size, rank = self.group.group, self.group.size, self.group.rank
+        send_to, recv_from = (rank + shift) % size, (rank - shift) % size
         if _torch(self.group):
-            ops = [dist.P2POp(dist.isend, send, group=pg, tag=tag, group_peer=self.send_to),
-                   dist.P2POp(dist.irecv, recv, group=pg, tag=tag, group_peer=self.recv_from)]
+            ops = [dist.P2POp(dist.isend, send, group=pg, tag=tag, group_peer=send_to),
+                   dist.P2POp(dist.irecv, recv, group=pg, tag=tag, group_peer=recv_from)]
             exchange = Exchange(dist.batch_isend_irecv(ops))
         else:
-            exchange = Exchange([pg.exchange(send, recv, self.send_to, self.recv_from, tag)])
+            exchange = Exchange([pg.exchange(send, recv, send_to, recv_from, tag)])
         self.counter.record(kind)
         self._pending.append(exchange)
         return exchange

@@ -19,7 +19,7 @@ check that for every layout and P.
 
 Sliding windows (:class:`~ctx_plugin.mask.Mask`): within a block, query and key global positions are arithmetic
 progressions with one stride (contiguous and zigzag chunks: 1, striped: P), so the window's allowed offsets
-``lo ≤ j − i ≤ hi`` become one band ``blo ≤ b − a ≤ hi`` of local indices. :func:`band_block` trims each block to
+``lo ≤ j − i ≤ hi`` become one band ``blo ≤ b − a ≤ bhi`` of local indices. :func:`band_block` trims each block to
 the rows that have a key and the keys that have a query (dropping empty blocks) and states it in the kernels'
 bottom-right convention (``Block.window``). Zigzag's shard is two chunks, so its windowed plan has up to four
 blocks (one per chunk pair). :func:`ring_schedule` keeps only the ring steps some rank needs: the shortest arc

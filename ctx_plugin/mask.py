@@ -57,15 +57,23 @@ class Mask:
     causal: bool
     """Query ``i`` sees only keys ``j ≤ i``."""
     window: tuple = (None, None)
-    """``(left, right)``: query ``i`` sees keys ``i − left .. i + right``; ``None`` sides are unbounded."""
+    """``(left, right)``: query ``i`` sees keys ``i − left .. i + right``; ``None`` sides are unbounded (stored
+    with ``right = None`` when causal, where it changes nothing)."""
     softcap: float | None = None
     """Scores ``s`` (after the softmax scale) become ``softcap · tanh(s / softcap)`` before the softmax."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
-        object.__setattr__(self, "window", check_window(self.window))
+        left, right = check_window(self.window)
+        object.__setattr__(self, "window", (left, None if self.causal else right))   # causal: right changes nothing
         object.__setattr__(self, "softcap", check_softcap(self.softcap))
+
+    def within(self, seq_len: int) -> Mask:
+        """This mask over a sequence of ``seq_len`` tokens: window sides that reach past it become ``None`` (so a
+        window longer than the sequence needs no kernel that applies windows)."""
+        left, right = (None if side is not None and side >= seq_len - 1 else side for side in self.window)
+        return Mask(self.causal, (left, right), self.softcap)
 
     def band(self) -> tuple[int | None, int | None]:
         """The allowed offsets ``j − i`` as ``(lo, hi)``, ``None`` unbounded; ``lo ≤ 0 ≤ hi`` always."""

@@ -1,12 +1,17 @@
 """Ring attention for every layout: one forward loop, one backward loop, driven by the layout's plan.
 
-Forward: P−1 rotations of the packed K/V buffer ``[2, B, S, Hkv, D]`` (K/V heads are never expanded). Each
+Forward: rotations of the packed K/V buffer ``[2, B, S, Hkv, D]`` (K/V heads are never expanded). Each
 rotation is posted into a second buffer before the current block is computed, and waited after, so the
 transfer overlaps the kernel. Partial results merge in fp32 (fp64 for fp64 inputs).
 
-Backward: K/V circulate again (P−1 rotations) while each rank adds its contribution to the dK/dV of the
-block it holds; those dK/dV travel one hop behind their K/V (P hops, the last one home to the owner).
-Forward saves only q, k, v, out and lse.
+Only the ring steps the mask needs run (:func:`~ctx_plugin.layouts.ring_schedule`: the shortest arc of offsets
+covering every rank's blocks; all P without a window). An arc that starts ahead of a rank (a window with a
+right side) begins with one direct exchange; a rank with no block at a step just passes the K/V on.
+
+Backward: K/V circulate again over the same steps while each rank adds its contribution to the dK/dV of the
+block it holds; those dK/dV travel one hop behind their K/V, and after the last step go home to their owner
+in one direct exchange (over the full ring that is the P-th hop). Attention sinks are applied once, after the
+merge (:mod:`ctx_plugin.sinks`). Forward saves only q, k, v, out and lse (and the sinks).
 """
 from __future__ import annotations
 
@@ -15,73 +20,89 @@ import torch
 from .comm import Observers, RingComm
 from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
-from .layouts import RingLayout
+from .layouts import RingLayout, ring_schedule
 from .mask import Mask
 from .merge import merge_into
+from .sinks import apply_sinks, sink_grad
 
 KV = "ring_kv"
 DKV = "ring_dkv"
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: AttentionKernel,
-                 layout: RingLayout, group: RankGroup, counter: Observers, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 layout: RingLayout, group: RankGroup, counter: Observers, mask: Mask, scale: float,
+                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     b, n, h, d = q.shape
     size, rank = group.size, group.rank
+    schedule = ring_schedule(layout, size, n, mask)
     acc = accum_dtype(q.dtype)
     out = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack((k, v))
-    spare = torch.empty_like(kv) if size > 1 else None
+    spare = torch.empty_like(kv) if schedule.kv_transfers else None
     with RingComm(group, counter) as comm:
-        for step in range(size):
-            exchange = comm.start(kv, spare, KV) if step < size - 1 else None
-            for blk in layout.plan(rank, (rank - step) % size, size, n, Mask(causal)):
+        if schedule.start:                    # the arc starts ahead: fetch its first shard directly
+            comm.start(kv, spare, KV, shift=schedule.start).wait()
+            kv, spare = spare, kv
+        for step, offset in enumerate(schedule.offsets):
+            exchange = comm.start(kv, spare, KV) if step < schedule.steps - 1 else None
+            for blk in layout.plan(rank, (rank - offset) % size, size, n, mask):
                 o_b, lse_b = kernel.forward(q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], causal=blk.causal,
-                                            scale=scale)
+                                            scale=scale, window=blk.window, softcap=mask.softcap)
                 merge_into(out[:, blk.q], lse[:, :, blk.q], o_b, lse_b)
             if exchange is not None:
                 exchange.wait()
                 kv, spare = spare, kv
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, *, kernel: AttentionKernel, layout: RingLayout, group: RankGroup,
-                  counter: Observers, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  counter: Observers, mask: Mask, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv given the final (sink-adjusted) ``out`` and ``lse``."""
     b, n, h, d = q.shape
     size, rank = group.size, group.rank
+    schedule = ring_schedule(layout, size, n, mask)
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
     kv = torch.stack((k, v))
-    kv_spare = torch.empty_like(kv) if size > 1 else None
+    kv_spare = torch.empty_like(kv) if schedule.kv_transfers else None
+    hops = schedule.steps > 1
     # dkv[0] collects this step's contributions while dkv[1] may still be in flight to the next rank.
-    dkv = [torch.empty((2, *k.shape), dtype=acc, device=k.device) for _ in range(2 if size > 1 else 1)]
-    incoming = torch.empty_like(dkv[0]) if size > 1 else None
+    dkv = [torch.empty((2, *k.shape), dtype=acc, device=k.device) for _ in range(2 if hops else 1)]
+    incoming = torch.empty_like(dkv[0]) if hops else None
     arriving = None
     with RingComm(group, counter) as comm:
-        for step in range(size):
-            kv_exchange = comm.start(kv, kv_spare, KV) if step < size - 1 else None
+        if schedule.start:
+            comm.start(kv, kv_spare, KV, shift=schedule.start).wait()
+            kv, kv_spare = kv_spare, kv
+        for step, offset in enumerate(schedule.offsets):
+            last = step == schedule.steps - 1
+            kv_exchange = None if last else comm.start(kv, kv_spare, KV)
             contrib = dkv[0].zero_()
-            for blk in layout.plan(rank, (rank - step) % size, size, n, Mask(causal)):
+            for blk in layout.plan(rank, (rank - offset) % size, size, n, mask):
                 dq_b, dk_b, dv_b = kernel.backward(dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k],
-                                                   out[:, blk.q], lse[:, :, blk.q], causal=blk.causal, scale=scale)
+                                                   out[:, blk.q], lse[:, :, blk.q], causal=blk.causal, scale=scale,
+                                                   window=blk.window, softcap=mask.softcap)
                 dq[:, blk.q] += dq_b
                 contrib[0, :, blk.k] += dk_b
                 contrib[1, :, blk.k] += dv_b
             if arriving is not None:          # what earlier ranks added to this K/V block
                 arriving.wait()
                 contrib += incoming
-            if size > 1:                      # pass it on; the last hop takes it home to its owner
+            if not last:                      # pass it on with its K/V
                 arriving = comm.start(contrib, incoming, DKV, tag=1)
                 dkv.reverse()
             if kv_exchange is not None:
                 kv_exchange.wait()
                 kv, kv_spare = kv_spare, kv
-        if arriving is not None:
-            arriving.wait()
-    dkv_own = incoming if size > 1 else dkv[0]
-    return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
+        if schedule.last:                     # home to the owner of the shard held at the last step
+            own = torch.empty_like(contrib)
+            comm.start(contrib, own, DKV, tag=2, shift=-schedule.last).wait()
+            contrib = own
+    return dq.to(q.dtype), contrib[0].to(k.dtype), contrib[1].to(v.dtype)
 
 
 def refuse_double_backward(what: str) -> None:
@@ -94,22 +115,25 @@ def refuse_double_backward(what: str) -> None:
 
 
 class RingAttention(torch.autograd.Function):
-    """Differentiable ring attention; see the module docstring."""
+    """Differentiable ring attention; see the module docstring. ``sinks`` (``[H]`` for these heads, or None)
+    gets this rank's part of its gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel: AttentionKernel, layout: RingLayout, group: RankGroup, counter: Observers,
-                causal: bool, scale: float):
-        out, lse = ring_forward(q, k, v, kernel=kernel, layout=layout, group=group, counter=counter, causal=causal,
-                                scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (kernel, layout, group, counter, causal, scale)
+    def forward(ctx, q, k, v, sinks, kernel: AttentionKernel, layout: RingLayout, group: RankGroup,
+                counter: Observers, mask: Mask, scale: float):
+        out, lse = ring_forward(q, k, v, kernel=kernel, layout=layout, group=group, counter=counter, mask=mask,
+                                scale=scale, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (kernel, layout, group, counter, mask, scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         refuse_double_backward("ring attention")
-        q, k, v, out, lse = ctx.saved_tensors
-        kernel, layout, group, counter, causal, scale = ctx.args
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, kernel=kernel, layout=layout, group=group,
-                                   counter=counter, causal=causal, scale=scale)
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        kernel, layout, group, counter, mask, scale = ctx.args
+        dout = dout.contiguous()
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, kernel=kernel, layout=layout, group=group,
+                                   counter=counter, mask=mask, scale=scale)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None, None, None, None, None, None

@@ -27,6 +27,7 @@ from .. import agreement
 from ..attention import run_backend
 from ..groups import build_cp_groups
 from ..kernels import accum_dtype, select_kernel
+from ..mask import Mask
 from ..names import Kernel
 from .harness import Shape, attention_step, ideal_time, median_time
 from .report import add_arguments, configs, row, settle, shape_from_args, write_outputs
@@ -41,11 +42,11 @@ class NullKernel:
 
     name = "none"
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q, k, v, *, causal, scale, window=(None, None), softcap=None):
         return torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=accum_dtype(q.dtype),
                                                  device=q.device)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, window=(None, None), softcap=None):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -57,7 +58,7 @@ def comm_step(shape: Shape, config, groups, q, k, v, dout, backward: bool):
     def go():
         agreement.check(groups, agreement.attention_signature(q, k, v, groups=groups, causal=shape.causal,
                                                               softmax_scale=None, kernel=kernel.name, error=None))
-        out = run_backend(q, k, v, config=config, groups=groups, kernel=kernel, causal=shape.causal,
+        out = run_backend(q, k, v, config=config, groups=groups, kernel=kernel, mask=Mask(shape.causal),
                           scale=shape.head_dim ** -0.5)
         if backward:
             out.backward(dout)

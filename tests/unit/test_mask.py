@@ -54,6 +54,10 @@ def test_none_window_is_unlimited_and_features():
     assert Mask(False).band() == (None, None)
     with pytest.raises(TypeError, match="causal"):
         Mask(1)
+    # sides reaching past the sequence are no window at all (a kernel without windows can run it)
+    assert Mask(False, (15, 16), 3.0).within(16) == Mask(False, None, 3.0)
+    assert Mask(False, (14, 3)).within(16) == Mask(False, (14, 3))
+    assert Mask(True, (100, 0)).within(16).features == frozenset()
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

@@ -128,7 +128,8 @@ def recorder(monkeypatch):
                    ("_scaled_dot_product_flash_attention_backward", rec.flash_bwd)):
         monkeypatch.setattr(torch.ops.aten, op, fn)
 
-    def select(name, device, dtype, head_dim):     # the CUDA kernels, on CPU tensors, behind the stand-ins
+    def select(name, device, dtype, head_dim, features):   # the CUDA kernels, on CPU tensors, behind the stand-ins
+        assert not features, "these kernels apply no window or softcap"
         return KERNELS[name]()
     monkeypatch.setattr(ctx_plugin.api, "select_kernel", select)
     return rec

@@ -1,0 +1,138 @@
+"""Sliding windows, softcap and attention sinks on every backend, against the float64 dense reference.
+
+The matrix runs the real ``cp_attention`` on simulated ranks (threads exchanging real tensors,
+:mod:`ctx_plugin.bench.simulated`), so each case costs milliseconds: every backend × P ∈ {1, 2, 3, 4} (Ulysses
+where the heads allow) × windows (none, smaller than a shard, between one and two shards, larger than the
+sequence, left-only, left+right) × causal/non-causal × softcap and sinks (``VARIANTS``), GQA, outputs and
+gradients including the sinks' (each rank's sinks.grad is its part; their sum is the reference's). The ring's
+communication and kernel calls are counted per rank: a contiguous causal window of w tokens over shards of n
+tokens takes ⌈w/n⌉ K/V transfers, not P − 1. tests/distributed/test_attention_variants_ranks.py runs a few of
+these cases on spawned gloo ranks.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+import ctx_plugin
+from ctx_plugin.bench.counting import CommCounter
+from ctx_plugin.bench.simulated import run_threaded, simulated_groups
+from ctx_plugin.kernels.torch_math import TorchKernel
+from ctx_plugin.layouts import shard_layout
+from ctx_plugin.names import Backend
+
+from ..reference import dense_with_grads, rel_err
+
+SEQ, HEADS, KV_HEADS, DIM = 24, 4, 2, 8
+# (P, ulysses_size) per backend: Ulysses needs P | heads; the hybrid needs u | P.
+SIZES = {Backend.RING: [(1, 1), (2, 1), (3, 1), (4, 1)], Backend.ZIGZAG: [(1, 1), (2, 1), (3, 1), (4, 1)],
+         Backend.STRIPED: [(1, 1), (2, 1), (3, 1), (4, 1)], Backend.ALLGATHER: [(1, 1), (2, 1), (3, 1), (4, 1)],
+         Backend.ULYSSES: [(1, 1), (2, 1), (4, 1)], Backend.ULYSSES_RING: [(2, 2), (4, 2)]}
+assert set(SIZES) == set(Backend)
+# shards of SEQ / P ∈ {24, 12, 8, 6} tokens: 2 is smaller than every shard, 9 between one and two shards at P 4,
+# 40 larger than the sequence; (5, None) left-only, (4, 3) left and right.
+WINDOWS = [None, (2, 0), (9, 0), (40, 40), (5, None), (4, 3)]
+# softcap and sinks both off and both on with every window; each one alone with two windows (~2/3 of the full
+# product's time: the suite runs on 2 shared cores).
+VARIANTS = [(w, c, s) for w in WINDOWS for c, s in ((None, False), (1.5, True))] + \
+    [(w, c, s) for w in (None, (4, 3)) for c, s in ((1.5, False), (None, True))]
+CASES = [(b, p, u, causal) for b, sizes in SIZES.items() for p, u in sizes for causal in (True, False)]
+
+
+def _inputs(seed: int = 11):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, SEQ, HEADS, DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(2, SEQ, KV_HEADS, DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(2, SEQ, KV_HEADS, DIM, generator=g, dtype=torch.float64)
+    dout = torch.randn(2, SEQ, HEADS, DIM, generator=g, dtype=torch.float64)
+    sinks = torch.randn(HEADS, generator=g, dtype=torch.float64) * 2
+    return q, k, v, dout, sinks
+
+
+def simulated_run(config, size: int, q, k, v, dout, *, causal: bool, sinks=None, **variants):
+    """out, dq, dk, dv (whole sequence, original order), the sum of the ranks' sinks.grad, and per rank the
+    communication counts and the number of kernel forward/backward calls."""
+    layout = shard_layout(config)
+    index = [layout.local_indices(SEQ, r, size) for r in range(size)]
+
+    def rank_work(rank: int, world):
+        groups = simulated_groups(config, rank, size, world, "cpu")
+        local = [t.index_select(1, index[rank]).detach().requires_grad_(True) for t in (q, k, v)]
+        own_sinks = None if sinks is None else sinks.detach().clone().requires_grad_(True)
+        counter = CommCounter()
+        with counter.counting():
+            out = ctx_plugin.cp_attention(*local, config=config, groups=groups, causal=causal, sinks=own_sinks,
+                                          **variants)
+            out.backward(dout.index_select(1, index[rank]))
+        grads = [t.grad for t in local]
+        return out.detach(), grads, None if sinks is None else own_sinks.grad, dict(counter.counts)
+
+    results = run_threaded(size, rank_work)
+    full = [torch.empty_like(t) for t in (q, q, k, v)]
+    for rank, (out, grads, _, _) in enumerate(results):
+        for whole, part in zip(full, (out, *grads)):
+            whole[:, index[rank]] = part
+    dsinks = None if sinks is None else sum(r[2] for r in results)
+    return full, dsinks, [r[3] for r in results]
+
+
+@pytest.mark.parametrize("backend,size,u,causal", CASES,
+                         ids=[f"{b.value}-P{p}-u{u}-{'causal' if c else 'full'}" for b, p, u, c in CASES])
+def test_variants_match_the_float64_reference(backend, size, u, causal):
+    config = ctx_plugin.CPConfig(backend=backend, kernel="torch", ulysses_size=u)
+    q, k, v, dout, sinks = _inputs()
+    for window, softcap, with_sinks in VARIANTS:
+        s = sinks if with_sinks else None
+        got, dsinks, _ = simulated_run(config, size, q, k, v, dout, causal=causal, window=window, softcap=softcap,
+                                       sinks=s)
+        want = dense_with_grads(q, k, v, dout, causal=causal, window=window, softcap=softcap, sinks=s)
+        what = f"window={window} softcap={softcap} sinks={with_sinks}"
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            assert rel_err(g, w) < 1e-10, f"{what}: {name} relative error {rel_err(g, w):.2e}"
+        if with_sinks:
+            assert rel_err(dsinks, want[4]) < 1e-10, f"{what}: dsinks relative error {rel_err(dsinks, want[4]):.2e}"
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Kernel forward/backward calls per simulated rank (thread)."""
+    calls: dict = {}
+    fwd, bwd = TorchKernel.forward, TorchKernel.backward
+
+    def count(kind, fn):
+        def wrapper(self, *args, **kwargs):
+            key = (threading.current_thread().name, kind)
+            calls[key] = calls.get(key, 0) + 1
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(TorchKernel, "forward", count("forward", fwd))
+    monkeypatch.setattr(TorchKernel, "backward", count("backward", bwd))
+    return calls
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("w", [1, 6, 7, 13, 30])
+def test_contiguous_causal_window_counts(kernel_calls, size, w):
+    """Per rank: ⌈w/n⌉ K/V transfers in forward and in backward (instead of P − 1), ⌈w/n⌉ dK/dV hops plus the
+    one home (P over the full ring); one kernel call per shard the rank's window reaches (from the global mask)."""
+    config = ctx_plugin.CPConfig(backend="ring", kernel="torch")
+    q, k, v, dout, _ = _inputs()
+    n = SEQ // size
+    _, _, counts = simulated_run(config, size, q, k, v, dout, causal=True, window=(w, 0))
+    back = min(math.ceil(w / n), size - 1)
+    pos = torch.arange(SEQ)
+    allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= pos[:, None] - w)
+    for rank, c in enumerate(counts):
+        assert c.get("ring_kv", 0) == 2 * back, (rank, c)
+        assert c.get("ring_dkv", 0) == (back + 1 if back else 0), (rank, c)
+    shards = [sum(bool(allowed[r * n:(r + 1) * n, s * n:(s + 1) * n].any()) for s in range(size))
+              for r in range(size)]
+    by_thread = sorted({name for name, _ in kernel_calls})
+    assert len(by_thread) == size
+    got = sorted(kernel_calls[(name, "forward")] for name in by_thread)
+    assert got == sorted(shards)
+    assert sorted(kernel_calls[(name, "backward")] for name in by_thread) == sorted(shards)
