@@ -136,3 +136,28 @@ def test_contiguous_causal_window_counts(kernel_calls, size, w):
     got = sorted(kernel_calls[(name, "forward")] for name in by_thread)
     assert got == sorted(shards)
     assert sorted(kernel_calls[(name, "backward")] for name in by_thread) == sorted(shards)
+
+
+def test_bad_variant_arguments_are_refused_before_anything_runs():
+    config = ctx_plugin.CPConfig(backend="ring", kernel="torch")
+    groups = ctx_plugin.build_cp_groups(config)
+    q, k, v, _, sinks = _inputs()
+    call = lambda **kw: ctx_plugin.cp_attention(q, k, v, config=config, groups=groups, **kw)  # noqa: E731
+    for kwargs, error, text in (
+            ({"window": (-1, 0)}, ValueError, "window left must be None"),
+            ({"window": (2, 1.5)}, TypeError, "window right must be None"),
+            ({"window": 3}, TypeError, "window must be None or a"),
+            ({"softcap": 0.0}, ValueError, "softcap must be"),
+            ({"sinks": sinks[:3]}, ValueError, r"sinks must have shape \[heads\] = \(4,\)"),
+            ({"sinks": sinks.long()}, TypeError, "floating-point"),
+            ({"sinks": [0.0] * 4}, TypeError, "sinks must be None or a floating-point tensor"),
+            ({"sinks": sinks.to("meta")}, ValueError, "q's device")):
+        with pytest.raises(error, match=text):
+            call(**kwargs)
+    sdpa = ctx_plugin.CPConfig(backend="ring", kernel="sdpa_cpu")
+    sdpa_groups = ctx_plugin.build_cp_groups(sdpa)
+    with pytest.raises(ValueError, match="window"):
+        ctx_plugin.cp_attention(q, k, v, config=sdpa, groups=sdpa_groups, window=(3, 0))
+    # a window longer than the sequence is no window: the sdpa kernel runs it (same as without one)
+    want = ctx_plugin.cp_attention(q, k, v, config=sdpa, groups=sdpa_groups)
+    assert torch.equal(ctx_plugin.cp_attention(q, k, v, config=sdpa, groups=sdpa_groups, window=(SEQ, 0)), want)
