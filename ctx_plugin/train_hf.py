@@ -6,11 +6,20 @@ weights, seeded) or loaded with ``--pretrained``; the data is a ``.npy`` array o
 seq_len]`` (or 1-D, a whole number of ``seq_len`` windows), or, without ``--data``, seeded synthetic sequences a
 model can learn only by attending across the whole context. Rank 0 prints the loss of every optimizer step and
 writes a JSON report.
+
+Stop and resume: on ``SIGUSR1`` (SLURM's time-limit warning, which ``launch/deepspeed.sbatch`` passes to every
+rank) or ``SIGTERM``, every rank finishes its optimizer step, the ranks agree on the step to stop after, save a
+DeepSpeed checkpoint (``save_checkpoint``: model, optimizer, the step and the losses so far) under
+``--checkpoint-dir`` and exit 0. ``--resume`` continues from the latest checkpoint there (the same losses as an
+uninterrupted run: the data is not shuffled, the next micro-batch is the one after the last trained), or starts
+afresh when there is none, so a requeued job can pass it on every attempt.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--report", default=None, help="rank 0 writes its losses and throughput here (JSON)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where a stop (SIGUSR1/SIGTERM) saves and --resume loads; default, under the job scripts: "
+                        "<run dir>/checkpoints ($CTX_RUN_DIR, set by launch/deepspeed.sbatch's command.sh)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir, or start afresh if there is none")
     return p
 
 
@@ -50,6 +64,39 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
+
+
+def checkpoint_dir(args: argparse.Namespace, env=os.environ) -> Path | None:
+    """``--checkpoint-dir``, else ``$CTX_RUN_DIR/checkpoints`` (a job of launch/deepspeed.sbatch), else None;
+    ``--resume`` without either is a ``ValueError``."""
+    if args.checkpoint_dir:
+        return Path(args.checkpoint_dir).expanduser().resolve()
+    if env.get("CTX_RUN_DIR"):
+        return Path(env["CTX_RUN_DIR"]) / "checkpoints"
+    if args.resume:
+        raise ValueError("--resume needs --checkpoint-dir DIR (under launch/deepspeed.sbatch: the run directory's "
+                         "checkpoints/)")
+    return None
+
+
+class StopRequest:
+    """Set by SIGUSR1/SIGTERM (installed first thing, so a warning during start-up is kept); ``agreed`` makes
+    every rank stop after the same step."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._set)
+
+    def _set(self, signum, frame) -> None:
+        self.signal = signum
+
+    def agreed(self, device) -> bool:
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if self.signal is None else 1], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def load_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -85,13 +132,25 @@ def load_data(args: argparse.Namespace) -> list[dict]:
     return [{"input_ids": t, "labels": t.clone()} for t in tokens]
 
 
+def micro_batches(loader, skip: int):
+    """The loader's micro-batches over and over (it does not shuffle), the first ``skip`` left out (a resume)."""
+    skip %= len(loader)
+    while True:
+        for i, batch in enumerate(loader):
+            if i >= skip:
+                yield batch
+        skip = 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         build_parser().print_help()
         return 0
+    stop = StopRequest()
     try:
         args = parse_args(argv)
+        ckpt = checkpoint_dir(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if args.deepspeed_config is None:
@@ -107,28 +166,45 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"{len(data)} samples make no micro-batch of {engine.train_micro_batch_size_per_gpu()} per "
                          f"data-parallel replica: give more samples")
     rank, accumulation = dist.get_rank(), engine.gradient_accumulation_steps()
-    losses, micro_losses, tokens, start = [], [], 0, time.perf_counter()
+    losses = []
+    if args.resume:
+        path, state = engine.load_checkpoint(str(ckpt))
+        if path is None:
+            print(f"rank {rank}: no checkpoint in {ckpt}: starting afresh", flush=True)
+        else:
+            losses = list(state["losses"])
+            print(f"rank {rank}: resumed from {path} after step {len(losses) - 1}", flush=True)
+    micro_losses, tokens, start = [], 0, time.perf_counter()
+    batches = micro_batches(loader, len(losses) * accumulation)
     while len(losses) < args.steps:
-        for batch in loader:
-            batch = {k: v.to(engine.device) for k, v in batch.items()}
-            loss, report = cpds.lm_loss(engine, batch)       # the section's +tile_loss: head and loss tiled
-            engine.backward(loss)
-            engine.step()
-            micro_losses.append(report)
-            tokens += batch["input_ids"].numel()
-            if len(micro_losses) == accumulation:
-                losses.append(sum(micro_losses) / accumulation)
-                micro_losses = []
-                if rank == 0:
-                    print(f"step {len(losses) - 1:>5}  loss {losses[-1]:.6f}", flush=True)
-                if len(losses) == args.steps:
-                    break
+        batch = {k: v.to(engine.device) for k, v in next(batches).items()}
+        loss, report = cpds.lm_loss(engine, batch)       # the section's +tile_loss: head and loss tiled
+        engine.backward(loss)
+        engine.step()
+        micro_losses.append(report)
+        tokens += batch["input_ids"].numel()
+        if len(micro_losses) < accumulation:
+            continue
+        losses.append(sum(micro_losses) / accumulation)
+        micro_losses = []
+        if rank == 0:
+            print(f"step {len(losses) - 1:>5}  loss {losses[-1]:.6f}", flush=True)
+        if len(losses) < args.steps and stop.agreed(engine.device):
+            if ckpt is None:
+                print(f"rank {rank}: stopped by signal {stop.signal} after step {len(losses) - 1}; no "
+                      f"--checkpoint-dir, nothing saved", flush=True)
+            else:
+                engine.save_checkpoint(str(ckpt), tag=f"step{len(losses)}", client_state={"losses": losses})
+                print(f"rank {rank}: stopped by signal {stop.signal} after step {len(losses) - 1}; saved "
+                      f"{ckpt}/step{len(losses)}", flush=True)
+            break
     elapsed = time.perf_counter() - start
     total = torch.tensor([float(tokens)], device=engine.device)
     dist.all_reduce(total)
     if rank == 0:
         per_s = total.item() / elapsed
-        print(f"done: {args.steps} steps, {per_s:,.0f} tokens/s over {dist.get_world_size()} ranks", flush=True)
+        print(f"done: {len(losses)} of {args.steps} steps, {per_s:,.0f} tokens/s over {dist.get_world_size()} "
+              f"ranks", flush=True)
         if args.report:
             Path(args.report).write_text(json.dumps({"losses": losses, "tokens_per_s": per_s,
                                                      "world_size": dist.get_world_size()}, indent=2))

@@ -5,12 +5,17 @@
 #   ctx_job FRAMEWORK [job options] -- <framework arguments>
 #
 # 1. sources the site file: $CTX_SITE, else launch/site.sh when it exists (copy launch/site.example.sh);
-# 2. runs `python -m ctx_plugin.slurm.job`, which checks the job and writes <run dir>/command.sh (with
-#    --dry-run it prints the check and command.sh and stops here);
-# 3. runs command.sh (one srun task per node, each starting torchrun) and writes <run dir>/status:
-#    running, then completed / failed / timeout / cancelled, with the exit code and times.
-# A timeout is the warning signal SLURM sends before the time limit (#SBATCH --signal=B:USR1@120), or a
-# SIGTERM within 90 s of it; any other SIGTERM (scancel) is "cancelled".
+# 2. runs `python -m ctx_plugin.slurm.job`, which checks the job (rendezvous host, master port included) and writes
+#    <run dir>/attempt-<n>/command.sh and the run records (with --dry-run it prints the check and command.sh and
+#    stops here); the batch output continues in <run dir>/attempt-<n>/batch.log;
+# 3. runs command.sh (one srun task per node, each starting torchrun) and writes the attempt's status and the run's
+#    (<run dir>/status, the latest attempt's plus one line per earlier attempt): running, then completed / failed
+#    (with the first failure found in the logs) / timeout / cancelled / requeued / preempted, exit code and times.
+# SLURM's time-limit warning (#SBATCH --signal=B:USR1@120) reaches this shell only; it passes USR1 on to every
+# rank (an overlapping srun step signals the children of each node's torchrun; torchrun itself ignores USR1), so
+# every rank can finish its step, save and exit. Then, with --requeue (or CTX_REQUEUE=1), the job requeues itself (same job id, next
+# attempt); without, it waits for the time limit, so SLURM records TIMEOUT. A SIGTERM (scancel, the time limit,
+# preemption) is classified by asking slurmctld for the job's state.
 
 ctx_seconds() {   # SLURM time ([D-]HH:MM:SS, MM:SS, SS) → seconds; nothing for UNLIMITED/NOT_SET
   local t=$1 d=0 a b c
@@ -22,55 +27,143 @@ ctx_seconds() {   # SLURM time ([D-]HH:MM:SS, MM:SS, SS) → seconds; nothing fo
   else echo $((10#$d * 86400 + 10#$a)); fi
 }
 
-ctx_status() {    # ctx_status RUN_DIR WORD [EXIT_CODE]: written whole, then renamed
-  local run=$1
+ctx_status() {    # ctx_status WORD [EXIT_CODE [KEY=VALUE...]]: the attempt's status, then the run's; each written whole
+  local word=$1 code=${2:-} line n
+  shift; [ $# -eq 0 ] || shift
   {
-    echo "$2"
-    [ -z "${3:-}" ] || echo "exit_code=$3"
+    echo "$word"
+    [ -z "$code" ] || echo "exit_code=$code"
     echo "job_id=${SLURM_JOB_ID:-}"
     echo "started=$_ctx_started"
-    [ "$2" = running ] || echo "ended=$(date -u +%FT%TZ)"
-  } >"$run/status.tmp"
-  mv "$run/status.tmp" "$run/status"
+    [ "$word" = running ] || echo "ended=$(date -u +%FT%TZ)"
+    for line in "$@"; do echo "$line"; done
+  } >"$_ctx_attempt/status.tmp"
+  mv "$_ctx_attempt/status.tmp" "$_ctx_attempt/status"
+  {
+    cat "$_ctx_attempt/status"
+    echo "attempt=$_ctx_n"
+    for ((n = 1; n < _ctx_n; n++)); do
+      [ ! -f "$_ctx_run/attempt-$n/status" ] || echo "attempt_$n=$(paste -sd ' ' "$_ctx_run/attempt-$n/status")"
+    done
+  } >"$_ctx_run/status.tmp"
+  mv "$_ctx_run/status.tmp" "$_ctx_run/status"
 }
 
-_ctx_on_signal() {
-  local reason=$1 now
-  if [ "$reason" = term ]; then
+_ctx_epoch() { date -d "$1" +%s 2>/dev/null || true; }
+
+ctx_end_reason() {   # how slurmctld sees the job ending: cancelled, timeout, preempted, requeued, or nothing (unknown)
+  local info state limit start end
+  info=$(scontrol show job -o "${SLURM_JOB_ID:-0}" 2>/dev/null) || return 0
+  state=$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$info")
+  case $state in
+    CANCELLED) echo cancelled ;;
+    TIMEOUT|DEADLINE) echo timeout ;;
+    PREEMPTED) echo preempted ;;
+    PENDING|REQUEUED|REQUEUE_FED|REQUEUE_HOLD) echo requeued ;;
+    COMPLETING)   # the state it ends in is not shown yet: ended at the time limit (timeout) or before (scancel)
+      limit=$(ctx_seconds "$(sed -n 's/.*TimeLimit=\([^ ]*\).*/\1/p' <<<"$info")")
+      start=$(_ctx_epoch "$(sed -n 's/.*StartTime=\([^ ]*\).*/\1/p' <<<"$info")")
+      end=$(_ctx_epoch "$(sed -n 's/.*EndTime=\([^ ]*\).*/\1/p' <<<"$info")")
+      if [ -n "$limit" ] && [ -n "$start" ] && [ -n "$end" ] && [ $((end - start)) -ge "$limit" ]; then echo timeout
+      elif [ -n "$start" ] && [ -n "$end" ]; then echo cancelled; fi ;;
+  esac
+}
+
+_ctx_on_warning() {   # SLURM's time-limit warning: every rank (torchrun's children, on every node) gets SIGUSR1
+  [ -z "$_ctx_reason" ] || return 0
+  _ctx_reason=warned
+  ctx_status timeout "" "stopping=the ranks got the time-limit warning (SIGUSR1) to save and stop"
+  echo "ctx_plugin: time-limit warning: SIGUSR1 to every rank" >&2
+  local nodes=${SLURM_JOB_NUM_NODES:-1}
+  # one task per node, beside the running step; only the ranks (not their compilers or data-loader workers)
+  # shellcheck disable=SC2016   # expanded by the task's bash
+  srun --overlap --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 \
+    bash -c 'pkill -USR1 -P "$(cat "$1/pids/node-$SLURM_NODEID.pid")"' _ "$_ctx_attempt" \
+    || echo "ctx_plugin: signalling the ranks failed (a node had no torchrun running yet?)" >&2
+}
+
+_ctx_on_term() {
+  local reason now
+  _ctx_termed=1
+  case $_ctx_reason in   # decided already (the step has ended): stop waiting
+    requeued|cancelled|timeout|preempted) kill -TERM "$_ctx_pid" 2>/dev/null || true; return 0 ;;
+  esac
+  reason=$(ctx_end_reason)
+  if [ -z "$reason" ]; then   # slurmctld did not say: the time left says
     now=$(date +%s)
     if [ -n "$_ctx_deadline" ] && [ "$now" -ge $((_ctx_deadline - 90)) ]; then reason=timeout; else reason=cancelled; fi
   fi
   _ctx_reason=$reason
+  ctx_status "$reason"
   echo "ctx_plugin: $reason: stopping the job step" >&2
   kill -TERM "$_ctx_pid" 2>/dev/null || true
 }
 
-ctx_run() {       # ctx_run RUN_DIR: runs RUN_DIR/command.sh, records the status
-  local run=$1 rc=0 left
-  _ctx_started=$(date -u +%FT%TZ) _ctx_reason="" _ctx_deadline=""
+_ctx_wait() {     # waits for $_ctx_pid (a trapped signal interrupts wait: wait again); its exit code in _ctx_rc
+  while :; do
+    _ctx_rc=0; wait "$_ctx_pid" || _ctx_rc=$?
+    kill -0 "$_ctx_pid" 2>/dev/null || break
+  done
+}
+
+_ctx_after_warning() {   # the ranks stopped after the warning: requeue, or wait for the time limit (TIMEOUT)
+  local rc=$1 left
+  if [ "$rc" -ne 0 ]; then
+    _ctx_reason=timeout
+    ctx_status timeout "$rc" "note=the job step failed after the time-limit warning: not requeued"
+  elif [ "$_ctx_requeue" = 1 ]; then
+    _ctx_reason=requeued
+    ctx_status requeued "$rc"
+    if scontrol requeue "${SLURM_JOB_ID:-0}"; then
+      echo "ctx_plugin: requeued job ${SLURM_JOB_ID:-}: attempt $((_ctx_n + 1)) resumes" >&2
+    else
+      _ctx_reason=timeout
+      ctx_status timeout "$rc" "note=scontrol requeue failed (submitted with --no-requeue, or JobRequeue=0?)"
+    fi
+  else
+    _ctx_reason=timeout
+    ctx_status timeout "$rc"
+  fi
+  [ -n "$_ctx_deadline" ] && [ -z "$_ctx_termed" ] || return 0
+  left=$((_ctx_deadline - $(date +%s) + 60))
+  [ "$left" -gt 0 ] || return 0
+  echo "ctx_plugin: waiting for SLURM to end the job (time limit or requeue)" >&2
+  sleep "$left" &
+  _ctx_pid=$!
+  [ -z "$_ctx_termed" ] || kill -TERM "$_ctx_pid"   # SLURM's SIGTERM came while the wait began
+  _ctx_wait
+}
+
+ctx_run() {       # ctx_run RUN_DIR ATTEMPT_DIR [REQUEUE]: runs ATTEMPT_DIR/command.sh, records the status
+  local left
+  _ctx_run=$1 _ctx_attempt=$2 _ctx_requeue=${3:-0}
+  _ctx_n=${_ctx_attempt##*/attempt-}
+  _ctx_started=$(date -u +%FT%TZ) _ctx_reason="" _ctx_deadline="" _ctx_pid="" _ctx_rc=0 _ctx_termed=""
   left=$(ctx_seconds "$(squeue -h -j "${SLURM_JOB_ID:-0}" -o %L 2>/dev/null || true)")
   [ -z "$left" ] || _ctx_deadline=$(($(date +%s) + left))
-  _ctx_pid=""
-  trap '_ctx_on_signal timeout' USR1
-  trap '_ctx_on_signal term' TERM INT
-  ctx_status "$run" running
-  bash "$run/command.sh" &
+  trap _ctx_on_warning USR1
+  trap _ctx_on_term TERM INT
+  ctx_status running
+  bash "$_ctx_attempt/command.sh" &
   _ctx_pid=$!
-  while :; do
-    rc=0; wait "$_ctx_pid" || rc=$?
-    kill -0 "$_ctx_pid" 2>/dev/null || break     # a trapped signal interrupted wait: wait again
-  done
+  _ctx_wait
+  local rc=$_ctx_rc failure
+  if [ "$_ctx_reason" = warned ]; then _ctx_after_warning "$rc"
+  elif [ -n "$_ctx_reason" ]; then ctx_status "$_ctx_reason" "$rc"
+  elif [ "$rc" -eq 0 ]; then ctx_status completed 0
+  else
+    # shellcheck disable=SC2086   # CTX_EXEC_PREFIX is a command prefix
+    failure=$(${CTX_EXEC_PREFIX:-} "${CTX_PY:-python3}" -m ctx_plugin.slurm.records failure "$_ctx_attempt" 2>/dev/null) \
+      || failure="(no failure record: ctx_plugin.slurm.records failed)"
+    ctx_status failed "$rc" "first_failure=$failure"
+  fi
   trap - USR1 TERM INT
-  if [ -n "$_ctx_reason" ]; then ctx_status "$run" "$_ctx_reason" "$rc"
-  elif [ "$rc" -eq 0 ]; then ctx_status "$run" completed 0
-  else ctx_status "$run" failed "$rc"; fi
-  echo "ctx_plugin: $(head -n 1 "$run/status") (exit code $rc); logs in $run/logs" >&2
+  echo "ctx_plugin: $(head -n 1 "$_ctx_attempt/status") (exit code $rc); logs in $_ctx_attempt" >&2
   return "$rc"
 }
 
-ctx_job() {       # ctx_job FRAMEWORK [job options] -- <framework arguments>
-  local framework=$1 run_dir site=${CTX_SITE:-}
-  shift
+ctx_site() {      # sources the site file ($CTX_SITE, else launch/site.sh) and exports what the job reads from it
+  local site=${CTX_SITE:-}
   [ -n "$site" ] || [ ! -f "$CTX_LAUNCH_DIR/site.sh" ] || site=$CTX_LAUNCH_DIR/site.sh
   if [ -n "$site" ]; then
     [ -f "$site" ] || { echo "ctx_plugin: site file $site (CTX_SITE) does not exist" >&2; return 2; }
@@ -83,9 +176,18 @@ ctx_job() {       # ctx_job FRAMEWORK [job options] -- <framework arguments>
     if [ -x "$CTX_LAUNCH_DIR/../.venv/bin/python" ]; then CTX_PY=$(cd "$CTX_LAUNCH_DIR/.." && pwd)/.venv/bin/python
     else CTX_PY=python3; fi
   fi
-  export CTX_PY CTX_EXEC_PREFIX CTX_SRUN_ARGS CTX_RUNS_DIR
+  export CTX_PY CTX_EXEC_PREFIX CTX_SRUN_ARGS CTX_RUNS_DIR CTX_REQUEUE
+}
+
+ctx_job() {       # ctx_job FRAMEWORK [job options] -- <framework arguments>
+  local framework=$1 handoff
+  shift
+  ctx_site || return
   # shellcheck disable=SC2086   # CTX_EXEC_PREFIX is a command prefix (e.g. "apptainer exec --nv img.sif")
-  { run_dir=$(${CTX_EXEC_PREFIX:-} "$CTX_PY" -m ctx_plugin.slurm.job "$framework" --handoff-fd 3 "$@" 3>&1 1>&4); } 4>&1
-  [ -n "$run_dir" ] || return 0      # --dry-run: printed, nothing to run
-  ctx_run "$run_dir"
+  { handoff=$(${CTX_EXEC_PREFIX:-} "$CTX_PY" -m ctx_plugin.slurm.job "$framework" --handoff-fd 3 "$@" 3>&1 1>&4); } 4>&1
+  [ -n "$handoff" ] || return 0      # --dry-run: printed, nothing to run
+  mapfile -t handoff <<<"$handoff"   # run directory, attempt directory, requeue (0/1)
+  # the batch output from here on goes to the attempt's batch.log too (tee outlives the signals this shell gets)
+  exec > >(trap '' TERM INT USR1 HUP; exec tee -a "${handoff[1]}/batch.log") 2>&1
+  ctx_run "${handoff[@]}"
 }

@@ -41,7 +41,8 @@ def _megatron_parser() -> argparse.ArgumentParser:
                                 ("--vocab-size", int, None), ("--normalization", str, "LayerNorm"),
                                 ("--attention-backend", str, "auto"), ("--recompute-granularity", str, None),
                                 ("--recompute-method", str, None), ("--recompute-num-layers", int, None),
-                                ("--load", str, None), ("--data-args-path", str, None),
+                                ("--load", str, None), ("--save", str, None), ("--exit-signal", str, None),
+                                ("--data-args-path", str, None),
                                 ("--tokenizer-model", str, None), ("--vocab-file", str, None),
                                 ("--merge-file", str, None), ("--make-vocab-size-divisible-by", int, 128)):
         p.add_argument(flag, type=kind, default=default)
@@ -49,7 +50,7 @@ def _megatron_parser() -> argparse.ArgumentParser:
                  "--hierarchical-context-parallel-sizes"):
         p.add_argument(flag, nargs="*", default=None)
     for flag in ("--group-query-attention", "--swiglu", "--bf16", "--fp16", "--sequence-parallel",
-                 "--use-distributed-optimizer", "--mock-data"):
+                 "--use-distributed-optimizer", "--mock-data", "--exit-signal-handler"):
         p.add_argument(flag, action="store_true")
     return add_arguments(p)
 
@@ -63,6 +64,22 @@ def _data_prefixes(values: list[str] | None) -> list[str]:
         except ValueError:
             prefixes.append(v)
     return prefixes
+
+
+def _check_stop_and_resume(args: argparse.Namespace) -> None:
+    """Megatron saves and stops on the time-limit warning through its own flags: ``--exit-signal-handler`` with
+    ``--exit-signal SIGUSR1`` (the signal the job script passes to every rank) and ``--save``; a requeued attempt
+    resumes with ``--load`` (the same directory, absent before the first save)."""
+    if args.exit_signal_handler:
+        if args.exit_signal != "SIGUSR1":
+            raise ValueError(f"--exit-signal-handler listens for {args.exit_signal or 'SIGTERM (the default)'}, but "
+                             f"the job script passes SLURM's time-limit warning to the ranks as SIGUSR1: add "
+                             f"--exit-signal SIGUSR1")
+        if not args.save:
+            raise ValueError("--exit-signal-handler without --save stops on the warning without saving: add --save DIR "
+                             "(and --load DIR to resume from it)")
+    if args.load and not Path(args.load).expanduser().is_dir() and args.load != args.save:
+        raise ValueError(f"--load {args.load}: no such checkpoint directory")
 
 
 def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str) -> str:
@@ -107,8 +124,7 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
     for flag in ("data_args_path", "tokenizer_model", "vocab_file", "merge_file"):
         if getattr(args, flag):
             _file(getattr(args, flag), f"--{flag.replace('_', '-')}")
-    if args.load and not Path(args.load).expanduser().is_dir():
-        raise ValueError(f"--load {args.load}: no such checkpoint directory")
+    _check_stop_and_resume(args)
     return (f"Megatron: {world} ranks = TP {tp} × PP {pp} × CP {cp} ({settings.cp_config.backend}) × DP {dp}, "
             f"sequence {args.seq_length}, recompute {settings.recompute}"
             + ("" if args.padded_vocab_size or settings.recompute.preset != Recompute.BUDGET else

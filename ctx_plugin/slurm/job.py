@@ -4,10 +4,18 @@
 (or outside SLURM with ``--dry-run``): it checks the job (:mod:`ctx_plugin.slurm.checks`), makes the run
 directory and writes ``command.sh`` there — one ``srun`` task per node, each starting ``torchrun`` with a static
 rendezvous on the job's first node — which the batch script then runs, recording the final status.
+
+Each attempt of the job (a requeued job keeps its id; SLURM counts ``SLURM_RESTART_COUNT``) gets its own directory
+``<run dir>/attempt-<n>`` with ``command.sh``, the logs, its status and the run records
+(:mod:`ctx_plugin.slurm.records`). The ranks (torchrun's children, whose pid each node writes to ``pids/``) get
+SLURM's time-limit warning as ``SIGUSR1`` (torchrun ignores it, and so does a program that installs no handler):
+a program that handles it (``ctx_plugin.train_hf``, Megatron with ``--exit-signal-handler --exit-signal SIGUSR1``)
+saves and stops.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import shutil
@@ -18,6 +26,8 @@ from pathlib import Path
 
 from ..cliargs import option_value, parse_strict
 from .checks import CHECKS
+from .preflight import check_rendezvous, free_port
+from .records import write_records
 
 _PROGRAM_HELP = {"megatron": "pretrain_gpt.py's arguments (Megatron's flags and ctx_plugin's --cp-* flags)",
                  "deepspeed": "the training program and its arguments: train.py ... or -m module ... (the launcher "
@@ -35,6 +45,9 @@ def job_parser(framework: str) -> argparse.ArgumentParser:
                    help="auto: cuda when the node has GPUs, else CPU processes with gloo")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default 20000 + job id mod 20000)")
     p.add_argument("--run-dir", default=None, help="default: $CTX_RUNS_DIR (else <submit dir>/runs)/<framework>-<job id>")
+    p.add_argument("--requeue", action="store_true",
+                   help="on SLURM's time-limit warning, once the ranks have saved and stopped, requeue the job (same "
+                        "id; the next attempt resumes); also CTX_REQUEUE=1 in the site file")
     p.add_argument("--dry-run", action="store_true", help="check the job and print what would run; run nothing")
     p.add_argument("--handoff-fd", type=int, default=None, help=argparse.SUPPRESS)
     if framework == "megatron":
@@ -59,6 +72,13 @@ class Job:
     program: list[str]
     summary: str
     dry_run: bool
+    requeue: bool = False
+    attempt: int = 1
+
+    @property
+    def attempt_dir(self) -> Path:
+        """``<run dir>/attempt-<n>``: this attempt's command.sh, logs, status and records."""
+        return self.run_dir / f"attempt-{self.attempt}"
 
 
 def _gpus_on_node(env) -> int:
@@ -75,6 +95,17 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
         i = argv.index("--")
         return argv[:i], argv[i + 1:]
     return argv, []
+
+
+def site_environment(launch_dir: Path, env=os.environ) -> dict[str, str]:
+    """The environment the job script sees once it has read the site file: ``ctx_site`` of
+    ``launch/slurm_common.sh`` (``$CTX_SITE``, else ``launch/site.sh``; ``CTX_PY``'s default), run by bash."""
+    out = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$CTX_LAUNCH_DIR/slurm_common.sh"; ctx_site; env -0'],
+                         env={**env, "CTX_LAUNCH_DIR": str(launch_dir.resolve())}, capture_output=True, timeout=60)
+    if out.returncode != 0:
+        raise ValueError(out.stderr.decode(errors="replace").strip() or f"reading the site file failed "
+                                                                       f"(exit code {out.returncode})")
+    return dict(item.split("=", 1) for item in out.stdout.decode().split("\0") if "=" in item)
 
 
 def run_dir(framework: str, given: str | None, env=os.environ) -> Path:
@@ -122,10 +153,17 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
         script = rest if rest[0] == "-m" else [str(Path(rest[0]).expanduser().resolve()), *rest[1:]]
         program = [*script, "--deepspeed_config", str(Path(args.ds_config).expanduser().resolve())]
     job_id = env.get("SLURM_JOB_ID", "")
+    requeue_env = env.get("CTX_REQUEUE", "")
+    if requeue_env not in ("", "0", "1"):
+        raise ValueError(f"CTX_REQUEUE={requeue_env!r} (site file): give 1 (requeue on the time-limit warning) or 0")
+    restarts = env.get("SLURM_RESTART_COUNT") or "0"
+    if not restarts.isdigit():
+        raise ValueError(f"SLURM_RESTART_COUNT={restarts!r} is not a count")
     cpus = int(env.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
     return Job(framework=framework, nodes=nodes, nproc_per_node=nproc, device=device,
                threads=max(1, cpus // nproc), port=args.master_port or 20000 + int(job_id or 0) % 20000,
-               run_dir=run_dir(framework, args.run_dir, env), program=program, summary=summary, dry_run=args.dry_run)
+               run_dir=run_dir(framework, args.run_dir, env), program=program, summary=summary, dry_run=args.dry_run,
+               requeue=args.requeue or requeue_env == "1", attempt=int(restarts) + 1)
 
 
 def render(job: Job, env=os.environ) -> str:
@@ -134,10 +172,14 @@ def render(job: Job, env=os.environ) -> str:
     prefix = shlex.split(env.get("CTX_EXEC_PREFIX", ""))
     torchrun = [*prefix, py, "-m", "torch.distributed.run", f"--nnodes={job.nodes}",
                 f"--nproc-per-node={job.nproc_per_node}"]
-    inner = ("exec " + shlex.join(torchrun) + ' --node-rank="$SLURM_NODEID" --master-addr="$CTX_MASTER_ADDR" '
+    # SLURM's time-limit warning reaches the ranks, torchrun's children, as SIGUSR1 (the batch script signals the
+    # children of the pid written here on every node): torchrun ignores it, the ranks inherit the ignore and handle
+    # it if they can; their own subprocesses (compilers, data-loader workers) are not signalled
+    pid_file = shlex.quote(str(job.attempt_dir / "pids")) + '/node-"$SLURM_NODEID".pid'
+    inner = (f"trap '' USR1; echo $$ > {pid_file}; exec " + shlex.join(torchrun) + ' --node-rank="$SLURM_NODEID" --master-addr="$CTX_MASTER_ADDR" '
              f"--master-port={job.port} " + shlex.join(job.program))
     srun = ["srun", f"--nodes={job.nodes}", f"--ntasks={job.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            f"--output={job.run_dir}/logs/node-%n-%N.log", *shlex.split(env.get("CTX_SRUN_ARGS", ""))]
+            f"--output={job.attempt_dir}/logs/node-%n-%N.log", *shlex.split(env.get("CTX_SRUN_ARGS", ""))]
     site = env.get("CTX_SITE")
     defaults = [("OMP_NUM_THREADS", str(job.threads), "CPU cores per process")]
     if job.device == "cuda" and job.framework == "megatron":
@@ -153,9 +195,11 @@ def render(job: Job, env=os.environ) -> str:
              f"source {shlex.quote(site)}   # site settings (CTX_SITE)" if site else "# no site file (CTX_SITE)"]
     lines += [f"export {name}=${{{name}:-{value}}}   # default: {why}" for name, value, why in defaults]
     lines += ["export PYTHONUNBUFFERED=1",
+              f"export CTX_RUN_DIR={shlex.quote(str(job.run_dir))}   # the programs' checkpoints go under it",
+              f"export CTX_ATTEMPT={job.attempt}",
               'CTX_MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)   # rendezvous host',
               "export CTX_MASTER_ADDR",
-              f"mkdir -p {shlex.quote(str(job.run_dir / 'logs'))}",
+              f"mkdir -p {shlex.quote(str(job.attempt_dir / 'logs'))} {shlex.quote(str(job.attempt_dir / 'pids'))}",
               "exec " + shlex.join(srun) + " \\\n    bash -c " + shlex.quote(inner), ""]
     return "\n".join(lines)
 
@@ -170,22 +214,44 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = plan_job(framework, argv)
     except (ValueError, TypeError) as e:
-        print(f"ctx_plugin launch: {e}", file=sys.stderr)
-        if os.environ.get("SLURM_JOB_ID") and "--dry-run" not in argv:   # a started job still leaves its status
-            where = run_dir(framework, option_value(argv, "--run-dir"))
-            where.mkdir(parents=True, exist_ok=True)
-            (where / "status").write_text(f"failed\nreason={e}\n")
-        return 2
-    text = render(job)
+        return _failed_at_start(framework, argv, e)
     if job.dry_run:
-        print(f"[dry run] {job.summary}\n[dry run] run directory: {job.run_dir}\n[dry run] command.sh:\n{text}")
+        print(f"[dry run] {job.summary}\n[dry run] run directory: {job.run_dir}\n"
+              f"[dry run] requeue on the time-limit warning: {'yes' if job.requeue else 'no'}\n"
+              f"[dry run] command.sh:\n{render(job)}")
         return 0
-    (job.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (job.run_dir / "command.sh").write_text(text)
-    print(f"ctx_plugin: {job.summary}\nctx_plugin: run directory {job.run_dir}", flush=True)
+    try:
+        host = check_rendezvous(os.environ)
+        port = free_port(job.port)
+    except (ValueError, OSError) as e:
+        return _failed_at_start(framework, argv, e)
+    notes = [] if port == job.port else [f"port {job.port} is in use on {host}: the rendezvous uses {port}"]
+    job = dataclasses.replace(job, port=port)
+    text = render(job)
+    (job.attempt_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (job.attempt_dir / "command.sh").write_text(text)
+    write_records(job.attempt_dir, framework=framework, argv=argv, summary=job.summary, program=job.program,
+                  env=os.environ)
+    out = [f"ctx_plugin: {job.summary}", f"ctx_plugin: run directory {job.run_dir}, attempt {job.attempt}",
+           *(f"ctx_plugin: {n}" for n in notes)]
+    (job.attempt_dir / "batch.log").write_text("".join(line + "\n" for line in out))
+    print("\n".join(out), flush=True)
     if handoff is not None:
-        os.write(int(handoff), f"{job.run_dir}\n".encode())
+        os.write(int(handoff), f"{job.run_dir}\n{job.attempt_dir}\n{int(job.requeue)}\n".encode())
     return 0
+
+
+def _failed_at_start(framework: str, argv: list[str], e: Exception) -> int:
+    """A job that cannot start still leaves its status (in the run directory and in its attempt's)."""
+    print(f"ctx_plugin launch: {e}", file=sys.stderr)
+    if os.environ.get("SLURM_JOB_ID") and "--dry-run" not in argv:
+        where = run_dir(framework, option_value(argv, "--run-dir"))
+        attempt = where / f"attempt-{int(os.environ.get('SLURM_RESTART_COUNT') or 0) + 1}"
+        attempt.mkdir(parents=True, exist_ok=True)
+        reason = " ".join(str(e).split())
+        for path in (attempt / "status", where / "status"):
+            path.write_text(f"failed\nreason={reason}\njob_id={os.environ['SLURM_JOB_ID']}\n")
+    return 2
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 Checks a job script's ``sbatch`` line before submitting it: the node count and GPUs per node come from the
 sbatch options, everything else from the job script's own options, and the same checks run that the job runs
-when it starts (:func:`ctx_plugin.slurm.job.plan_job`). Then it runs the line as given (or, with ``--dry-run``,
-prints it and the ``command.sh`` the job would run).
+when it starts (:func:`ctx_plugin.slurm.job.plan_job`), with the site file read as the job reads it (so
+``--dry-run`` prints the ``command.sh`` the job renders: the site's Python, run directory, container prefix). Then
+it runs the line as given (or, with ``--dry-run``, prints it and that ``command.sh``).
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from ..cliargs import option_value
 from .checks import CHECKS
-from .job import plan_job, render
+from .job import plan_job, render, site_environment
 
 _NODES = re.compile(r"^(?:-N|--nodes=?)(.*)$")
 _GPUS = re.compile(r"^--(gpus-per-node|gres)=?(.*)$")
@@ -70,7 +72,8 @@ def parse_sbatch_line(line: list[str]) -> tuple[int, int, Path, str, list[str]]:
 
 def launch(line: list[str], *, dry_run: bool) -> int:
     nodes, gpus, script, framework, args = parse_sbatch_line(line)
-    env = {"SLURM_GPUS_ON_NODE": str(gpus)} if gpus else {"SLURM_GPUS_ON_NODE": "0"}
+    outside = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}   # as a fresh job starts
+    env = {**site_environment(script.parent, outside), "SLURM_GPUS_ON_NODE": str(gpus)}
     job_args, rest = (args[:args.index("--")], args[args.index("--"):]) if "--" in args else (args, [])
     if "--dry-run" not in job_args:
         job_args = [*job_args, "--dry-run"]       # check the job as it would start, without being inside SLURM
@@ -81,7 +84,8 @@ def launch(line: list[str], *, dry_run: bool) -> int:
         raise ValueError(f"the job script's --nodes {job.nodes} disagrees with sbatch's {nodes}")
     print(f"ctx-plugin launch: {job.summary} ({job.nproc_per_node} {job.device} processes per node)")
     if dry_run:
-        print(f"ctx-plugin launch: would run: {shlex.join(line)}\ncommand.sh the job would write:\n"
-              f"{render(job)}")
+        print(f"ctx-plugin launch: would run: {shlex.join(line)}\n"
+              f"ctx-plugin launch: requeue on the time-limit warning: {'yes' if job.requeue else 'no'}\n"
+              f"command.sh the job would write (the run directory's attempt-1/command.sh):\n{render(job, env)}")
         return 0
     return subprocess.run(line).returncode

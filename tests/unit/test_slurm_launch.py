@@ -409,9 +409,12 @@ def test_render_cuda_megatron(tmp_path):
     for piece in ('--node-rank="$SLURM_NODEID"', "--nnodes=2", "--nproc-per-node=4", "--master-port=20017",
                   "export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}",
                   "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}",
-                  "srun --nodes=2 --ntasks=2 --ntasks-per-node=1", f"--output={plan.run_dir}/logs/node-%n-%N.log",
-                  "logs/node-%n-%N.log", "scontrol show hostnames", "/opt/ctx/bin/python -m torch.distributed.run",
-                  f"mkdir -p {plan.run_dir / 'logs'}", "# no site file (CTX_SITE)", "set -euo pipefail"):
+                  "srun --nodes=2 --ntasks=2 --ntasks-per-node=1",
+                  f"--output={plan.run_dir}/attempt-1/logs/node-%n-%N.log", "scontrol show hostnames",
+                  "/opt/ctx/bin/python -m torch.distributed.run", f"mkdir -p {plan.run_dir / 'attempt-1' / 'logs'}",
+                  "# no site file (CTX_SITE)", "set -euo pipefail", f"export CTX_RUN_DIR={plan.run_dir}",
+                  "export CTX_ATTEMPT=1", shlex.quote(f"trap '' USR1; echo $$ > {plan.run_dir}/attempt-1/pids/node-")[:-1],
+                  f"mkdir -p {plan.run_dir}/attempt-1/logs {plan.run_dir}/attempt-1/pids"):
         assert piece in text, piece
     assert "DS_ACCELERATOR" not in text and "source " not in text
     assert text.startswith("#!/usr/bin/env bash\n")
@@ -439,7 +442,7 @@ def test_render_quotes_paths_with_spaces(tmp_path):
     plan = plan_megatron(in_job(tmp_path), "--run-dir", str(tmp_path / "my runs" / "a"))
     text = slurm_job.render(plan, env=render_env(CTX_SITE="/x y/site.sh"))
     assert "source '/x y/site.sh'" in text
-    assert f"--output={tmp_path}/my runs/a/logs/node-%n-%N.log" in srun_line(text)
+    assert f"--output={tmp_path}/my runs/a/attempt-1/logs/node-%n-%N.log" in srun_line(text)
     checked = bash_syntax_ok(text)
     assert checked.returncode == 0, checked.stderr
 
@@ -476,8 +479,13 @@ def job_environ(tmp_path, monkeypatch):
     for name in list(os.environ):
         if name.startswith(("SLURM_", "CTX_")):
             monkeypatch.delenv(name)
-    for name, value in in_job(tmp_path).items():
+    for name, value in in_job(tmp_path, SLURM_JOB_NODELIST="localhost,node2").items():
         monkeypatch.setenv(name, value)
+    fake = tmp_path / "bin"                      # scontrol show hostnames, without a cluster
+    fake.mkdir()
+    (fake / "scontrol").write_text('#!/usr/bin/env bash\n[ "$1 $2" = "show hostnames" ] && echo "$3" | tr , "\\n"\n')
+    (fake / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
     return tmp_path
 
 
@@ -498,7 +506,8 @@ def test_main_failure_status_goes_to_run_dir(job_environ):
     rc = slurm_job.main(["megatron", "--run-dir", str(job_environ / "bad"), "--nodes", "5", "--megatron-lm",
                          str(FAKE_MEGATRON), "--", *GOOD])
     assert rc == 2
-    assert (job_environ / "bad" / "status").read_text().startswith("failed\nreason=--nodes 5 but the job has 2")
+    for status in (job_environ / "bad" / "status", job_environ / "bad" / "attempt-1" / "status"):
+        assert status.read_text().startswith("failed\nreason=--nodes 5 but the job has 2")
 
 
 def test_main_failure_status_run_dir_equals_form(job_environ):
@@ -526,11 +535,49 @@ def test_main_success_inside_job_hands_off_run_dir(job_environ, capsys):
         if write is not None:
             os.close(write)
     run = job_environ / "runs" / "megatron-17"
-    assert rc == 0 and handed == f"{run}\n"
-    assert (run / "logs").is_dir()
-    assert "--nproc-per-node=4" in (run / "command.sh").read_text()
+    attempt = run / "attempt-1"
+    assert rc == 0 and handed == f"{run}\n{attempt}\n0\n"
+    assert (attempt / "logs").is_dir()
+    assert "--nproc-per-node=4" in (attempt / "command.sh").read_text()
     assert not (run / "status").exists()
     assert "ctx_plugin: run directory" in capsys.readouterr().out
+    records = {p.name: p.read_text() for p in attempt.iterdir() if p.is_file()}
+    assert records["nodes.txt"] == "localhost\nnode2\n"
+    assert "job_id=17\nattempt=1\n" in records["job.txt"] and "nodes=localhost,node2" in records["job.txt"]
+    assert f"program=-m ctx_plugin.megatron.pretrain_gpt --megatron-lm {FAKE_MEGATRON}" in records["job.txt"]
+    assert re.search(r"^torch \d", records["versions.txt"], re.M) and "ctx_plugin 0." in records["versions.txt"]
+    assert re.match(r"ctx_plugin ([0-9a-f]{40}|not a git checkout)", records["git.txt"])
+    assert "Megatron-LM " in records["git.txt"]
+    assert records["batch.log"].startswith("ctx_plugin: Megatron: 8 ranks")
+
+
+def test_main_requeued_attempt_and_busy_port(job_environ, monkeypatch):
+    """The second attempt of a requeued job (SLURM_RESTART_COUNT=1) gets its own directory; a master port in use
+    on the rendezvous host is replaced by the next free one, written into command.sh (so every node uses it)."""
+    import socket
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc = slurm_job.main(["megatron", "--master-port", str(port), "--megatron-lm", str(FAKE_MEGATRON), "--",
+                             *MEGATRON_CP8])
+    assert rc == 0
+    attempt = job_environ / "runs" / "megatron-17" / "attempt-2"
+    command = (attempt / "command.sh").read_text()
+    chosen = int(re.search(r"--master-port=(\d+)", command).group(1))
+    assert port < chosen < port + 200
+    assert f"port {port} is in use" in (attempt / "batch.log").read_text()
+    assert "attempt=2\n" in (attempt / "job.txt").read_text()
+
+
+def test_main_rendezvous_host_must_resolve(job_environ, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "no-such-node-ctx.invalid,node2")
+    rc = slurm_job.main(["megatron", "--megatron-lm", str(FAKE_MEGATRON), "--", *MEGATRON_CP8])
+    assert rc == 2
+    status = (job_environ / "runs" / "megatron-17" / "status").read_text()
+    assert "the rendezvous host no-such-node-ctx.invalid (the job's first node) does not resolve" in status
+    assert not (job_environ / "runs" / "megatron-17" / "attempt-1" / "command.sh").exists()
 
 
 def test_main_usage():

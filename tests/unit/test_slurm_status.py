@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,23 +42,40 @@ def alive(pid: int) -> bool:
 
 
 class Job:
-    """A run directory, a fake squeue, and the driver that runs ``ctx_run`` on them."""
+    """A run directory with one attempt, fake squeue/scontrol/srun, and the driver that runs ``ctx_run`` on them.
 
-    def __init__(self, tmp_path: Path, command: str, time_left: str = "", job_id: str = "4242"):
+    command.sh stands in for torchrun: it writes its pid where the batch script looks for it (``pids/``) and runs
+    ``rank`` (a command: the rank, torchrun's child) in the background, waiting for it; the fake srun runs its
+    command as node 0; the fake scontrol answers ``show job`` with ``show_job`` (fails when None) and records
+    ``requeue``."""
+
+    def __init__(self, tmp_path: Path, command: str, time_left: str = "", job_id: str = "4242", attempt: int = 1,
+                 requeue: bool = False, show_job: str | None = None):
         self.tmp = tmp_path
         self.run = tmp_path / "run"
-        (self.run / "logs").mkdir(parents=True)
-        (self.run / "command.sh").write_text(f"#!/usr/bin/env bash\necho $$ > {self.run}/child.pid\n{command}\n")
+        self.attempt = self.run / f"attempt-{attempt}"
+        (self.attempt / "logs").mkdir(parents=True)
+        (self.attempt / "pids").mkdir()
+        (self.attempt / "command.sh").write_text(
+            f"#!/usr/bin/env bash\necho $$ > {self.run}/child.pid\necho $$ > {self.attempt}/pids/node-0.pid\n"
+            f"{command}\n")
         bin_dir = tmp_path / "bin"
         bin_dir.mkdir()
-        squeue = bin_dir / "squeue"
-        squeue.write_text(f'#!/usr/bin/env bash\necho "$*" >> {tmp_path}/squeue.args\n'
-                          + (f"echo {time_left}\n" if time_left else ""))
-        squeue.chmod(0o755)
+        fakes = {
+            "squeue": f'echo "$*" >> {tmp_path}/squeue.args\n' + (f"echo {time_left}\n" if time_left else ""),
+            "scontrol": f'echo "$*" >> {tmp_path}/scontrol.args\n[ "$1" != requeue ] || exit 0\n'
+                        + (f"echo '{show_job}'\n" if show_job is not None else "exit 1\n"),
+            "srun": f'echo "$*" >> {tmp_path}/srun.args\nwhile [ "${{1#--}}" != "$1" ]; do shift; done\n'
+                    'SLURM_NODEID=0 exec "$@"\n'}
+        for name, text in fakes.items():
+            (bin_dir / name).write_text("#!/usr/bin/env bash\n" + text)
+            (bin_dir / name).chmod(0o755)
         self.driver = tmp_path / "driver.sh"
-        self.driver.write_text(f"set -euo pipefail\nsource {COMMON}\nctx_run {self.run}\n")
+        self.driver.write_text(f"set -euo pipefail\nsource {COMMON}\nctx_run {self.run} {self.attempt} "
+                               f"{int(requeue)}\n")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CTX_"))}
         self.env["PATH"] = f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+        self.env["CTX_PY"] = sys.executable
         if job_id:
             self.env["SLURM_JOB_ID"] = job_id
         self.proc: subprocess.Popen | None = None
@@ -78,9 +96,15 @@ class Job:
     def started(self) -> int:
         """Waits until command.sh runs (ctx_run's traps are set by then); returns its pid."""
         pid_file = self.run / "child.pid"
-        wait_for(lambda: pid_file.is_file() and pid_file.read_text().strip(), 10, "command.sh to start")
-        assert status_lines(self.run)[:1] == ["running"]
+        ranks = self.attempt / "pids" / "node-0.pid"
+        wait_for(lambda: pid_file.is_file() and pid_file.read_text().strip() and ranks.is_file()
+                 and ranks.read_text().strip(), 10, "command.sh to start")
+        assert status_lines(self.attempt)[:1] == ["running"]
         return int(pid_file.read_text())
+
+    def args(self, name: str) -> list[str]:
+        path = self.tmp / f"{name}.args"
+        return path.read_text().splitlines() if path.is_file() else []
 
     def cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -115,102 +139,209 @@ def fields(lines: list[str]) -> dict[str, str]:
     return dict(line.split("=", 1) for line in lines[1:])
 
 
+RANK = """import signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+def stop(signum, frame):
+    out.write_text(f"signal {signum}")
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, stop)
+Path(sys.argv[1] + ".ready").write_text("ready")
+time.sleep(30)
+sys.exit(5)
+"""
+
+
+def rank(tmp_path: Path) -> tuple[str, Path]:
+    """A command.sh body running a stand-in rank (exits 0 on SIGUSR1, 5 otherwise); and where it writes."""
+    (tmp_path / "rank.py").write_text(RANK)
+    out = tmp_path / "rank.out"
+    return f"{sys.executable} {tmp_path}/rank.py {out} &\nwait $!", out
+
+
 def test_completed(job):
     j = job("exit 0")
     rc, err = j.run_to_end()
     assert rc == 0
-    lines = status_lines(j.run)
+    lines = status_lines(j.attempt)
     assert lines[0] == "completed"
     f = fields(lines)
     assert f["exit_code"] == "0" and f["job_id"] == "4242"
     assert f["started"].endswith("Z") and f["ended"].endswith("Z") and f["started"] <= f["ended"]
-    assert not (j.run / "status.tmp").exists()
-    assert f"ctx_plugin: completed (exit code 0); logs in {j.run}/logs" in err
-    assert (j.tmp / "squeue.args").read_text().split() == ["-h", "-j", "4242", "-o", "%L"]
+    assert status_lines(j.run) == lines + ["attempt=1"]
+    assert not (j.attempt / "status.tmp").exists() and not (j.run / "status.tmp").exists()
+    assert f"ctx_plugin: completed (exit code 0); logs in {j.attempt}" in err
+    assert j.args("squeue") == ["-h -j 4242 -o %L"]
 
 
-def test_failed(job):
+ROOT_CAUSE = """rank {rank} says: {words}
+W1201 08:21:49.906000 1640 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1 closing signal
+E1201 08:21:49.913000 1640 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 3) local_rank: 1
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Root Cause (first observed failure):
+[0]:
+  time      : {time}
+  host      : {host}
+  rank      : {rank} (local_rank: 1)
+  exitcode  : {code} (pid: 1682)
+  error_file: <N/A>
+============================================================
+"""
+
+
+def test_failed_names_the_first_failure(job):
     j = job("exit 3")
-    rc, err = j.run_to_end()
+    for node, host, rank_id, code, at in ((0, "n0", 1, 7, "2026-12-01_08:21:50"), (1, "n1", 3, 3, "2026-12-01_08:21:49")):
+        (j.attempt / "logs" / f"node-{node}-{host}.log").write_text(
+            "\n".join(f"line {i}" for i in range(30)) + "\n"
+            + ROOT_CAUSE.format(rank=rank_id, words=f"bad input on {host}", time=at, host=host, code=code))
+    rc, err = j.run_to_end(timeout=30)
     assert rc == 3
-    lines = status_lines(j.run)
-    assert lines[0] == "failed"
-    assert "exit_code=3" in lines and any(line.startswith("started=") for line in lines)
-    assert any(line.startswith("ended=") for line in lines)
+    lines = status_lines(j.attempt)
+    assert lines[0] == "failed" and "exit_code=3" in lines
+    assert any(line.startswith("started=") for line in lines) and any(line.startswith("ended=") for line in lines)
+    first = "first failure: node 1 (n1) rank 3 exit code 3 at 2026-12-01_08:21:49"
+    assert f"first_failure={first}" in lines and status_lines(j.run)[0] == "failed"
+    failure = (j.attempt / "failure").read_text().splitlines()
+    assert failure[0] == first and failure[1] == f"log={j.attempt}/logs/node-1-n1.log"
+    assert failure[-1] == "rank 3 says: bad input on n1" and failure[-2] == "line 29"   # before torchrun's report
     assert "ctx_plugin: failed (exit code 3)" in err
+
+
+def test_failed_without_a_torchrun_report(job):
+    j = job("exit 4")
+    rc, _ = j.run_to_end(timeout=30)
+    assert rc == 4
+    assert "first_failure=no rank's failure found in the logs (the job step failed before or outside torchrun)" \
+        in status_lines(j.attempt)
 
 
 def test_running_status_while_the_command_runs(job):
     j = job("exec sleep 30")
     j.start()
     j.started()
-    lines = status_lines(j.run)
+    lines = status_lines(j.attempt)
     assert lines[0] == "running"
     assert not any(line.startswith(("ended=", "exit_code=")) for line in lines)
     assert any(line.startswith("started=") for line in lines)
+    assert status_lines(j.run)[0] == "running"
 
 
-def test_usr1_is_a_timeout(job):
-    j = job("exec sleep 30")
-    j.start()
-    child = j.started()
-    t0 = time.monotonic()
-    j.proc.send_signal(signal.SIGUSR1)
-    rc, err = j.finish(timeout=10)
-    assert time.monotonic() - t0 < 5
-    lines = status_lines(j.run)
-    assert lines[0] == "timeout"
-    assert "exit_code=143" in lines and any(line.startswith("ended=") for line in lines)
-    assert rc == 143
-    assert "ctx_plugin: timeout: stopping the job step" in err
-    assert not alive(child)
-
-
-def test_sigterm_without_deadline_is_cancelled(job):
-    j = job("exec sleep 30")
-    j.start()
-    child = j.started()
-    j.proc.send_signal(signal.SIGTERM)
-    rc, err = j.finish(timeout=10)
-    assert status_lines(j.run)[0] == "cancelled"
-    assert rc != 0 and "ctx_plugin: cancelled: stopping the job step" in err
-    assert not alive(child)
-
-
-def test_sigterm_near_the_deadline_is_a_timeout(job):
-    j = job("exec sleep 30", time_left="0:30")          # 30 s left: within the 90 s margin
-    j.start()
-    child = j.started()
-    j.proc.send_signal(signal.SIGTERM)
-    rc, _ = j.finish(timeout=10)
-    assert status_lines(j.run)[0] == "timeout"
-    assert rc == 143
-    assert not alive(child)
-
-
-def test_sigterm_far_from_the_deadline_is_cancelled(job):
-    j = job("exec sleep 30", time_left="1-00:00:00")     # a day left: scancel
+def warn_and_wait_for_the_rank(j, out: Path) -> None:
     j.start()
     j.started()
-    j.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: Path(f"{out}.ready").exists(), 10, "the rank to install its handler")
+    j.proc.send_signal(signal.SIGUSR1)                 # SLURM's warning (--signal=B:USR1): to the batch shell
+    wait_for(lambda: out.exists(), 10, "the rank to get SIGUSR1")
+    assert out.read_text() == f"signal {int(signal.SIGUSR1)}"
+    wait_for(lambda: "exit_code=0" in status_lines(j.attempt), 10, "the step to end")
+
+
+def test_warning_reaches_the_ranks_then_the_job_waits_for_the_limit(job, tmp_path):
+    command, out = rank(tmp_path)
+    j = job(command, time_left="0:30")
+    warn_and_wait_for_the_rank(j, out)
+    lines = status_lines(j.attempt)
+    assert lines[0] == "timeout" and "exit_code=0" in lines
+    assert status_lines(j.run)[0] == "timeout"
+    srun = j.args("srun")
+    assert len(srun) == 1 and srun[0].startswith("--overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 bash -c")
+    assert not any(a.startswith("requeue") for a in j.args("scontrol"))
+    time.sleep(0.5)
+    assert j.proc.poll() is None                       # waits for SLURM to end it at the limit (TIMEOUT)
+    j.proc.send_signal(signal.SIGTERM)                 # the time limit
+    rc, err = j.finish(timeout=10)
+    assert status_lines(j.attempt)[0] == "timeout"
+    assert "ctx_plugin: time-limit warning: SIGUSR1 to every rank" in err
+
+
+def test_warning_with_requeue(job, tmp_path):
+    command, out = rank(tmp_path)
+    j = job(command, time_left="0:30", requeue=True)
+    warn_and_wait_for_the_rank(j, out)
+    wait_for(lambda: any(a.startswith("requeue") for a in j.args("scontrol")), 10, "scontrol requeue")
+    assert "requeue 4242" in j.args("scontrol")
+    assert status_lines(j.attempt)[0] == "requeued" and status_lines(j.run)[0] == "requeued"
+    j.proc.send_signal(signal.SIGTERM)                 # what the requeue does to the batch shell
     j.finish(timeout=10)
-    assert status_lines(j.run)[0] == "cancelled"
+    assert status_lines(j.attempt)[0] == "requeued"
+
+
+def test_warning_then_a_failing_step_is_not_requeued(job):
+    j = job("sleep 0.5; exit 7", time_left="0:01", requeue=True)
+    j.start()
+    j.started()
+    j.proc.send_signal(signal.SIGUSR1)
+    failed = lambda: [x for x in status_lines(j.attempt) if x.startswith("exit_code=") and x != "exit_code=0"]  # noqa
+    wait_for(failed, 10, "the step to end")     # 7, or 138 when the USR1 meets the shell forking sleep
+    j.proc.send_signal(signal.SIGTERM)                 # the time limit
+    j.finish(timeout=10)
+    lines = status_lines(j.attempt)
+    assert lines[0] == "timeout" and failed()
+    assert any(line.startswith("note=the job step failed after the time-limit warning") for line in lines)
+    assert not any(a.startswith("requeue") for a in j.args("scontrol"))
+
+
+def show_job(state: str, seconds_run: int, limit: str = "00:10:00") -> str:
+    end = 1_700_000_000 + seconds_run
+    stamp = lambda t: time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))   # noqa: E731
+    return (f"JobId=4242 JobName=x JobState={state} Reason=None RunTime=00:00:01 TimeLimit={limit} "
+            f"StartTime={stamp(1_700_000_000)} EndTime={stamp(end)} Deadline=N/A")
+
+
+@pytest.mark.parametrize("answer,time_left,word", [
+    (show_job("COMPLETING", 60), "0:30", "cancelled"),      # scancel 30 s before the limit: slurmctld says cancel
+    (show_job("COMPLETING", 600), "1-00:00:00", "timeout"),  # ended at the time limit
+    (show_job("CANCELLED", 60), "0:30", "cancelled"),
+    (show_job("TIMEOUT", 600), "", "timeout"),
+    (show_job("PREEMPTED", 60), "", "preempted"),
+    (None, "0:30", "timeout"),                              # slurmctld does not answer: within 90 s of the limit
+    (None, "1-00:00:00", "cancelled"),
+    (None, "", "cancelled"),
+], ids=["scancel-near-limit", "at-limit", "cancelled", "timeout", "preempted", "no-answer-near",
+        "no-answer-far", "no-answer-no-limit"])
+def test_sigterm_is_classified_by_slurmctld(job, answer, time_left, word):
+    j = job("exec sleep 30", time_left=time_left, show_job=answer)
+    j.start()
+    child = j.started()
+    j.proc.send_signal(signal.SIGTERM)
+    rc, err = j.finish(timeout=10)
+    assert status_lines(j.attempt)[0] == word and status_lines(j.run)[0] == word
+    assert rc == 143 and f"ctx_plugin: {word}: stopping the job step" in err
+    assert not alive(child)
+    assert "show job -o 4242" in j.args("scontrol")         # asked in every case
+
+
+def test_attempts_are_kept(job):
+    j = job("exit 0", attempt=2)
+    first = j.run / "attempt-1"
+    (first / "logs").mkdir(parents=True)
+    (first / "logs" / "node-0-vm.log").write_text("attempt 1's log\n")
+    (first / "status").write_text("requeued\nexit_code=0\njob_id=4242\nstarted=A\nended=B\n")
+    rc, _ = j.run_to_end()
+    assert rc == 0
+    run = status_lines(j.run)
+    assert run[0] == "completed" and "attempt=2" in run
+    assert "attempt_1=requeued exit_code=0 job_id=4242 started=A ended=B" in run
+    assert (first / "status").read_text().startswith("requeued\n")
+    assert (first / "logs" / "node-0-vm.log").read_text() == "attempt 1's log\n"
+    assert status_lines(j.attempt)[0] == "completed"
 
 
 def test_no_job_id_and_no_squeue_output(job):
     j = job("exit 0", job_id="")
     rc, _ = j.run_to_end()
     assert rc == 0
-    lines = status_lines(j.run)
+    lines = status_lines(j.attempt)
     assert lines[0] == "completed" and "job_id=" in lines
-    assert (j.tmp / "squeue.args").read_text().split() == ["-h", "-j", "0", "-o", "%L"]
+    assert j.args("squeue") == ["-h -j 0 -o %L"]
 
 
 def test_failing_squeue_is_tolerated(job):
     j = job("exit 0")
     (j.tmp / "bin" / "squeue").write_text("#!/usr/bin/env bash\necho 'squeue: error: no cluster' >&2\nexit 1\n")
     rc, _ = j.run_to_end()
-    assert rc == 0 and status_lines(j.run)[0] == "completed"
+    assert rc == 0 and status_lines(j.attempt)[0] == "completed"
 
 
 @pytest.mark.parametrize("value,seconds", [
