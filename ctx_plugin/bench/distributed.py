@@ -58,7 +58,7 @@ def comm_step(shape: Shape, config, groups, q, k, v, dout, backward: bool):
     def go():
         agreement.check(groups, agreement.attention_signature(q, k, v, groups=groups, causal=shape.causal,
                                                               softmax_scale=None, kernel=kernel.name, error=None))
-        out = run_backend(q, k, v, config=config, groups=groups, kernel=kernel, mask=Mask(shape.causal),
+        out = run_backend(q, k, v, config=config, groups=groups, kernel=kernel, mask=Mask(**shape.mask),
                           scale=shape.head_dim ** -0.5)
         if backward:
             out.backward(dout)

@@ -3,7 +3,8 @@
 Efficiency of a backend at N ranks = ideal ÷ slowest rank, where ideal = the time of one local-kernel call on
 the whole sequence ÷ N (what perfect splitting with free communication would give). TFLOP/s per GPU = the
 attention's FLOPs ÷ N ÷ slowest rank: ``4·B·S²·H·D`` forward (halved when causal), forward+backward 3.5× that
-(backward 2.5×, the flash-attention convention).
+(backward 2.5×, the flash-attention convention). With a sliding window of w tokens back (``Shape.window``) the
+FLOPs count the pairs the window keeps, ``4·B·H·D·(S·(w+1) − w·(w+1)/2)``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..api import cp_attention
 from ..config import CPConfig
 from ..kernels import select_kernel
 from ..layouts import shard_layout
+from ..mask import Mask
 from ..rules import check_seq_len
 from ..names import Kernel
 from .simulated import SILENT, run_threaded, simulated_groups
@@ -34,6 +36,8 @@ class Shape:
     head_dim: int = 128
     batch: int = 1
     causal: bool = True
+    window: int | None = None
+    """A sliding window: each query sees itself and the ``window`` tokens before it (``window=(w, 0)``)."""
     dtype: torch.dtype = torch.bfloat16
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
@@ -44,10 +48,22 @@ class Shape:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 0):
+            raise ValueError(f"window must be None or an int >= 0, got {self.window!r}")
+
+    @property
+    def mask(self) -> dict:
+        """``cp_attention``'s mask keywords for this shape."""
+        return {"causal": self.causal, "window": None if self.window is None else (self.window, 0)}
 
     def flops(self, backward: bool) -> float:
-        fwd = 4 * self.batch * self.seq_len ** 2 * self.heads * self.head_dim * (0.5 if self.causal else 1.0)
-        return fwd * (3.5 if backward else 1.0)
+        if self.window is None:
+            pairs = self.seq_len ** 2 * (0.5 if self.causal else 1.0)
+        else:
+            w = min(self.window, self.seq_len - 1)
+            pairs = self.seq_len * (w + 1) - w * (w + 1) / 2
+        return 4 * self.batch * self.heads * self.head_dim * pairs * (3.5 if backward else 1.0)
 
     def tensors(self, seq: int, generator: torch.Generator, grad: bool) -> tuple[torch.Tensor, ...]:
         """q, k, v, dout of ``seq`` tokens (random, on the shape's device and dtype)."""
@@ -88,7 +104,7 @@ def median_time(fn, device: torch.device, reps: int, warmup: int = 1, before=Non
 def attention_step(shape: Shape, config: CPConfig, groups, q, k, v, dout, backward: bool):
     """One timed call of ``cp_attention``: forward, or forward and backward."""
     def go():
-        out = cp_attention(q, k, v, config=config, groups=groups, causal=shape.causal)
+        out = cp_attention(q, k, v, config=config, groups=groups, **shape.mask)
         if backward:
             out.backward(dout)
     return go
@@ -96,14 +112,16 @@ def attention_step(shape: Shape, config: CPConfig, groups, q, k, v, dout, backwa
 
 def ideal_time(shape: Shape, kernel: Kernel, backward: bool, reps: int) -> tuple[float, str]:
     """(seconds for one local-kernel call on the whole sequence, the kernel's name)."""
-    k_obj = select_kernel(kernel, shape.device, shape.dtype, shape.head_dim)
+    mask = Mask(shape.causal, shape.mask["window"]).within(shape.seq_len)
+    k_obj = select_kernel(kernel, shape.device, shape.dtype, shape.head_dim, mask.features)
     q, k, v, dout = shape.tensors(shape.seq_len, torch.Generator().manual_seed(0), grad=False)
     scale = shape.head_dim ** -0.5
+    kw = {"causal": shape.causal, "scale": scale, "window": mask.window}    # the whole sequence: one square block
 
     def go():
-        out, lse = k_obj.forward(q, k, v, causal=shape.causal, scale=scale)
+        out, lse = k_obj.forward(q, k, v, **kw)
         if backward:
-            k_obj.backward(dout, q, k, v, out, lse, causal=shape.causal, scale=scale)
+            k_obj.backward(dout, q, k, v, out, lse, **kw)
     return median_time(go, shape.device, reps), k_obj.name
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="default auto")
     p.add_argument("--kernel", choices=[k.value for k in Kernel], default=Kernel.AUTO.value)
     p.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
+    p.add_argument("--window", type=non_negative_tokens, default=None,
+                   help="sliding window: each query sees itself and this many tokens before it (window=(w, 0)); "
+                        "simulated mode also times the same backends without it (column 'vs full')")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
     p.add_argument("--reps", type=positive_int, default=None,
                    help="timed repetitions per measurement (median; default 5)")
@@ -59,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "which one kernel=auto picks (it should be the fastest)")
     p.add_argument("--smoke", action="store_true", help="a tiny CPU case in fp32 (for CI): S=256, 4 heads × 16, "
                                                         "N = 2 and 4, one repetition")
+
+
+def non_negative_tokens(text: str) -> int:
+    """``0`` or a token count (:func:`ctx_plugin.cliargs.tokens`)."""
+    return 0 if text.strip() == "0" else tokens(text)
 
 
 def _flag(name: str) -> str:
@@ -108,7 +117,8 @@ def shape_from_args(args: argparse.Namespace, device: torch.device | None = None
     if args.device == "cuda" and device.type != "cuda":
         raise ValueError("--device cuda but no GPU is visible")
     return Shape(seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads or args.heads,
-                 head_dim=args.head_dim, batch=args.batch, causal=not args.no_causal, dtype=DTYPES[args.dtype],
+                 head_dim=args.head_dim, batch=args.batch, causal=not args.no_causal, window=args.window,
+                 dtype=DTYPES[args.dtype],
                  device=device)
 
 
@@ -148,7 +158,12 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
                 except ValueError as e:       # this backend cannot split this shape: say so, keep going
                     rows.append({"backend": label, "ranks": size, "pass": pass_, "skipped": str(e)})
                     continue
-                rows.append(row(shape, label, size, pass_, kernel, times, ideal))
+                extra = {}
+                if shape.window is not None:   # the same backend and kernel over the full mask: the speed-up
+                    same_kernel = replace(config, kernel=kernel)
+                    full = max(rank_times(replace(shape, window=None), same_kernel, size, backward, args.reps))
+                    extra = {"full_slowest_ms": full * 1e3, "vs_full": full / max(times)}
+                rows.append(row(shape, label, size, pass_, kernel, times, ideal, **extra))
     return rows
 
 
@@ -173,9 +188,10 @@ def compare_kernels(args: argparse.Namespace, shape: Shape) -> str:
 def format_table(rows: list[dict]) -> str:
     hidden = any("hidden_comm" in r for r in rows)
     check = any("check_us" in r for r in rows)
+    window = any("vs_full" in r for r in rows)
     head = f"{'backend':<17} {'N':>3} {'pass':<8} {'slowest ms':>10} {'mean ms':>9} {'ideal ms':>9} " \
            f"{'eff.':>5} {'TFLOP/s':>8}" + (f" {'comm ms':>8} {'hidden':>6}" if hidden else "") + \
-           (f" {'check µs':>8}" if check else "")
+           (f" {'check µs':>8}" if check else "") + (f" {'full ms':>9} {'vs full':>7}" if window else "")
     lines = [head]
     for r in rows:
         if "skipped" in r:
@@ -187,6 +203,8 @@ def format_table(rows: list[dict]) -> str:
             line += f" {r['comm_ms']:>8.3f} {r['hidden_comm']:>6.0%}"
         if check:
             line += f" {r.get('check_us', 0.0):>8.1f}"
+        if window:
+            line += f" {r['full_slowest_ms']:>9.3f} {r['vs_full']:>6.2f}×"
         lines.append(line)
     return "\n".join(lines)
 
@@ -196,8 +214,16 @@ def describe(shape: Shape, rows: list[dict], mode: str) -> str:
     device = torch.cuda.get_device_name(shape.device) if shape.device.type == "cuda" else "cpu"
     return (f"ctx_plugin bench ({mode}): S={shape.seq_len}, batch {shape.batch}, {shape.heads} heads "
             f"({shape.kv_heads} K/V) × {shape.head_dim}, {'causal' if shape.causal else 'full'}, "
+            f"{_window_text(shape, rows)}"
             f"{str(shape.dtype).removeprefix('torch.')}, {device}, kernel {'/'.join(kernels) or '-'}; "
             f"efficiency = ideal (one kernel on the whole sequence ÷ N) ÷ slowest rank")
+
+
+def _window_text(shape: Shape, rows: list[dict]) -> str:
+    if shape.window is None:
+        return ""
+    compared = " (vs full: the same backend and kernel without it)" if any("vs_full" in r for r in rows) else ""
+    return f"window ({shape.window}, 0){compared}, "
 
 
 def write_outputs(args: argparse.Namespace, shape: Shape, rows: list[dict], mode: str) -> None:

@@ -105,6 +105,25 @@ def test_cli_compare_kernels(capsys):
     assert float(rows["sdpa_cpu"].split()[1]) > 0
 
 
+def test_cli_window_reports_the_speed_up_against_the_full_ring(tmp_path):
+    """--window times each backend with the window and, with the same kernel, without it ('vs full')."""
+    out = tmp_path / "w.json"
+    assert main(["bench", "--smoke", "--passes", "fwd", "--backends", "ring", "--window", "16", "--json",
+                 str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["shape"]["window"] == 16 and "window (16, 0)" in report["setup"]
+    rows = [r for r in report["rows"] if "skipped" not in r]
+    assert len(rows) == 2 and all(r["kernel"] == "torch" for r in rows)     # sdpa_cpu applies no window
+    for r in rows:
+        assert r["vs_full"] == pytest.approx(r["full_slowest_ms"] / r["slowest_ms"]) and r["vs_full"] > 0
+    # FLOPs count the pairs the window keeps: S·(w+1) − w·(w+1)/2 (w = 16, S = 256)
+    shape = Shape(seq_len=256, heads=4, kv_heads=2, head_dim=16, window=16)
+    assert shape.flops(False) == 4 * 4 * 16 * (256 * 17 - 16 * 17 / 2)
+    assert Shape(seq_len=8, window=100).flops(False) == Shape(seq_len=8).flops(False) * (36 / 32)   # all 36 pairs
+    with pytest.raises(ValueError, match="window must be None or an int >= 0"):
+        Shape(seq_len=8, window=-1)
+
+
 def test_cli_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"
