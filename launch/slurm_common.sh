@@ -144,9 +144,14 @@ ctx_run() {       # ctx_run RUN_DIR ATTEMPT_DIR [REQUEUE]: runs ATTEMPT_DIR/comm
   trap _ctx_on_warning USR1
   trap _ctx_on_term TERM INT
   ctx_status running
-  bash "$_ctx_attempt/command.sh" &
-  _ctx_pid=$!
-  _ctx_wait
+  if [ -n "${_ctx_early_warning:-}" ]; then   # warned before the step started: no time to train
+    echo "ctx_plugin: the time-limit warning came before the job step started: not starting it" >&2
+    _ctx_reason=warned
+  else
+    bash "$_ctx_attempt/command.sh" &
+    _ctx_pid=$!
+    _ctx_wait
+  fi
   local rc=$_ctx_rc failure
   if [ "$_ctx_reason" = warned ]; then _ctx_after_warning "$rc"
   elif [ -n "$_ctx_reason" ]; then ctx_status "$_ctx_reason" "$rc"
@@ -182,6 +187,8 @@ ctx_site() {      # sources the site file ($CTX_SITE, else launch/site.sh) and e
 ctx_job() {       # ctx_job FRAMEWORK [job options] -- <framework arguments>
   local framework=$1 handoff
   shift
+  _ctx_early_warning=""
+  trap '_ctx_early_warning=1' USR1   # SLURM's warning while the job is checked must not kill this shell
   ctx_site || return
   # shellcheck disable=SC2086   # CTX_EXEC_PREFIX is a command prefix (e.g. "apptainer exec --nv img.sif")
   { handoff=$(${CTX_EXEC_PREFIX:-} "$CTX_PY" -m ctx_plugin.slurm.job "$framework" --handoff-fd 3 "$@" 3>&1 1>&4); } 4>&1

@@ -1,5 +1,6 @@
 """The job scripts under a real SLURM: launch/megatron.sbatch and launch/deepspeed.sbatch as 1-node, 2-process
-CPU jobs on tiny models, compared with the single-process run; plus a failing job and a timeout warning.
+CPU jobs on tiny models, compared with the single-process run; the time-limit warning (stop, save, requeue,
+resume; or a TIMEOUT), a cancel near the limit, a failing rank, a job refused at start.
 
 SLURM runs on this machine (slurm_cluster.py). Without it the tests skip, unless CTX_REQUIRE_SLURM=1 (CI sets it
 after installing SLURM), when they fail.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .slurm_cluster import LocalSlurm, missing
+from .slurm_cluster import LocalSlurm, _free_port, missing
 from .test_megatron_entry import CHECKOUT, MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,41 +99,141 @@ def test_training_jobs_match_one_process(cluster, tmp_path):
         status = _status(run)
         assert status["word"] == "completed" and status["exit_code"] == "0", batch_log
         assert status["job_id"] == job and status["started"] <= status["ended"]
-        command = (run / "command.sh").read_text()
+        command = (run / "attempt-1" / "command.sh").read_text()
         assert f"source {site}" in command and "--nproc-per-node=2" in command
-        logs = list((run / "logs").glob("node-0-*.log"))
-        assert len(logs) == 1, list((run / "logs").iterdir())
+        logs = list((run / "attempt-1" / "logs").glob("node-0-*.log"))
+        assert len(logs) == 1, list((run / "attempt-1" / "logs").iterdir())
         got = json.loads((tmp_path / f"{framework}.json").read_text())["losses"]
         _close(got, json.loads((tmp_path / f"{framework}-ref.json").read_text())["losses"])
-    assert "DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}" in (tmp_path / "runs" / f"deepspeed-{deepspeed}" /
+    assert "DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}" in (tmp_path / "runs" / f"deepspeed-{deepspeed}" / "attempt-1" /
                                                           "command.sh").read_text()
 
 
-def test_failed_and_timed_out_jobs_say_so(cluster, tmp_path):
+def _wait_for(what: str, predicate, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def _logged(run: Path, attempt: int, text: str) -> bool:
+    return any(text in log.read_text(errors="replace") for log in (run / f"attempt-{attempt}" / "logs").glob("*.log"))
+
+
+def _job_state(cluster: LocalSlurm, job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=cluster.env, capture_output=True, text=True)
+    return next((f.split("=", 1)[1] for f in out.stdout.split() if f.startswith("JobState=")), "")
+
+
+def test_warning_stop_requeue_resume(cluster, tmp_path):
+    """SLURM's warning (B:USR1 to the batch shell, sent here by the test at a known step) reaches both ranks; they
+    finish the step and save. With --requeue the job requeues itself and attempt 2 resumes: its losses continue
+    attempt 1's and equal an uninterrupted run's. Without, the job waits for its time limit: SLURM says TIMEOUT.
+    That job is submitted by ctx-plugin launch, whose --dry-run printed the command.sh the job wrote. A cancel
+    within a minute of the limit is recorded as cancelled; a failing rank is named with its exit code."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA))
+    site = tmp_path / "site.sh"
+    site.write_text(f"CTX_RUNS_DIR={tmp_path}/runs\nexport CTX_TEST_SITE=loaded\n")
+    config = _ds_config(tmp_path / "ds2.json", 2)
+    train = ["-m", "ctx_plugin.train_hf", "--model", str(tmp_path / "model"), "--seq-len", "32", "--samples", "8",
+             "--steps", "80", "--resume"]
+    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(300)\n")
+    (tmp_path / "exit3.py").write_text("import os, sys, time\nprint('rank', os.environ['RANK'], 'starts', "
+                                       "flush=True)\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")
+    runs = {name: tmp_path / name for name in ("requeue", "timeout", "cancel", "exit3")}
+    cluster.env["CTX_SITE"] = str(site)
+    try:
+        requeue = _submit(cluster, tmp_path, "deepspeed.sbatch", "--requeue", "--nproc-per-node", "2", "--run-dir",
+                          str(runs["requeue"]), "--ds-config", str(config), "--", *train, "--report",
+                          str(tmp_path / "requeue.json"))
+        line = ["sbatch", "--parsable", "-N", "1", "-c", "2", "--time", "3", "--signal=B:USR1@10", "-o",
+                str(tmp_path / "batch-%j.out"),
+                str(ROOT / "launch" / "deepspeed.sbatch"), "--nproc-per-node", "2", "--run-dir",
+                str(runs["timeout"]), "--master-port", str(_free_port()), "--ds-config", str(config), "--",
+                *train, "--steps", "100000"]
+        launch = [sys.executable, "-m", "ctx_plugin.cli", "launch"]
+        dry = subprocess.run([*launch, "--dry-run", *line], env=cluster.env, cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120)
+        assert dry.returncode == 0, dry.stderr
+        sub = subprocess.run([*launch, *line], env=cluster.env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)
+        assert sub.returncode == 0, sub.stderr
+        timeout = sub.stdout.strip().splitlines()[-1].split(";")[0]
+        cancel = cluster.sbatch("-N", "1", "-c", "1", "--time", "1", "-o", str(tmp_path / "batch-%j.out"),
+                                str(ROOT / "launch" / "deepspeed.sbatch"), "--nproc-per-node", "2", "--run-dir",
+                                str(runs["cancel"]), "--ds-config", str(config), "--", str(tmp_path / "sleep.py"),
+                                cwd=tmp_path)
+        exit3 = _submit(cluster, tmp_path, "deepspeed.sbatch", "--nproc-per-node", "2", "--run-dir",
+                        str(runs["exit3"]), "--ds-config", str(config), "--", str(tmp_path / "exit3.py"))
+    finally:
+        del cluster.env["CTX_SITE"]
+    reference = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                  "2", *train, "--report", str(tmp_path / "reference.json"), "--deepspeed_config",
+                                  str(config)], env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # the warning, once each training job has trained a few steps
+        for job, run in ((requeue, runs["requeue"]), (timeout, runs["timeout"])):
+            _wait_for(f"job {job} to train", lambda: _logged(run, 1, "step     3"))
+            subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster.env, check=True, timeout=30)
+        # scancel within a minute of the time limit: cancelled, not timeout
+        _wait_for("the sleeping job to run", lambda: (runs["cancel"] / "attempt-1" / "pids" / "node-0.pid").exists())
+        subprocess.run(["scancel", cancel], env=cluster.env, check=True, timeout=30)
+        _wait_for("the requeue", lambda: _status(runs["requeue"])["word"] == "requeued")
+        _wait_for("the job pending", lambda: _job_state(cluster, requeue) == "PENDING", 60)
+        subprocess.run(["scontrol", "update", f"JobId={requeue}", "StartTime=now"], env=cluster.env, check=True)
+        out, _ = reference.communicate(timeout=600)
+        assert reference.returncode == 0, out[-3000:]
+        cluster.wait(requeue)
+        cluster.wait(exit3)
+        cluster.wait(cancel)
+        cluster.wait(timeout, timeout=300)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+    # requeued: two attempts, each with its logs and status; attempt 2 resumed and matches the uninterrupted run
+    status = _status(runs["requeue"])
+    assert status["word"] == "completed" and status["attempt"] == "2", status
+    assert status["attempt_1"].startswith("requeued exit_code=0 job_id=" + requeue)
+    assert _status(runs["requeue"] / "attempt-1")["word"] == "requeued"
+    for rank in (0, 1):
+        assert _logged(runs["requeue"], 1, f"rank {rank}: stopped by signal 10 after step")
+        assert _logged(runs["requeue"], 2, f"rank {rank}: resumed from {runs['requeue']}/checkpoints/step")
+    assert _logged(runs["requeue"], 1, "step     0 ")
+    assert not _logged(runs["requeue"], 2, "step     0 ")
+    got = json.loads((tmp_path / "requeue.json").read_text())["losses"]
+    want = json.loads((tmp_path / "reference.json").read_text())["losses"]
+    assert len(got) == len(want) == 80 and got == want, (got, want)
+    # no requeue: saved, and SLURM ended it at its time limit
+    status = _status(runs["timeout"])
+    assert status["word"] == "timeout" and status["exit_code"] == "0", status
+    assert (runs["timeout"] / "checkpoints" / "latest").is_file()
+    assert _logged(runs["timeout"], 1, "rank 1: stopped by signal 10 after step")
+    assert _job_state(cluster, timeout) == "TIMEOUT"
+    printed = dry.stdout.split("command.sh the job would write (the run directory's attempt-1/command.sh):\n", 1)[1]
+    assert printed.rstrip("\n") == (runs["timeout"] / "attempt-1" / "command.sh").read_text().rstrip("\n")
+    assert f"source {site}" in printed
+    records = runs["timeout"] / "attempt-1"
+    assert json.loads((records / "ds_config.json").read_text()) == json.loads(config.read_text())
+    assert (records / "site.sh").read_text() == site.read_text()
+    assert "deepspeed " in (records / "versions.txt").read_text()
+    assert (records / "nodes.txt").read_text().split() == [socket.gethostname().split(".")[0]]
+    assert "ctx_plugin: time-limit warning" in (records / "batch.log").read_text()
+    # cancelled near the limit; the failing rank named
+    assert _status(runs["cancel"])["word"] == "cancelled"
+    status = _status(runs["exit3"])
+    assert status["word"] == "failed" and status["first_failure"].startswith(
+        f"first failure: node 0 ({socket.gethostname().split('.')[0]}) rank 1 exit code 3"), status
+    assert "rank 1 starts" in (runs["exit3"] / "attempt-1" / "failure").read_text()
+
+
+def test_bad_layout_job_says_so(cluster, tmp_path):
     config = _ds_config(tmp_path / "ds.json", 2)
     (tmp_path / "exit3.py").write_text("import sys\nsys.exit(3)\n")
-    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(300)\n")
-    runs = {name: tmp_path / name for name in ("bad_layout", "exit3", "sleep")}
     bad = _submit(cluster, tmp_path, "deepspeed.sbatch", "--nproc-per-node", "3", "--run-dir",
-                  str(runs["bad_layout"]), "--ds-config", str(config), "--", str(tmp_path / "exit3.py"))
-    exit3 = _submit(cluster, tmp_path, "deepspeed.sbatch", "--nproc-per-node", "2", "--run-dir", str(runs["exit3"]),
-                    "--ds-config", str(config), "--", str(tmp_path / "exit3.py"))
-    sleep = _submit(cluster, tmp_path, "deepspeed.sbatch", "--nproc-per-node", "2", "--run-dir", str(runs["sleep"]),
-                    "--ds-config", str(config), "--", str(tmp_path / "sleep.py"))
+                  str(tmp_path / "bad"), "--ds-config", str(config), "--", str(tmp_path / "exit3.py"))
     cluster.wait(bad)
-    status = _status(runs["bad_layout"])
+    status = _status(tmp_path / "bad")
     assert status["word"] == "failed" and "not a multiple" in status["reason"]
-    cluster.wait(exit3)
-    status = _status(runs["exit3"])
-    assert status["word"] == "failed" and status["exit_code"] != "0"
-    for _ in range(300):                         # the warning SLURM sends before the time limit (--signal=B:USR1)
-        if (runs["sleep"] / "status").exists() and _status(runs["sleep"])["word"] == "running" and \
-                list((runs["sleep"] / "logs").glob("*.log")):
-            break
-        time.sleep(0.5)
-    time.sleep(3)                                # torchrun has started its worker
-    subprocess.run(["scancel", "--batch", "--signal=USR1", sleep], env=cluster.env, check=True, timeout=30)
-    start = time.monotonic()
-    cluster.wait(sleep, timeout=120)
-    assert time.monotonic() - start < 60         # the step was stopped, not left to sleep 300 s
-    assert _status(runs["sleep"])["word"] == "timeout"

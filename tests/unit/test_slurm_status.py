@@ -50,7 +50,7 @@ class Job:
     ``requeue``."""
 
     def __init__(self, tmp_path: Path, command: str, time_left: str = "", job_id: str = "4242", attempt: int = 1,
-                 requeue: bool = False, show_job: str | None = None):
+                 requeue: bool = False, show_job: str | None = None, early_warning: bool = False):
         self.tmp = tmp_path
         self.run = tmp_path / "run"
         self.attempt = self.run / f"attempt-{attempt}"
@@ -71,7 +71,8 @@ class Job:
             (bin_dir / name).write_text("#!/usr/bin/env bash\n" + text)
             (bin_dir / name).chmod(0o755)
         self.driver = tmp_path / "driver.sh"
-        self.driver.write_text(f"set -euo pipefail\nsource {COMMON}\nctx_run {self.run} {self.attempt} "
+        early = "_ctx_early_warning=1   # what ctx_job's first trap sets\n" if early_warning else ""
+        self.driver.write_text(f"set -euo pipefail\nsource {COMMON}\n{early}ctx_run {self.run} {self.attempt} "
                                f"{int(requeue)}\n")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CTX_"))}
         self.env["PATH"] = f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"
@@ -280,6 +281,15 @@ def test_warning_then_a_failing_step_is_not_requeued(job):
     assert lines[0] == "timeout" and failed()
     assert any(line.startswith("note=the job step failed after the time-limit warning") for line in lines)
     assert not any(a.startswith("requeue") for a in j.args("scontrol"))
+
+
+def test_warning_before_the_step_starts(job):
+    """SLURM's warning while the job was being checked (ctx_job traps it): the step is not started; requeued."""
+    j = job("exit 9", requeue=True, early_warning=True)
+    rc, err = j.run_to_end()
+    assert not (j.run / "child.pid").exists()
+    assert status_lines(j.attempt)[0] == "requeued" and "requeue 4242" in j.args("scontrol")
+    assert "the time-limit warning came before the job step started" in err
 
 
 def show_job(state: str, seconds_run: int, limit: str = "00:10:00") -> str:
