@@ -20,6 +20,30 @@
 # export NCCL_NET_GDR_LEVEL=PHB                     # GPUDirect RDMA when GPU and NIC share a PCIe host bridge
 # export NCCL_DEBUG=WARN                            # INFO while bringing a cluster up
 
+# --- hangs and failures -------------------------------------------------------------------------------
+# A rank that dies or stalls should end the job (srun --kill-on-bad-exit) instead of leaving the others
+# blocked in a collective until the time limit:
+# export TORCH_NCCL_ASYNC_ERROR_HANDLING=1          # a failed/timed-out NCCL collective aborts the process
+# export TORCH_NCCL_BLOCKING_WAIT=0                 # (1: wait() raises on timeout instead; slower)
+#   (how long a stuck collective waits is the program's init_process_group(timeout=...): Megatron's
+#   --distributed-timeout-minutes, DeepSpeed's deepspeed.init_distributed(timeout=...))
+# export TORCH_NCCL_DUMP_ON_TIMEOUT=1               # flight recorder: what each rank was doing at the timeout
+# export TORCH_NCCL_TRACE_BUFFER_SIZE=2000          # entries kept for that dump
+# export NCCL_IB_TIMEOUT=22                         # InfiniBand retry timeout (4.096 µs × 2^N); raise on big fabrics
+# export NCCL_IB_RETRY_CNT=7
+# export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=60          # torchrun: seconds its ranks get after a SIGTERM before SIGKILL
+
+# --- time limits --------------------------------------------------------------------------------------
+# CTX_REQUEUE=1                                     # on SLURM's time-limit warning the ranks save, then the job
+#                                                   # requeues itself (same as the job option --requeue)
+
+# --- compiled extensions (DeepSpeed ops, Triton, torch.compile) on node-local disk ---------------------
+# JIT builds on a shared file system are slow and their lock files can be left behind by a killed job (every
+# later start then waits on the lock): build on each node's local disk, once per node.
+# export TORCH_EXTENSIONS_DIR=/tmp/$USER/torch_extensions
+# export TRITON_CACHE_DIR=/tmp/$USER/triton
+# export TORCHINDUCTOR_CACHE_DIR=/tmp/$USER/inductor
+
 # --- defaults the job scripts set when unset here -----------------------------------------------------
 # OMP_NUM_THREADS=<CPU cores of the node / processes per node>
 # CUDA_DEVICE_MAX_CONNECTIONS=1   (Megatron on GPUs: its tensor/sequence-parallel communication overlaps the

@@ -670,6 +670,20 @@ def test_cli_launch_dry_run(no_submit, capsys):
     assert not (Path.cwd() / "runs").exists()
 
 
+def test_cli_launch_dry_run_reads_the_site_file(no_submit, capsys, monkeypatch, tmp_path):
+    """The printed command.sh is the job's: the site's Python, container prefix, run directory and requeue."""
+    site = tmp_path / "site.sh"
+    site.write_text(f'CTX_PY=/site/python\nCTX_EXEC_PREFIX="apptainer exec img.sif"\nCTX_RUNS_DIR={tmp_path}/r\n'
+                    "CTX_REQUEUE=1\n")
+    monkeypatch.setenv("CTX_SITE", str(site))
+    rc = cli.main(["launch", "--dry-run", *launch_line("-N", "1", "--gpus-per-node", "2")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert f"source {site}" in out and "apptainer exec img.sif /site/python -m torch.distributed.run" in out
+    assert f"{tmp_path}/r/megatron-dryrun/attempt-1/logs/node-%n-%N.log" in out
+    assert "requeue on the time-limit warning: yes" in out
+
+
 def test_cli_launch_dry_run_cpu_nodes(no_submit, capsys):
     rc = cli.main(["launch", "--dry-run", *launch_line("-N", "2", job=("--megatron-lm", str(FAKE_MEGATRON),
                                                                           "--nproc-per-node", "1"))])
