@@ -191,6 +191,22 @@ def test_megatron_tokenizer_and_load(tmp_path):
     assert "CP 2" in megatron(GOOD + ["--load", str(tmp_path / "ckpt")])
 
 
+def test_megatron_stop_and_resume_flags(tmp_path):
+    """Megatron saves on the warning through its own flags: the signal the job passes (SIGUSR1) and --save."""
+    ckpt = str(tmp_path / "new")
+    with pytest.raises(ValueError, match="listens for SIGTERM .* add --exit-signal SIGUSR1"):
+        megatron(GOOD + ["--exit-signal-handler", "--save", ckpt])
+    with pytest.raises(ValueError, match="listens for SIGINT"):
+        megatron(GOOD + ["--exit-signal-handler", "--exit-signal", "SIGINT", "--save", ckpt])
+    with pytest.raises(ValueError, match="without --save stops on the warning without saving"):
+        megatron(GOOD + ["--exit-signal-handler", "--exit-signal", "SIGUSR1"])
+    # the first attempt: --load is the --save directory, not there yet
+    assert "CP 2" in megatron(GOOD + ["--exit-signal-handler", "--exit-signal", "SIGUSR1", "--save", ckpt, "--load",
+                                      ckpt])
+    with pytest.raises(ValueError, match="no such checkpoint directory"):
+        megatron(GOOD + ["--save", ckpt, "--load", str(tmp_path / "other")])
+
+
 @pytest.mark.parametrize("argv,message", [
     (good(attention_dropout=None), r"no dropout; set --attention-dropout 0 \(got 0\.1\)"),
     (good(seq_length="30"), r"--seq-length must be a positive multiple of 4, got 30 \(zigzag over --context-parallel-size 2\)"),
@@ -827,3 +843,15 @@ def test_counts_must_be_positive(flag):
     with pytest.raises(ValueError, match=f"{flag} must be at least 1"):
         slurm_job.plan_job("megatron", ["--dry-run", flag, "0", "--megatron-lm", "x", "--"],
                            env={"SLURM_GPUS_ON_NODE": "0"})
+
+
+def test_train_hf_checkpoint_dir(model_json, tmp_path):
+    from ctx_plugin import train_hf
+
+    args = train_hf.parse_args(["--model", str(model_json), "--resume"])
+    with pytest.raises(ValueError, match="--resume needs --checkpoint-dir DIR"):
+        train_hf.checkpoint_dir(args, env={})
+    assert train_hf.checkpoint_dir(args, env={"CTX_RUN_DIR": str(tmp_path)}) == tmp_path / "checkpoints"
+    given = train_hf.parse_args(["--model", str(model_json), "--checkpoint-dir", str(tmp_path / "c")])
+    assert train_hf.checkpoint_dir(given, env={"CTX_RUN_DIR": "/elsewhere"}) == tmp_path / "c"
+    assert train_hf.checkpoint_dir(train_hf.parse_args(["--model", str(model_json)]), env={}) is None
