@@ -2,7 +2,8 @@
 
 Needs Debian's ``slurmctld slurmd slurm-client munge`` and root (slurmd starts jobs as the submitting user;
 munged runs as user munge). No systemd: the daemons are started directly with a minimal ``slurm.conf`` in a
-temporary directory (no accounting, process tracking by /proc, one node: this host at 127.0.0.1).
+temporary directory (no accounting, process tracking by /proc, one node: this host at 127.0.0.1; OverSubscribe=FORCE,
+so the tests' jobs share its CPUs and run at once).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class LocalSlurm:
             "SelectTypeParameters=CR_Core", "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
             "MailProg=/bin/true", "ReturnToService=2", "KillWait=5",
             f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
-            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES", ""])
+            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8", ""])
 
     def _munge(self) -> None:
         if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:

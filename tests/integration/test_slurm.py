@@ -170,7 +170,7 @@ def test_warning_stop_requeue_resume(cluster, tmp_path):
     finally:
         del cluster.env["CTX_SITE"]
     reference = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                  "2", *train, "--report", str(tmp_path / "reference.json"), "--deepspeed_config",
+                                  "2", *train[:-1], "--report", str(tmp_path / "reference.json"), "--deepspeed_config",
                                   str(config)], env={**os.environ, "DS_ACCELERATOR": "cpu"},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
