@@ -1,6 +1,8 @@
 """Work run inside spawned ranks (see harness.py). Each function returns JSON-able results for the parent."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -80,15 +82,7 @@ def hybrid_reduces(rank: int, world: int, payload) -> dict:
 def count_exchanges(rank: int, world: int, payload: dict) -> dict:
     """Communication per backend in forward and in backward: the groups' counter, and the real batched
     point-to-point calls (counted by wrapping torch.distributed.batch_isend_irecv)."""
-    calls = {"n": 0}
-    original = dist.batch_isend_irecv
-
-    def counting(ops):
-        calls["n"] += 1
-        return original(ops)
-
-    dist.batch_isend_irecv = counting
-    try:
+    with counted_p2p() as calls:
         result = {}
         for backend, u in payload["configs"]:
             cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch", ulysses_size=u)
@@ -103,9 +97,7 @@ def count_exchanges(rank: int, world: int, payload: dict) -> dict:
             out.sum().backward()        # outside the context: counted by the counter active at the forward
             result[f"{backend}-u{u}"] = {"fwd_p2p": fwd_calls, "fwd": fwd_counts, "bwd_p2p": calls["n"] - fwd_calls,
                                          "bwd": dict(counter.counts)}
-        return result
-    finally:
-        dist.batch_isend_irecv = original
+    return result
 
 
 def bad_inputs(rank: int, world: int, payload) -> dict:
@@ -195,3 +187,20 @@ def saved_tensors(rank: int, world: int, payload) -> dict:
             ctx_plugin.cp_attention(q, k, v, config=cfg, groups=groups)
         out[f"{backend}-u{u}"] = saved
     return out
+
+
+@contextmanager
+def counted_p2p():
+    """Counts the real batched point-to-point calls (wraps torch.distributed.batch_isend_irecv); yields {"n": count}."""
+    calls = {"n": 0}
+    original = dist.batch_isend_irecv
+
+    def counting(ops):
+        calls["n"] += 1
+        return original(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        yield calls
+    finally:
+        dist.batch_isend_irecv = original

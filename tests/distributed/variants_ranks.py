@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import ctx_plugin
 from ctx_plugin.bench.counting import CommCounter
+from tests.distributed.cases import counted_p2p
 from tests.reference import dense_with_grads, rel_err
 
 SEQ = 48
@@ -29,24 +30,13 @@ def run_case(backend: str, u: int, causal: bool, window, softcap, with_sinks: bo
     shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
     ql, kl, vl = (shard(t).requires_grad_(True) for t in (q, k, v))
     own_sinks = sinks.clone().requires_grad_(True) if with_sinks else None
-    p2p = {"n": 0}
-    original = dist.batch_isend_irecv
-
-    def counting(ops):
-        p2p["n"] += 1
-        return original(ops)
-
-    dist.batch_isend_irecv = counting
-    try:
-        with CommCounter().counting() as counter:
-            out = ctx_plugin.cp_attention(ql, kl, vl, config=cfg, groups=groups, causal=causal, window=window,
-                                          softcap=softcap, sinks=own_sinks)
-            fwd, fwd_p2p = dict(counter.counts), p2p["n"]
-            counter.reset()
-            out.backward(shard(dout))
-            bwd, bwd_p2p = dict(counter.counts), p2p["n"] - fwd_p2p
-    finally:
-        dist.batch_isend_irecv = original
+    with counted_p2p() as p2p, CommCounter().counting() as counter:
+        out = ctx_plugin.cp_attention(ql, kl, vl, config=cfg, groups=groups, causal=causal, window=window,
+                                      softcap=softcap, sinks=own_sinks)
+        fwd, fwd_p2p = dict(counter.counts), p2p["n"]
+        counter.reset()
+        out.backward(shard(dout))
+        bwd, bwd_p2p = dict(counter.counts), p2p["n"] - fwd_p2p
     got = [ctx_plugin.gather_sequence(t, config=cfg, groups=groups, dim=1) for t in (out.detach(), ql.grad, kl.grad,
                                                                                          vl.grad)]
     want = dense_with_grads(q, k, v, dout, causal=causal, window=window, softcap=softcap,
