@@ -174,13 +174,14 @@ def test_warning_stop_requeue_resume(cluster, tmp_path):
                                   str(config)], env={**os.environ, "DS_ACCELERATOR": "cpu"},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
+        # scancel within a minute of the time limit (--time 1: at once, before waiting on the others, so the limit
+        # cannot pass first on a slow machine): cancelled, not timeout
+        _wait_for("the sleeping job to run", lambda: (runs["cancel"] / "attempt-1" / "pids" / "node-0.pid").exists())
+        subprocess.run(["scancel", cancel], env=cluster.env, check=True, timeout=30)
         # the warning, once each training job has trained a few steps
         for job, run in ((requeue, runs["requeue"]), (timeout, runs["timeout"])):
             _wait_for(f"job {job} to train", lambda: _logged(run, 1, "step     3"))
             subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster.env, check=True, timeout=30)
-        # scancel within a minute of the time limit: cancelled, not timeout
-        _wait_for("the sleeping job to run", lambda: (runs["cancel"] / "attempt-1" / "pids" / "node-0.pid").exists())
-        subprocess.run(["scancel", cancel], env=cluster.env, check=True, timeout=30)
         _wait_for("the requeue", lambda: _status(runs["requeue"])["word"] == "requeued")
         _wait_for("the job pending", lambda: _job_state(cluster, requeue) == "PENDING", 60)
         subprocess.run(["scontrol", "update", f"JobId={requeue}", "StartTime=now"], env=cluster.env, check=True)
