@@ -7,7 +7,8 @@ ctx_plugin cannot honour (right padding held by one rank, caches, missing or pac
 same error on every rank within seconds; models with other groups in one process keep their own.
 
 The attention variants (sliding windows, also per layer and bidirectional, Gemma-2's softcap, gpt-oss's sinks)
-match HF's own attention at CP 2 and 4 with their gradients (the sinks' summed over the ranks, as every parameter's).
+match HF's own attention at CP 2 and 4 with their gradients (the sinks' summed over the ranks, as every parameter's),
+and at CP 1 (one rank in this process: test_variant_models_match_hf_at_one_rank).
 
 In this process (one CP rank): options a model's config or attention modules carry that ctx_plugin does not
 implement are errors at enable (dropout, non-attention layers, ...); every keyword of transformers' attention
@@ -38,7 +39,8 @@ PARITY = [(w, "llama", b.value, u) for b, sizes in SIZES.items() for w, u in siz
 PARITY += [(2, "mistral_swa", "ring", 1), (2, "mistral_swa", "zigzag", 1), (2, "mistral_bidir", "ring", 1),
            (2, "qwen2_mixed", "striped", 1), (2, "qwen2_mixed", "ulysses", 1), (2, "gemma2", "zigzag", 1),
            (2, "gemma2", "allgather", 1), (2, "gpt_oss", "ring", 1), (2, "gpt_oss", "ulysses", 1),
-           (4, "mistral_swa", "ring", 1), (4, "gpt_oss", "ulysses_ring", 2)]
+           (4, "mistral_swa", "ring", 1), (4, "gpt_oss", "ulysses_ring", 2), (4, "qwen2_mixed", "zigzag", 1),
+           (4, "gemma2", "ring", 1)]
 # fp32 / float64 against sdpa / float64 against Gemma-2's eager attention, whose softmax runs in fp32
 TOLERANCE = {"llama": 1e-5, "llama_bidir": 1e-5, "qwen2": 1e-10, "mistral_swa": 1e-10, "mistral_bidir": 1e-10,
              "qwen2_mixed": 1e-10, "gemma2": 1e-5, "gpt_oss": 1e-10}
@@ -293,3 +295,28 @@ def test_readme_table_lists_every_attention_keyword():
     want = {**{k: "honoured" for k in cphf.HONOURED}, **{k: "refused" for k in cphf.MUST_BE_UNSET},
             **{k: "harmless" for k in cphf.HARMLESS}}
     assert rows == want
+
+
+@pytest.mark.parametrize("kind", ["mistral_swa", "qwen2_mixed", "gemma2", "gpt_oss"])
+def test_variant_models_match_hf_at_one_rank(kind):
+    """CP 1 (one rank, no process group): the whole model (sliding window under the sequence, mixed layer_types,
+    Gemma-2's softcap, gpt-oss's sinks; float64) gives HF's own sdpa/eager loss, logits and every gradient."""
+    from tests.integration.hf_ranks import REFERENCE, _reference, _rel, data, model
+
+    import torch.nn.functional as F
+
+    want = _reference(kind)
+    cfg, groups = _one_rank("ring")
+    m = model(kind, None)
+    assert cphf.enable(m, cfg, groups) == m.config._attn_implementation != REFERENCE[kind]
+    input_ids, labels, positions = data()
+    logits = m(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss.backward()
+    tol = TOLERANCE[kind]
+    assert abs(loss.item() - want["loss"]) <= tol * abs(want["loss"])
+    assert _rel(logits.detach(), want["logits"]) <= tol
+    grads = {n: p.grad for n, p in m.named_parameters()}
+    assert grads.keys() == want["grads"].keys() and len(grads) > 10
+    for name, g in grads.items():
+        assert _rel(g, want["grads"][name]) <= tol, f"{name}: relative error {_rel(g, want['grads'][name]):.2e}"
