@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..megatron.args import add_arguments, settings_from_args
+from ..megatron.options import DATA_OPTIONS, MODEL_OPTIONS
 from ..megatron.pretrain_gpt import uses_megatron_pretrain
 from ..names import Recompute
 
@@ -29,15 +30,36 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+# The options ctx_plugin refuses (megatron/options.py's tables) that take a value in Megatron-LM's parser; the others
+# are switches there (store_true).
+_VALUED = {"attention_dropout": float, "experimental_attention_variant": str, "flash_attention_version": int,
+           "position_embedding_type": str}
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    """Megatron-LM's ``tuple_type`` (``--window-size``): ``"(4,0)"`` or ``"4,0"``."""
+    return tuple(int(i) for i in text.strip("()").split(","))
+
+
 def _megatron_parser() -> argparse.ArgumentParser:
-    """The Megatron flags the checks read, with Megatron's defaults (everything else passes through)."""
+    """The Megatron flags the checks read, with Megatron's defaults (everything else passes through): those the
+    job's own check (``settings_from_args``) reads, so that the launcher refuses what the job would, among them every
+    option ctx_plugin refuses (``MODEL_OPTIONS``/``DATA_OPTIONS``) and ``--window-size``/``--softmax-type``."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    for option in MODEL_OPTIONS + DATA_OPTIONS:
+        if option.field in _VALUED:
+            default = {"attention_dropout": 0.1, "position_embedding_type": "learned_absolute"}.get(option.field)
+            p.add_argument(option.flag, type=_VALUED[option.field], default=default)
+        else:
+            p.add_argument(option.flag, action="store_true")
+    p.add_argument("--window-size", type=_int_tuple, default=None)
+    p.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"), default="vanilla")
     for flag, kind, default in (("--tensor-model-parallel-size", int, 1), ("--pipeline-model-parallel-size", int, 1),
                                 ("--context-parallel-size", int, 1), ("--num-layers", int, None),
                                 ("--hidden-size", int, None), ("--ffn-hidden-size", int, None),
                                 ("--num-attention-heads", int, None), ("--num-query-groups", int, None),
                                 ("--seq-length", int, None), ("--micro-batch-size", int, 1),
-                                ("--global-batch-size", int, None), ("--attention-dropout", float, 0.1),
+                                ("--global-batch-size", int, None),
                                 ("--vocab-size", int, None), ("--normalization", str, "LayerNorm"),
                                 ("--attention-backend", str, "auto"), ("--recompute-granularity", str, None),
                                 ("--recompute-method", str, None), ("--recompute-num-layers", int, None),

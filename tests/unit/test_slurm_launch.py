@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ctx_plugin import cli
+from ctx_plugin.megatron.options import DATA_OPTIONS, MODEL_OPTIONS
 from ctx_plugin.slurm import job as slurm_job
 from ctx_plugin.slurm import submit
 from ctx_plugin.slurm.checks import check_deepspeed, check_megatron
@@ -221,6 +222,49 @@ def test_megatron_stop_and_resume_flags(tmp_path):
 def test_megatron_cp_checks_still_run(argv, message):
     with pytest.raises(ValueError, match=message):
         megatron(argv, world=8)
+
+
+# Flags the job refuses at start with ctx_plugin's own check (settings_from_args): every option of the refused
+# tables Megatron-LM's command line has (the valued ones with a value that is refused), and windows it reads two ways.
+_REFUSED_VALUES = {"attention_dropout": "0.1", "experimental_attention_variant": "dsa", "flash_attention_version": "3",
+                   "position_embedding_type": "mrope"}
+JOB_REFUSES = [[o.flag] + ([_REFUSED_VALUES[o.field]] if o.field in _REFUSED_VALUES else [])
+               for o in (*MODEL_OPTIONS, *DATA_OPTIONS)] + \
+              [["--window-size", "(4,2)"], ["--window-size", "(8,-1)"], ["--window-size", "(4,0,1)"]]
+
+
+@pytest.mark.parametrize("extra", JOB_REFUSES, ids=lambda e: " ".join(e))
+def test_megatron_launcher_refuses_what_the_job_refuses(extra):
+    """The flags parsed by Megatron-LM's own parser (plus ctx_plugin's) and checked as the job checks them
+    (settings_from_args): the launcher's check raises the same message; the launcher used to pass these options
+    through unread (its parser did not know them), and the job then stopped at start."""
+    arguments = pytest.importorskip("megatron.training.arguments", reason="needs Megatron-LM's argument parser")
+    import argparse
+
+    from ctx_plugin.megatron.args import add_arguments, settings_from_args
+
+    parser = add_arguments(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    if extra[0] not in parser._option_string_actions:
+        with pytest.raises(ValueError, match="cannot honour"):     # not a flag of this Megatron-LM: refused anyway
+            megatron(GOOD + extra)
+        return
+    job = parser.parse_args(GOOD + ["--max-position-embeddings", "32"] + extra)
+    with pytest.raises(ValueError) as at_start:
+        settings_from_args(job, resolve_budget=False)
+    with pytest.raises(ValueError) as launcher:
+        megatron(GOOD + extra)
+    assert str(launcher.value) == str(at_start.value)
+
+
+def test_megatron_window_and_softmax_flags_the_job_takes():
+    """What the job honours passes (window and per-layer pattern, softmax offsets); what Megatron-LM's parser
+    refuses is an error."""
+    assert "CP 2" in megatron(GOOD + ["--window-size", "(4,0)", "--window-attn-skip-freq", "2", "--softmax-type",
+                                      "learnable"])
+    with pytest.raises(ValueError, match="--softmax-type: invalid choice: 'softmax1'"):
+        megatron(GOOD + ["--softmax-type", "softmax1"])
+    with pytest.raises(ValueError, match="--window-size: invalid"):
+        megatron(GOOD + ["--window-size", "four"])
 
 
 def test_megatron_bogus_cp_backend_is_an_error():
