@@ -8,12 +8,15 @@ Public API::
     out    = ctx_plugin.cp_attention(q_loc, k_loc, v_loc, config=cfg, groups=groups, causal=True)
     full   = ctx_plugin.gather_sequence(out, config=cfg, groups=groups, dim=1)
     pos    = ctx_plugin.sequence_positions(seq_len, config=cfg, groups=groups)
+
+Packed documents: pass ``documents=`` (a ``ctx_plugin.Documents`` or the global ``cu_seqlens``) to every one of these.
 """
 from .api import cp_attention, gather_sequence, sequence_positions, shard_sequence
 from .config import CPConfig
+from .documents import Documents, pad_documents, pad_tokens
 from .groups import CPGroups, build_cp_groups
 from .names import Backend, Kernel
 
-__all__ = ["Backend", "CPConfig", "CPGroups", "Kernel", "build_cp_groups", "cp_attention", "gather_sequence",
-           "sequence_positions", "shard_sequence"]
+__all__ = ["Backend", "CPConfig", "CPGroups", "Documents", "Kernel", "build_cp_groups", "cp_attention",
+           "gather_sequence", "pad_documents", "pad_tokens", "sequence_positions", "shard_sequence"]
 __version__ = "0.1.0"

@@ -48,7 +48,7 @@ FIELDS = (
     Field("dtype", str, 3), Field("device", str, 2), Field("requires_grad", bool),
     Field("backend", str, 2), Field("ulysses_size", int), Field("kernel", str, 2),
     Field("causal", bool), Field("softmax_scale", float),
-    Field("window", str, 2), Field("softcap", float), Field("sinks", bool),
+    Field("window", str, 2), Field("softcap", float), Field("sinks", bool), Field("documents", str, 3),
     Field("input_check", str, 32),
 )
 """The signature of every call, one schema for both operations (so the vectors have one length on every rank,
@@ -141,10 +141,12 @@ def _common(x, groups: CPGroups, error: BaseException | None, tensors: tuple) ->
 
 
 def attention_signature(q, k, v, *, groups: CPGroups, causal, softmax_scale, kernel: str | None,
-                        error: BaseException | None, window=None, softcap=None, sinks: bool = False) -> dict:
+                        error: BaseException | None, window=None, softcap=None, sinks: bool = False,
+                        documents: str = "-") -> dict:
     """What this rank's ``cp_attention`` call is about to do (any arguments: bad ones are described as they are;
     ``error`` is what this rank's own checks raised, ``kernel`` the selected local kernel's name; ``window`` as
-    checked (:class:`ctx_plugin.mask.Mask`'s) when it was valid, ``sinks`` whether sinks were given)."""
+    checked (:class:`ctx_plugin.mask.Mask`'s) when it was valid, ``sinks`` whether sinks were given, ``documents``
+    ``"-"`` without packed documents, else their count and :meth:`~ctx_plugin.documents.Documents.signature`)."""
     batch, seq, heads, head_dim = _dims(q, 0, 1, 2, 3)
     scale = None
     if softmax_scale is None and head_dim:
@@ -153,7 +155,7 @@ def attention_signature(q, k, v, *, groups: CPGroups, causal, softmax_scale, ker
         scale = float(softmax_scale) if abs(softmax_scale) < 1e300 else None   # bad values: the input check
     return {"op": "cp_attention", "batch": batch, "local_seq": seq, "heads": heads, "kv_heads": _dims(k, 2)[0],
             "head_dim": head_dim, "kernel": kernel, "causal": causal if isinstance(causal, bool) else None,
-            "softmax_scale": scale, "window": _window(window), "sinks": bool(sinks),
+            "softmax_scale": scale, "window": _window(window), "sinks": bool(sinks), "documents": documents,
             "softcap": float(softcap) if isinstance(softcap, (int, float)) and not isinstance(softcap, bool) else None,
             **_common(q, groups, error, (q, k, v))}
 
@@ -164,10 +166,11 @@ def _window(window) -> str:
     return "-,-" if window is None else repr(window)
 
 
-def gather_signature(x, *, dim, groups: CPGroups, error: BaseException | None) -> dict:
-    """What this rank's ``gather_sequence`` call is about to do (``dim`` as given or normalised)."""
+def gather_signature(x, *, dim, groups: CPGroups, error: BaseException | None, documents: str = "-") -> dict:
+    """What this rank's ``gather_sequence`` call is about to do (``dim`` as given or normalised; ``documents`` as
+    in :func:`attention_signature`)."""
     return {"op": "gather_sequence", "shape": str(tuple(x.shape)) if isinstance(x, torch.Tensor) else None,
-            "dim": dim if isinstance(dim, int) else None, **_common(x, groups, error, (x,))}
+            "dim": dim if isinstance(dim, int) else None, "documents": documents, **_common(x, groups, error, (x,))}
 
 
 def _ranks(ranks: list[int]) -> str:

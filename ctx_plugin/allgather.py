@@ -3,8 +3,9 @@
 K/V are all-gathered once (packed ``[2, B, n, Hkv, D]``, one collective) and put back in sequence order. Each
 rank holds zigzag chunks r and 2P−1−r of the queries; each chunk attends to exactly the keys it needs (under a
 causal mask a prefix ending at the chunk; with a sliding window the window's range, the kernel window in the
-block's bottom-right convention: :func:`ctx_plugin.layouts.band_block`) in one kernel call, so there are no
-partial merges. Attention sinks are applied once to the concatenated result (:mod:`ctx_plugin.sinks`). Backward
+block's bottom-right convention: :func:`ctx_plugin.blocks.band_block`) in one kernel call, so there are no
+partial merges. With packed documents every document is split zigzag-wise (chunks r and 2P−1−r of each one) and
+each chunk meets only its own document's keys (:func:`ctx_plugin.blocks.document_blocks`); padding rows stay 0. Attention sinks are applied once to the concatenated result (:mod:`ctx_plugin.sinks`). Backward
 re-gathers K/V, accumulates the full dK/dV in fp32 and reduce-scatters them to their owners.
 Forward saves only q, k, v, out and lse.
 """
@@ -15,14 +16,21 @@ import torch
 from .comm import Observers, all_gather, reduce_scatter
 from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
-from .layouts import Block, Zigzag, band_block
+from .blocks import Block, band_block, document_blocks
+from .documents import Documents
+from .layouts import Contiguous, Zigzag
 from .mask import Mask
 from .ring import refuse_double_backward
 from .sinks import apply_sinks, sink_grad
 
 
 def _query_chunks(rank: int, size: int, local_len: int, mask: Mask) -> list[Block]:
-    """Per query chunk this rank holds: its local rows, the global key range it needs and its kernel mask."""
+    """Per query chunk this rank holds: its local rows, the global key range it needs and its kernel mask (rows
+    of no chunk, padding, see no key). Chunks never share rows."""
+    if mask.documents is not None:
+        docs, seq_len = mask.documents, local_len * size
+        return list(document_blocks(Zigzag().segments(rank, size, local_len, docs),
+                                    Contiguous().segments(0, 1, seq_len, docs), mask))
     if not mask.causal and not mask.windowed:
         return [Block(slice(0, local_len), slice(0, local_len * size), False)]
     c = local_len // 2
@@ -30,11 +38,12 @@ def _query_chunks(rank: int, size: int, local_len: int, mask: Mask) -> list[Bloc
     return [band_block(mask, start, 0, 1, rows, slice(0, local_len * size)) for rows, start in chunks]
 
 
-def _perm(seq_len: int, group: RankGroup, device: torch.device) -> torch.Tensor:
-    return Zigzag().permutation(seq_len, group.size).to(device)
+def _perm(seq_len: int, group: RankGroup, device: torch.device, documents: Documents | None) -> torch.Tensor:
+    return Zigzag().permutation(seq_len, group.size, documents).to(device)
 
 
-def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: RankGroup, counter: Observers) -> torch.Tensor:
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: RankGroup, counter: Observers,
+               documents: Documents | None) -> torch.Tensor:
     """Every rank's K/V, packed ``[2, B, S, Hkv, D]`` in original sequence order."""
     kv = torch.stack((k, v))
     if group.size == 1:
@@ -43,21 +52,27 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: RankGroup, counter: Obse
     parts = all_gather(torch.empty((group.size, *kv.shape), dtype=kv.dtype, device=kv.device), kv, group, counter,
                        "allgather_kv")
     sharded_order = parts.permute(1, 2, 0, 3, 4, 5).reshape(two, b, group.size * n, hkv, d)
-    return sharded_order.index_select(2, torch.argsort(_perm(group.size * n, group, kv.device)))
+    return sharded_order.index_select(2, torch.argsort(_perm(group.size * n, group, kv.device, documents)))
 
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, kernel: AttentionKernel, group: RankGroup, counter: Observers, mask: Mask,
                 scale: float):
-        kv = _gather_kv(k, v, group, counter)
-        outs, lses = [], []
-        for blk in _query_chunks(group.rank, group.size, q.shape[1], mask):
-            o, lse = kernel.forward(q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], causal=blk.causal, scale=scale,
-                                    window=blk.window, softcap=mask.softcap)
-            outs.append(o)
-            lses.append(lse)
-        out, lse = torch.cat(outs, 1), torch.cat(lses, 2)
+        kv = _gather_kv(k, v, group, counter, mask.documents)
+        chunks = _query_chunks(group.rank, group.size, q.shape[1], mask)
+        if mask.documents is None:      # the chunks cover every row, in order
+            outs, lses = zip(*(kernel.forward(q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], causal=blk.causal,
+                                              scale=scale, window=blk.window, softcap=mask.softcap) for blk in chunks))
+            out, lse = torch.cat(outs, 1), torch.cat(lses, 2)
+        else:                           # padding rows belong to no chunk: output 0, lse −inf
+            b, n, h, _ = q.shape
+            out = torch.zeros_like(q)
+            lse = torch.full((b, h, n), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
+            for blk in chunks:
+                out[:, blk.q], lse[:, :, blk.q] = kernel.forward(
+                    q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], causal=blk.causal, scale=scale, window=blk.window,
+                    softcap=mask.softcap)
         if sinks is not None:
             out, lse = apply_sinks(out, lse, sinks)
             out = out.to(q.dtype)
@@ -71,9 +86,9 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         kernel, group, counter, mask, scale = ctx.args
         dout = dout.contiguous()
-        kv = _gather_kv(k, v, group, counter)
+        kv = _gather_kv(k, v, group, counter, mask.documents)
         acc = accum_dtype(q.dtype)
-        dq = torch.empty(q.shape, dtype=acc, device=q.device)
+        dq = (torch.empty if mask.documents is None else torch.zeros)(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         for blk in _query_chunks(group.rank, group.size, q.shape[1], mask):
             dq_c, dk_c, dv_c = kernel.backward(dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k],
@@ -84,7 +99,7 @@ class AllGatherAttention(torch.autograd.Function):
             dkv[1, :, blk.k] += dv_c
         if group.size > 1:   # back to sharded order, then each rank receives the sum of its own rows
             two, b, s, hkv, d = dkv.shape
-            sharded = dkv.index_select(2, _perm(s, group, dkv.device)).reshape(two, b, group.size, s // group.size,
+            sharded = dkv.index_select(2, _perm(s, group, dkv.device, mask.documents)).reshape(two, b, group.size, s // group.size,
                                                                                  hkv, d)
             dkv = reduce_scatter(torch.empty((two, b, s // group.size, hkv, d), dtype=acc, device=dkv.device),
                                  sharded.permute(2, 0, 1, 3, 4, 5).contiguous(), group, counter, "reduce_scatter_dkv")

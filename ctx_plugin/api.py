@@ -14,14 +14,15 @@ import torch.distributed as dist
 
 from . import agreement
 from .config import CPConfig
+from .documents import Documents, check_documents
 from .groups import CPGroups
 from .kernels import select_kernel
 from .attention import run_backend
-from .comm import Observers, active_observers, reduce_scatter, restored
+from .comm import Observers, active_observers, all_gather, reduce_scatter, restored
 from .layouts import Layout, shard_layout
 from .mask import Mask
 from .recompute import pinning
-from .rules import SettingNames, check_heads, check_seq_len
+from .rules import SettingNames, check_documents_fit, check_heads, check_seq_len
 
 
 _GLOBAL = SettingNames(seq_len="the global sequence length (the local length × ranks)")
@@ -92,7 +93,7 @@ def _check_sinks(sinks, q: torch.Tensor) -> None:
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CPConfig, groups: CPGroups,
                  causal: bool = True, softmax_scale: float | None = None, window=None,
-                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 softcap: float | None = None, sinks: torch.Tensor | None = None, documents=None) -> torch.Tensor:
     """Exact softmax attention over the whole sequence, each rank holding its shard of q, k and v.
 
     q is ``[batch, local_seq, heads, head_dim]``, k and v ``[batch, local_seq, kv_heads, head_dim]``, sharded
@@ -105,9 +106,17 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     device) that joins every row's softmax denominator without a value (gpt-oss, megatron-core's learnable
     softmax); its ``.grad`` on each rank is that rank's part: sum it over the context-parallel group (data
     parallelism's gradient reduction over the CP ranks does). See :mod:`ctx_plugin.mask` and :mod:`ctx_plugin.sinks`.
+
+    ``documents``: the packed documents of the *global* sequence, the same on every rank — a
+    :class:`ctx_plugin.documents.Documents` or its cumulative lengths (flash-attn's ``cu_seqlens``: a 1-D integer
+    tensor or a list, from 0 to the global length). Attention then stays inside each document (and skips padding,
+    ``Documents.valid``); q, k and v must be sharded with the same documents (:func:`shard_sequence`). Layouts that
+    split every document need each one a multiple of :func:`ctx_plugin.rules.document_unit`
+    (:func:`ctx_plugin.documents.pad_documents`). Padding rows return 0 and get no gradient.
     """
     _check_groups(groups)
     kernel = error = mask = None
+    doc_code = _document_code(None, given=documents is not None)
     try:                # this rank's own checks; the ranks then agree on their outcome before communicating
         _check_setup(config, groups)
         _check_qkv(q, k, v)
@@ -121,7 +130,9 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
                 or not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
         check_seq_len(config, q.shape[1] * groups.size, groups.size, _GLOBAL)
-        mask = mask.within(q.shape[1] * groups.size)
+        docs = _documents_for(documents, config, q.shape[1] * groups.size, groups.size)
+        doc_code = _document_code(docs, given=documents is not None)
+        mask = Mask(causal, mask.window, mask.softcap, docs).within(q.shape[1] * groups.size)
         check_heads(config, q.shape[2], k.shape[2], groups.size)
         _check_device(q, groups)
         kernel = select_kernel(config.kernel, q.device, q.dtype, q.shape[-1], mask.features)
@@ -132,7 +143,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     signature = agreement.attention_signature(q, k, v, groups=groups, causal=causal, softmax_scale=softmax_scale,
                                               kernel=None if kernel is None else kernel.name, error=error,
                                               window=window if mask is None else mask.window, softcap=softcap,
-                                              sinks=sinks is not None)
+                                              sinks=sinks is not None, documents=doc_code)
 
     observers = active_observers()      # a recomputation (core_attn, +recompute_attn) reports to them too
 
@@ -147,6 +158,22 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     return pinning.run(compute)
 
 
+def _document_code(docs: Documents | None, *, given: bool = True) -> str:
+    """The documents as the ranks compare them: ``"-"`` without, their count and signature once checked, ``"given"``
+    for documents that failed their checks."""
+    if docs is None:
+        return "given" if given else "-"
+    return f"{docs.count}:{docs.signature()}"
+
+
+def _documents_for(documents, config: CPConfig, seq_len: int, size: int) -> Documents | None:
+    if documents is None:
+        return None
+    docs = check_documents(documents, seq_len)
+    check_documents_fit(config, docs, size)
+    return docs
+
+
 def _seq_dim(x: torch.Tensor, dim: int) -> int:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
@@ -156,21 +183,28 @@ def _seq_dim(x: torch.Tensor, dim: int) -> int:
 
 
 def sequence_positions(seq_len: int, *, config: CPConfig, groups: CPGroups,
-                       device: torch.device | str | None = None) -> torch.Tensor:
-    """Global positions (int64) of the tokens this rank holds, in local order: the position ids for RoPE."""
+                       device: torch.device | str | None = None, documents=None) -> torch.Tensor:
+    """Position ids (int64) of the tokens this rank holds, in local order, for RoPE: their global positions, or with
+    packed ``documents`` (as :func:`cp_attention` takes them) their positions inside their document (0, 1, ...
+    restarting in each)."""
     layout = _check_setup(config, groups)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int):
         raise TypeError(f"seq_len must be an int, got {type(seq_len).__name__}")
     check_seq_len(config, seq_len, groups.size)
-    return layout.local_indices(seq_len, groups.rank, groups.size).to(device)
+    docs = _documents_for(documents, config, seq_len, groups.size)
+    index = layout.local_indices(seq_len, groups.rank, groups.size, docs)
+    return (index if docs is None else docs.positions()[index]).to(device)
 
 
-def shard_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1) -> torch.Tensor:
-    """This rank's tokens of ``x`` (the full sequence along ``dim``), in the backend's layout. Differentiable."""
+def shard_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1,
+                   documents=None) -> torch.Tensor:
+    """This rank's tokens of ``x`` (the full sequence along ``dim``), in the backend's layout (with packed
+    ``documents``, as :func:`cp_attention` takes them, the layout's rule applied per document). Differentiable."""
     layout = _check_setup(config, groups)
     dim = _seq_dim(x, dim)
     check_seq_len(config, x.shape[dim], groups.size, _FULL)
-    return x.index_select(dim, layout.local_indices(x.shape[dim], groups.rank, groups.size).to(x.device))
+    docs = _documents_for(documents, config, x.shape[dim], groups.size)
+    return x.index_select(dim, layout.local_indices(x.shape[dim], groups.rank, groups.size, docs).to(x.device))
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -180,17 +214,16 @@ class _GatherSequence(torch.autograd.Function):
     report to the communication observers active at the first forward (``counter``)."""
 
     @staticmethod
-    def forward(ctx, x, layout: Layout, groups: CPGroups, dim: int, counter: Observers):
+    def forward(ctx, x, layout: Layout, groups: CPGroups, dim: int, counter: Observers, documents: Documents | None):
         seq_len = x.shape[dim] * groups.size
-        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(groups.size)]
-        dist.all_gather(parts, x.contiguous(), group=groups.group)
-        inverse = torch.argsort(layout.permutation(seq_len, groups.size)).to(x.device)
-        ctx.args = (layout, groups, dim, counter)
-        return torch.cat(parts, dim).index_select(dim, inverse)
+        parts = all_gather(x.new_empty((groups.size, *x.shape)), x, groups.cp, counter, "gather_sequence")
+        inverse = torch.argsort(layout.permutation(seq_len, groups.size, documents)).to(x.device)
+        ctx.args = (layout, groups, dim, counter, documents)
+        return parts.movedim(0, dim).flatten(dim, dim + 1).index_select(dim, inverse)
 
     @staticmethod
     def backward(ctx, grad):
-        return _SumOwnRows.apply(grad, *ctx.args), None, None, None, None
+        return _SumOwnRows.apply(grad, *ctx.args), None, None, None, None, None
 
 
 class _SumOwnRows(torch.autograd.Function):
@@ -198,28 +231,34 @@ class _SumOwnRows(torch.autograd.Function):
     reduce-scatter of the rows in sharded order. The caller's tensor is never modified."""
 
     @staticmethod
-    def forward(ctx, full, layout: Layout, groups: CPGroups, dim: int, counter: Observers):
+    def forward(ctx, full, layout: Layout, groups: CPGroups, dim: int, counter: Observers,
+                documents: Documents | None):
         p, seq_len = groups.size, full.shape[dim]
-        ranks_rows = full.index_select(dim, layout.permutation(seq_len, p).to(full.device)).movedim(dim, 0)
+        ranks_rows = full.index_select(dim, layout.permutation(seq_len, p, documents).to(full.device)).movedim(dim, 0)
         parts = ranks_rows.reshape(p, seq_len // p, *ranks_rows.shape[1:]).contiguous()
         own = reduce_scatter(torch.empty(parts.shape[1:], dtype=full.dtype, device=full.device), parts, groups.cp,
                              counter, "reduce_scatter_grad")
-        ctx.args = (layout, groups, dim, counter)
+        ctx.args = (layout, groups, dim, counter, documents)
         return own.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _GatherSequence.apply(grad, *ctx.args), None, None, None, None
+        return _GatherSequence.apply(grad, *ctx.args), None, None, None, None, None
 
 
-def gather_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1) -> torch.Tensor:
-    """The full sequence on every rank, in original order, from each rank's shard ``x``. Differentiable."""
+def gather_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1,
+                    documents=None) -> torch.Tensor:
+    """The full sequence on every rank, in original order, from each rank's shard ``x`` (sharded with the same packed
+    ``documents``, if any). Differentiable."""
     _check_groups(groups)
     error = None
+    doc_code = _document_code(None, given=documents is not None)
     try:
         layout = _check_setup(config, groups)
         dim = _seq_dim(x, dim)
         check_seq_len(config, x.shape[dim] * groups.size, groups.size, _GLOBAL)
+        docs = _documents_for(documents, config, x.shape[dim] * groups.size, groups.size)
+        doc_code = _document_code(docs, given=documents is not None)
         if groups.size > 1:
             _check_device(x, groups)
     except (TypeError, ValueError) as e:
@@ -227,7 +266,7 @@ def gather_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim:
     if error is None and groups.size == 1:
         return x
     if groups.check_group is not None:
-        agreement.check(groups, agreement.gather_signature(x, dim=dim, groups=groups, error=error))
+        agreement.check(groups, agreement.gather_signature(x, dim=dim, groups=groups, error=error, documents=doc_code))
     if error is not None:
         raise error
-    return _GatherSequence.apply(x, layout, groups, dim, active_observers())
+    return _GatherSequence.apply(x, layout, groups, dim, active_observers(), docs)

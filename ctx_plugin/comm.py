@@ -11,7 +11,7 @@ worker threads (CUDA), where the context is not set, so each autograd function c
 :func:`active_observers` at its forward and communicates with those in its backward: a backward is reported to
 the observers that were active at its forward. Kinds: ``"ring_kv"`` (one K/V rotation), ``"ring_dkv"`` (one
 dK/dV hop), ``"a2a"`` (one Ulysses all-to-all), ``"allgather_kv"``, ``"reduce_scatter_dkv"``,
-``"reduce_scatter_grad"`` (the backward of ``gather_sequence``), ``"agree"`` (one rank-agreement check).
+``"gather_sequence"``, ``"reduce_scatter_grad"`` (its backward), ``"agree"`` (one rank-agreement check).
 """
 from __future__ import annotations
 

@@ -31,47 +31,16 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import torch
 
+from .blocks import Block, Segment, band_block, block_pairs, document_blocks, segments_of
 from .config import CPConfig
+from .documents import Documents
 from .mask import Mask
 from .names import Backend
-
-
-@dataclass(frozen=True)
-class Block:
-    """Local query rows ``q`` meet visiting key rows ``k`` under the kernels' mask convention (bottom-right
-    aligned, as flash-attn): with ``sq``/``sk`` rows and keys, row ``a`` sees key ``b`` iff
-    ``a + sk − sq − left ≤ b ≤ a + sk − sq + right`` (``None`` sides unbounded), and ``b ≤ a + sk − sq`` if
-    ``causal``. Every row sees at least one key and every key is seen (blocks are trimmed)."""
-
-    q: slice
-    k: slice
-    causal: bool
-    window: tuple[int | None, int | None] = (None, None)
-
-
-def band_block(mask: Mask, q_start: int, k_start: int, stride: int, q_rows: slice, k_rows: slice) -> Block | None:
-    """The block of local rows ``q_rows`` (global positions ``q_start + stride·a``) meeting keys ``k_rows``
-    (``k_start + stride·b``) under ``mask``, trimmed; ``None`` when no pair is allowed."""
-    sq, sk = q_rows.stop - q_rows.start, k_rows.stop - k_rows.start
-    lo, hi = mask.band()
-    delta = k_start - q_start                         # allowed: lo ≤ delta + stride·(b − a) ≤ hi
-    blo = -(sq - 1) if lo is None else max(-(sq - 1), -((delta - lo) // stride))     # ceil((lo − delta)/stride)
-    bhi = sk - 1 if hi is None else min(sk - 1, (hi - delta) // stride)
-    a0, a1 = max(0, -bhi), min(sq - 1, sk - 1 - blo)  # rows with a key, keys with a row (inclusive)
-    b0, b1 = max(0, blo), min(sk - 1, sq - 1 + bhi)
-    if blo > bhi or a0 > a1 or b0 > b1:
-        return None
-    sq, sk, shift = a1 - a0 + 1, b1 - b0 + 1, b0 - a0
-    blo, bhi, diag = blo - shift, bhi - shift, b1 - b0 - (a1 - a0)     # band after trimming; diag = sk − sq
-    left = None if blo <= -(sq - 1) else diag - blo
-    right = None if bhi >= sk - 1 else bhi - diag
-    causal = right == 0
-    return Block(slice(q_rows.start + a0, q_rows.start + a1 + 1), slice(k_rows.start + b0, k_rows.start + b1 + 1),
-                 causal, (left, None if causal else right))
 
 
 def _full(n: int) -> tuple[Block, ...]:
@@ -82,9 +51,15 @@ def _causal(n: int) -> tuple[Block, ...]:
     return (Block(slice(0, n), slice(0, n), True),)
 
 
+def _indices(pieces) -> torch.Tensor:
+    parts = [torch.arange(first, first + count * stride, stride) for first, count, stride, _ in pieces]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
 class Layout(ABC):
     """How the global sequence is split over P ranks. Subclasses define ``name``, ``unit`` and
-    ``local_indices``."""
+    ``local_indices``. Every method that depends on the sequence takes its packed ``documents`` (``None``: one
+    document): layouts that split each document (zigzag, striped) then apply their rule per document."""
 
     name: str = ""
     multiple: int = 1
@@ -94,46 +69,82 @@ class Layout(ABC):
         :func:`ctx_plugin.rules.check_seq_len`)."""
         return self.multiple * size
 
+    def document_unit(self, size: int) -> int:
+        """With packed documents, every document's length must be a multiple of this (1: documents may be cut
+        anywhere; checked by :func:`ctx_plugin.rules.check_documents_fit`)."""
+        return 1
+
     @abstractmethod
-    def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
+    def local_indices(self, seq_len: int, rank: int, size: int, documents: Documents | None = None) -> torch.Tensor:
         """Global positions (int64) of the tokens rank ``rank`` holds, in local order (increasing)."""
 
-    def permutation(self, seq_len: int, size: int) -> torch.Tensor:
+    def permutation(self, seq_len: int, size: int, documents: Documents | None = None) -> torch.Tensor:
         """Concatenation of every rank's ``local_indices`` (rank 0 first): the sharded order of the sequence."""
-        return torch.cat([self.local_indices(seq_len, r, size) for r in range(size)])
+        return torch.cat([self.local_indices(seq_len, r, size, documents) for r in range(size)])
 
 
 class RingLayout(Layout):
-    """A layout the ring can run on: adds the per-step plan (``causal_plan`` without a window, the bands of
-    ``segments`` with one)."""
+    """A layout the ring can run on: adds the per-step plan (``causal_plan`` without a window or documents, the
+    bands of ``segments`` with them)."""
 
     @abstractmethod
     def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
         """Blocks for rank ``rank`` meeting the K/V shard of rank ``source`` under a causal mask."""
 
     @abstractmethod
-    def segments(self, rank: int, size: int, local_len: int) -> tuple[tuple[slice, int, int], ...]:
-        """This rank's local rows as arithmetic progressions: ``(rows, first global position, stride)``."""
+    def pieces(self, rank: int, size: int, local_len: int,
+               documents: Documents) -> list[tuple[int, int, int, int]]:
+        """This rank's tokens under ``documents`` as ``(first, count, stride, document)`` runs in local order."""
+
+    def segments(self, rank: int, size: int, local_len: int,
+                 documents: Documents | None = None) -> tuple[Segment, ...]:
+        """This rank's local rows as arithmetic progressions inside one document each:
+        ``(rows, first global position, stride, document index)``."""
+        if documents is None:
+            documents = Documents((0, local_len * size))
+        return segments_of(self.pieces(rank, size, local_len, documents))
+
+    def local_indices(self, seq_len: int, rank: int, size: int, documents: Documents | None = None) -> torch.Tensor:
+        return _indices(self.pieces(rank, size, seq_len // size, documents or Documents((0, seq_len))))
 
     def plan(self, rank: int, source: int, size: int, local_len: int, mask: Mask) -> tuple[Block, ...]:
         """The blocks to compute at one ring step (pure function of its arguments)."""
+        if mask.documents is not None:
+            return _document_plan(type(self), rank, source, size, local_len, mask)
         if not mask.windowed:
             return self.causal_plan(rank, source, size, local_len) if mask.causal else _full(local_len)
         blocks = (band_block(mask, q0, k0, stride, q_rows, k_rows)
-                  for q_rows, q0, stride in self.segments(rank, size, local_len)
-                  for k_rows, k0, _ in self.segments(source, size, local_len))
+                  for q_rows, q0, stride, _ in self.segments(rank, size, local_len)
+                  for k_rows, k0, _, _ in self.segments(source, size, local_len))
         return tuple(b for b in blocks if b is not None)
 
 
+@functools.lru_cache(maxsize=1024)
+def _document_plan(kind: type[RingLayout], rank: int, source: int, size: int, local_len: int,
+                   mask: Mask) -> tuple[Block, ...]:
+    layout = kind()
+    return document_blocks(layout.segments(rank, size, local_len, mask.documents),
+                           layout.segments(source, size, local_len, mask.documents), mask)
+
+
 class Contiguous(RingLayout):
+    """Rank r holds tokens r·n .. (r+1)·n − 1; with documents, its shard is cut at their boundaries."""
+
     name = "contiguous"
 
-    def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
+    def local_indices(self, seq_len: int, rank: int, size: int, documents: Documents | None = None) -> torch.Tensor:
         n = seq_len // size
         return torch.arange(rank * n, (rank + 1) * n)
 
-    def segments(self, rank: int, size: int, local_len: int) -> tuple[tuple[slice, int, int], ...]:
-        return ((slice(0, local_len), rank * local_len, 1),)
+    def pieces(self, rank, size, local_len, documents):
+        lo, hi, bounds = rank * local_len, (rank + 1) * local_len, documents.bounds
+        out = []
+        for d in range(bisect_right(bounds, lo) - 1, documents.count):
+            if bounds[d] >= hi:
+                break
+            first = max(lo, bounds[d])
+            out.append((first, min(hi, bounds[d + 1]) - first, 1, d))
+        return out
 
     def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
         if source == rank:
@@ -142,17 +153,22 @@ class Contiguous(RingLayout):
 
 
 class Zigzag(RingLayout):
+    """Each document (the whole sequence without documents) is split into 2P chunks; rank r holds chunks r and
+    2P − 1 − r of every document (TransformerEngine's THD rule), in document order."""
+
     name = "zigzag"
     multiple = 2
 
-    def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
-        c = seq_len // (2 * size)
-        late = 2 * size - 1 - rank
-        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
+    def document_unit(self, size: int) -> int:
+        return 2 * size
 
-    def segments(self, rank: int, size: int, local_len: int) -> tuple[tuple[slice, int, int], ...]:
-        c = local_len // 2
-        return ((slice(0, c), rank * c, 1), (slice(c, local_len), (2 * size - 1 - rank) * c, 1))
+    def pieces(self, rank, size, local_len, documents):
+        out = []
+        for d, length in enumerate(documents.lengths):
+            c = length // (2 * size)
+            for chunk in (rank, 2 * size - 1 - rank):
+                out.append((documents.bounds[d] + chunk * c, c, 1, d))
+        return out
 
     def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
         half = local_len // 2
@@ -165,13 +181,15 @@ class Zigzag(RingLayout):
 
 
 class Striped(RingLayout):
+    """Token t of each document (of the sequence without documents) goes to rank t mod P."""
+
     name = "striped"
 
-    def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
-        return torch.arange(rank, seq_len, size)
+    def document_unit(self, size: int) -> int:
+        return size
 
-    def segments(self, rank: int, size: int, local_len: int) -> tuple[tuple[slice, int, int], ...]:
-        return ((slice(0, local_len), rank, size),)
+    def pieces(self, rank, size, local_len, documents):
+        return [(documents.bounds[d] + rank, length // size, size, d) for d, length in enumerate(documents.lengths)]
 
     def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
         if source <= rank:   # local query j (global j·P+r) sees visiting key m (global m·P+s) iff m ≤ j
@@ -179,6 +197,12 @@ class Striped(RingLayout):
         if local_len == 1:   # s > r: strictly m < j, i.e. q[1:] × k[:-1] causal; nothing when one token
             return ()
         return (Block(slice(1, local_len), slice(0, local_len - 1), True),)
+
+
+def rank_work(layout: RingLayout, size: int, local_len: int, mask: Mask) -> list[int]:
+    """Per rank, the (query, key) pairs its blocks compute over all ring steps: the balance of the layout."""
+    return [sum(block_pairs(blk) for o in range(size) for blk in layout.plan(r, (r - o) % size, size, local_len, mask))
+            for r in range(size)]
 
 
 @dataclass(frozen=True)
@@ -234,9 +258,12 @@ class UlyssesRing(Layout):
     def unit(self, size: int) -> int:
         return size // self.ulysses_size * math.lcm(2, self.ulysses_size)
 
-    def local_indices(self, seq_len: int, rank: int, size: int) -> torch.Tensor:
+    def document_unit(self, size: int) -> int:
+        return 2 * (size // self.ulysses_size)
+
+    def local_indices(self, seq_len: int, rank: int, size: int, documents: Documents | None = None) -> torch.Tensor:
         outer, inner = divmod(rank, self.ulysses_size)
-        ring_shard = Zigzag().local_indices(seq_len, outer, size // self.ulysses_size)
+        ring_shard = Zigzag().local_indices(seq_len, outer, size // self.ulysses_size, documents)
         n = seq_len // size
         return ring_shard[inner * n:(inner + 1) * n]
 

@@ -10,6 +10,9 @@ allowed offsets ``d = j − i`` form one interval, :meth:`Mask.band`::
        j: 0 1 2 3 4 5                   j: 0 1 2 3 4 5
     i=3   · ■ ■ ■ · ·   d ∈ [−2, 0]  i=3   · · ■ ■ ■ ■   d ∈ [−1, 2]
 
+Packed documents (:class:`~ctx_plugin.documents.Documents`) restrict this further: query and key must lie in one
+document and both be real (not padding). They need no kernel feature: the layouts' plans cut them into blocks.
+
 Attention sinks are not part of the mask (they are a tensor, applied after the blocks are merged:
 :mod:`ctx_plugin.sinks`).
 """
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from .documents import Documents
 
 
 def check_window(window) -> tuple[int | None, int | None]:
@@ -61,6 +66,8 @@ class Mask:
     with ``right = None`` when causal, where it changes nothing)."""
     softcap: float | None = None
     """Scores ``s`` (after the softmax scale) become ``softcap · tanh(s / softcap)`` before the softmax."""
+    documents: Documents | None = None
+    """The packed documents of the global sequence (``None``: one document, all real)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.causal, bool):
@@ -68,12 +75,16 @@ class Mask:
         left, right = check_window(self.window)
         object.__setattr__(self, "window", (left, None if self.causal else right))   # causal: right changes nothing
         object.__setattr__(self, "softcap", check_softcap(self.softcap))
+        if self.documents is not None and not isinstance(self.documents, Documents):
+            raise TypeError(f"documents must be None or a ctx_plugin.Documents, got {type(self.documents).__name__}")
+        if self.documents is not None and self.documents.count == 1 and self.documents.valid is None:
+            object.__setattr__(self, "documents", None)          # one document, all real: no documents
 
     def within(self, seq_len: int) -> Mask:
         """This mask over a sequence of ``seq_len`` tokens: window sides that reach past it become ``None`` (so a
         window longer than the sequence needs no kernel that applies windows)."""
         left, right = (None if side is not None and side >= seq_len - 1 else side for side in self.window)
-        return Mask(self.causal, (left, right), self.softcap)
+        return Mask(self.causal, (left, right), self.softcap, self.documents)
 
     def band(self) -> tuple[int | None, int | None]:
         """The allowed offsets ``j − i`` as ``(lo, hi)``, ``None`` unbounded; ``lo ≤ 0 ≤ hi`` always."""
@@ -96,4 +107,10 @@ class Mask:
     def allows(self, i: int, j: int) -> bool:
         """Whether global query position ``i`` sees key position ``j`` (the definition; tests compare with it)."""
         lo, hi = self.band()
-        return (lo is None or j - i >= lo) and (hi is None or j - i <= hi)
+        if not ((lo is None or j - i >= lo) and (hi is None or j - i <= hi)):
+            return False
+        docs = self.documents
+        if docs is None:
+            return True
+        d = docs.document_of(i)
+        return docs.document_of(j) == d and docs.is_real(i) and docs.is_real(j)

@@ -11,12 +11,16 @@ section, the demo, the benchmark, the memory model and the planner. The rules:
   backend, 2·P/u·u for the hybrid); nothing is padded.
 * **Head split** — over an all-to-all axis of u > 1 ranks, u divides the query heads, and the K/V heads either divide
   by u or divide u (each rank then gets a replicated K/V head).
+* **Document unit** — with packed documents, every document's length is a multiple of the layout's document unit
+  (:meth:`ctx_plugin.layouts.Layout.document_unit`: 2·P for zigzag and the all-gather backend, P for striped, 2·P/u
+  for the hybrid, 1 for contiguous shards and Ulysses); :func:`ctx_plugin.documents.pad_documents` pads to it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .config import CPConfig
+from .documents import Documents
 from .layouts import shard_layout
 from .names import Backend
 
@@ -26,6 +30,7 @@ class SettingNames:
     """What a surface calls each setting, for its error messages (e.g. ``seq_len="--seq-length"``)."""
 
     seq_len: str = "seq_len"
+    documents: str = "documents"
     cp: str = "context-parallel size"
     ulysses_size: str = "ulysses_size"
     heads: str = "query heads"
@@ -63,6 +68,33 @@ def check_seq_len(config: CPConfig, seq_len: int, cp: int, names: SettingNames =
         raise ValueError(f"{names.seq_len} must be a positive multiple of {unit}, got {seq_len!r} ({config.backend} "
                          f"over {names.cp} {cp}); pad the sequence (and mask the padding out of the loss) to a "
                          f"multiple of {unit}")
+
+
+def document_unit(config: CPConfig, cp: int) -> int:
+    """With packed documents, every document's length must be a multiple of this."""
+    return shard_layout(config).document_unit(cp)
+
+
+def padding_units(config: CPConfig, cp: int) -> tuple[int, int]:
+    """``(document unit, sequence unit)``: what :func:`ctx_plugin.documents.pad_documents` pads each document and
+    the whole packed sequence to (the sequence unit is always a multiple of the document unit)."""
+    return document_unit(config, cp), sequence_unit(config, cp)
+
+
+def check_documents_fit(config: CPConfig, documents: Documents, cp: int, names: SettingNames = API) -> None:
+    """ValueError naming the first document whose length the layout cannot split over ``cp`` ranks, and the fix."""
+    unit = document_unit(config, cp)
+    if unit == 1:
+        return
+    for d, length in enumerate(documents.lengths):
+        if length % unit:
+            doc_unit, seq_unit = padding_units(config, cp)
+            raise ValueError(
+                f"{names.documents}: document {d} holds {length} tokens, not a multiple of {unit}: {config.backend} "
+                f"over {names.cp} {cp} splits every document over the ranks ({shard_layout(config).name} layout); "
+                f"pad each document to a multiple of {unit} with ctx_plugin.documents.pad_documents(lengths, "
+                f"{doc_unit}, total_unit={seq_unit}) and pad_tokens (labels -100 on the padding), or use a backend "
+                f"that cuts documents anywhere (ring, ulysses)")
 
 
 def check_heads(config: CPConfig, heads: int, kv_heads: int, cp: int, names: SettingNames = API) -> None:

@@ -68,3 +68,21 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """Norm-wise relative error: max |got − want| / max |want| (computed in float64)."""
     got, want = got.double(), want.double()
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
+
+
+def documents_with_grads(q, k, v, dout, docs, *, causal: bool, sinks=None, **variants):
+    """out, dq, dk, dv (and dsinks) of packed documents (a ``ctx_plugin.Documents``: ``bounds`` and ``real(d)``):
+    :func:`dense_attention` on every document's real tokens on their own, padding rows 0 (so nothing crosses a
+    document or touches padding)."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    s = None if sinks is None else sinks.detach().clone().requires_grad_(True)
+    parts = []
+    for d in range(docs.count):
+        a, real = docs.bounds[d], docs.real(d)
+        parts.append(dense_attention(q[:, a:a + real], k[:, a:a + real], v[:, a:a + real], causal=causal, sinks=s,
+                                     **variants))
+        parts.append(torch.zeros_like(q[:, a + real:docs.bounds[d + 1]]))
+    out = torch.cat(parts, 1)
+    out.backward(dout)
+    grads = (q.grad, k.grad, v.grad)
+    return (out.detach(), *grads) + ((s.grad,) if s is not None else ())

@@ -1,0 +1,138 @@
+"""Packed documents in the layouts: per-document shards, positions that restart, and ring plans whose blocks cover
+the block-diagonal mask (Mask.allows, the definition) exactly once for every layout, P and document mix; causal
+work stays balanced for skewed mixes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctx_plugin.documents import Documents, check_documents, pad_documents
+from ctx_plugin.layouts import RING_LAYOUTS, Contiguous, Striped, UlyssesRing, Zigzag, rank_work, ring_schedule
+from ctx_plugin.mask import Mask
+
+WINDOWS = [(None, None), (0, 0), (2, 0), (3, 1), (None, 2)]
+
+
+def mixes(unit: int, size: int) -> dict[str, Documents]:
+    """Document mixes whose lengths are multiples of ``unit`` and whose total is a multiple of ``size`` and of 2."""
+    step = unit * size * 2 // __import__("math").gcd(unit, size * 2)
+    out = {"one": [2 * step], "equal": [unit] * (2 * step // unit), "unequal": [step - unit, unit, 2 * step]}
+    out["unequal"] = [n for n in out["unequal"] if n]
+    short = [unit, 3 * step - unit]               # shorter than one rank's chunk of the sequence
+    out["short"] = short
+    docs = {name: Documents(tuple(__import__("itertools").accumulate([0, *lengths]))) for name, lengths in out.items()}
+    padded, _ = pad_documents([1, 2 * unit + 1, unit], step)
+    docs["padded"] = padded
+    return docs
+
+
+def kernel_mask(blk) -> torch.Tensor:
+    """The block's mask in the kernels' bottom-right convention (flash-attn's), written out."""
+    sq, sk = blk.q.stop - blk.q.start, blk.k.stop - blk.k.start
+    left, right = blk.window
+    d = torch.arange(sk).unsqueeze(0) - torch.arange(sq).unsqueeze(1) - (sk - sq)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if left is not None:
+        keep &= d >= -left
+    if right is not None:
+        keep &= d <= right
+    if blk.causal:
+        keep &= d <= 0
+    return keep
+
+
+def definition(mask: Mask, seq: int) -> torch.Tensor:
+    return torch.tensor([[int(mask.allows(i, j)) for j in range(seq)] for i in range(seq)], dtype=torch.int64)
+
+
+def check_cover(layout, size: int, mask: Mask) -> None:
+    docs = mask.documents
+    seq = docs.seq_len
+    n = seq // size
+    cover = torch.zeros(seq, seq, dtype=torch.int64)
+    schedule = ring_schedule(layout, size, n, mask)
+    for rank in range(size):
+        q_pos = layout.local_indices(seq, rank, size, docs)
+        for offset in range(size):
+            source = (rank - offset) % size
+            k_pos = layout.local_indices(seq, source, size, docs)
+            blocks = layout.plan(rank, source, size, n, mask)
+            assert not blocks or offset in schedule.offsets, (rank, offset)
+            for blk in blocks:
+                keep = kernel_mask(blk)
+                assert keep.any(1).all() and keep.any(0).all(), f"untrimmed block {blk}"
+                cover[q_pos[blk.q].unsqueeze(1), k_pos[blk.k].unsqueeze(0)] += keep.to(torch.int64)
+    assert torch.equal(cover, definition(mask, seq)), (layout.name, size, docs, mask)
+
+
+@pytest.mark.parametrize("layout", RING_LAYOUTS, ids=lambda l: l.name)
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_plans_cover_the_document_mask_exactly_once(layout, size):
+    for name, docs in mixes(layout.document_unit(size), size).items():
+        for causal in (True, False):
+            for window in WINDOWS:
+                check_cover(layout, size, Mask(causal, window, documents=docs))
+
+
+@pytest.mark.parametrize("layout", [*RING_LAYOUTS, UlyssesRing(2)], ids=lambda l: l.name)
+@pytest.mark.parametrize("size", [2, 4])
+def test_document_shards_form_a_permutation(layout, size):
+    for docs in mixes(layout.document_unit(size), size).values():
+        seq = docs.seq_len
+        perm = layout.permutation(seq, size, docs)
+        assert perm.dtype == torch.int64 and sorted(perm.tolist()) == list(range(seq))
+        for rank in range(size):
+            local = layout.local_indices(seq, rank, size, docs)
+            assert local.numel() == seq // size and torch.all(local[1:] > local[:-1])
+
+
+def test_known_document_layouts():
+    docs = Documents((0, 4, 12))
+    assert Zigzag().local_indices(12, 0, 2, docs).tolist() == [0, 3, 4, 5, 10, 11]
+    assert Zigzag().local_indices(12, 1, 2, docs).tolist() == [1, 2, 6, 7, 8, 9]
+    assert Striped().local_indices(12, 1, 2, docs).tolist() == [1, 3, 5, 7, 9, 11]
+    assert Striped().local_indices(12, 0, 4, Documents((0, 4, 12))).tolist() == [0, 4, 8]
+    assert Contiguous().segments(0, 2, 6, docs) == ((slice(0, 4), 0, 1, 0), (slice(4, 6), 4, 1, 1))
+    assert UlyssesRing(2).local_indices(12, 1, 4, docs).tolist() == [5, 10, 11]     # ring rank 0: 0,3,4,5,10,11
+    assert Documents((0, 4, 12)).positions().tolist() == [0, 1, 2, 3, *range(8)]
+
+
+@pytest.mark.parametrize("layout,factor", [(Zigzag(), 1.1), (Striped(), 1.1)], ids=["zigzag", "striped"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_causal_work_is_balanced_for_skewed_documents(layout, factor, size):
+    """Many short documents and one long one at the end: every rank's causal work within ``factor`` of the mean,
+    while contiguous shards are far off (the skew is real)."""
+    unit = 2 * size
+    lengths = [unit] * 16 + [3 * unit] * 4 + [64 * unit]
+    docs = Documents(tuple(__import__("itertools").accumulate([0, *lengths])))
+    mask = Mask(True, documents=docs)
+    work = rank_work(layout, size, docs.seq_len // size, mask)
+    mean = sum(work) / size
+    assert sum(work) == int(definition(mask, docs.seq_len).sum())
+    assert max(work) <= factor * mean and min(work) >= mean / factor, work
+    contiguous = rank_work(Contiguous(), size, docs.seq_len // size, mask)
+    assert max(contiguous) > 1.5 * sum(contiguous) / size, contiguous
+
+
+def test_plans_without_documents_are_unchanged():
+    """Documents covering the sequence as one document give the same coverage; without them the fast plans run."""
+    assert Zigzag().plan(1, 1, 2, 8, Mask(True)) == Zigzag().causal_plan(1, 1, 2, 8)
+    one = Mask(False, documents=Documents((0, 16)))
+    assert Zigzag().plan(0, 1, 2, 8, one) == (Zigzag().plan(0, 1, 2, 8, Mask(False))[0],)
+
+
+def test_bad_documents_are_refused():
+    for bad, error, text in (
+            (torch.tensor([0.0, 4.0]), TypeError, "integer tensor"),
+            ([0, 4.5], TypeError, "must hold ints"),
+            ("0,4", TypeError, "cu_seqlens"),
+            ([1, 4, 8], ValueError, "start at 0"),
+            ([0, 4, 4, 8], ValueError, "document 1 runs from 4 to 4"),
+            ([0, 4, 6], ValueError, "sequence length 8.*last boundary is 6"),
+            ([0], ValueError, "at least two")):
+        with pytest.raises(error, match=text):
+            check_documents(bad, 8)
+    with pytest.raises(ValueError, match=r"valid\[1\] must be between 1 and the document's length 4"):
+        Documents((0, 4, 8), (4, 5))
+    assert check_documents(torch.tensor([0, 3, 8], dtype=torch.int32), 8) == Documents((0, 3, 8))
+    assert Documents((0, 4, 8), (4, 4)) == Documents((0, 4, 8))
