@@ -6,8 +6,9 @@ where the heads allow) × windows (none, smaller than a shard, between one and t
 sequence, left-only, left+right) × causal/non-causal × softcap and sinks (``VARIANTS``), GQA, outputs and
 gradients including the sinks' (each rank's sinks.grad is its part; their sum is the reference's). The ring's
 communication and kernel calls are counted per rank: a contiguous causal window of w tokens over shards of n
-tokens takes ⌈w/n⌉ K/V transfers, not P − 1. tests/distributed/test_attention_variants_ranks.py runs a few of
-these cases on spawned gloo ranks.
+tokens takes ⌈w/n⌉ K/V transfers, not P − 1, and every ring layout (zigzag, striped too) moves K/V only along the
+shortest arc of ring offsets the window's global mask needs. tests/distributed/test_attention_variants_ranks.py runs
+a few of these cases on spawned gloo ranks.
 """
 from __future__ import annotations
 
@@ -136,6 +137,47 @@ def test_contiguous_causal_window_counts(kernel_calls, size, w):
     got = sorted(kernel_calls[(name, "forward")] for name in by_thread)
     assert got == sorted(shards)
     assert sorted(kernel_calls[(name, "backward")] for name in by_thread) == sorted(shards)
+
+
+def _shortest_arc(config, size: int, causal: bool, window) -> int:
+    """K/V transfers per pass the global mask requires: the offsets d (rank r computes on the K/V of rank
+    (r - d) mod P) at which some rank has a query that sees a key of that shard, covered by the cheapest arc
+    [lo, hi] ∋ 0 of ring steps (a start ahead, lo < 0, is one direct fetch first), at most the full ring's P − 1."""
+    index = [shard_layout(config).local_indices(SEQ, r, size) for r in range(size)]
+    pos = torch.arange(SEQ)
+    left, right = window
+    allowed = torch.ones(SEQ, SEQ, dtype=torch.bool)
+    if causal:
+        allowed &= pos[None, :] <= pos[:, None]
+    if left is not None:
+        allowed &= pos[None, :] >= pos[:, None] - left
+    if right is not None:
+        allowed &= pos[None, :] <= pos[:, None] + right
+    needed = {(r - s) % size for r in range(size) for s in range(size) if allowed[index[r]][:, index[s]].any()}
+    arcs = [(hi - lo) + (lo != 0) for lo in range(1 - size, 1) for hi in range(size) if hi - lo < size
+            and needed <= {d % size for d in range(lo, hi + 1)}]
+    return min([size - 1, *arcs])
+
+
+LAYOUT_WINDOWS = [(b, p, c, w) for b in (Backend.RING, Backend.ZIGZAG, Backend.STRIPED) for p in (3, 4)
+                  for c in (True, False) for w in ((2, 0), (7, 0), (3, 3), (2, 5))]
+
+
+@pytest.mark.parametrize("backend,size,causal,window", LAYOUT_WINDOWS,
+                         ids=[f"{b.value}-P{p}-{'causal' if c else 'full'}-{w}" for b, p, c, w in LAYOUT_WINDOWS])
+def test_ring_layouts_transfer_only_what_the_window_needs(backend, size, causal, window):
+    """Every ring layout (contiguous, zigzag, striped) moves K/V only along the shortest arc of ring offsets the
+    window's global mask needs, worked out here from the layout's own token indices: zigzag's late chunk needs the
+    next rank, so even a small window costs it transfers both ways; striped needs every shard once the window
+    reaches P − 1 tokens back (the README's advice: ring for windowed models)."""
+    config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
+    q, k, v, dout, _ = _inputs()
+    _, _, counts = simulated_run(config, size, q, k, v, dout, causal=causal, window=window)
+    want = _shortest_arc(config, size, causal, window)
+    for rank, c in enumerate(counts):
+        assert c.get("ring_kv", 0) == 2 * want, (rank, c, want)     # forward and backward each
+    if backend == Backend.RING and window == (2, 0):
+        assert want == 1 < size - 1                                    # the window saves transfers
 
 
 def test_bad_variant_arguments_are_refused_before_anything_runs():
