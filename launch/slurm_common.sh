@@ -14,8 +14,14 @@
 # SLURM's time-limit warning (#SBATCH --signal=B:USR1@120) reaches this shell only; it passes USR1 on to every
 # rank (an overlapping srun step signals the children of each node's torchrun; torchrun itself ignores USR1), so
 # every rank can finish its step, save and exit. Then, with --requeue (or CTX_REQUEUE=1), the job requeues itself (same job id, next
-# attempt); without, it waits for the time limit, so SLURM records TIMEOUT. A SIGTERM (scancel, the time limit,
-# preemption) is classified by asking slurmctld for the job's state.
+# attempt); without, it waits for the time limit, so SLURM records TIMEOUT. A SIGTERM (scancel, the time limit) is
+# classified by asking slurmctld for the job's state.
+# Preemption with a GraceTime (PreemptMode=REQUEUE or CANCEL): slurmctld sends SIGCONT and SIGTERM to the job steps
+# (SLURM 22.05: not to this shell), so every rank gets SIGTERM from SLURM (and again from its torchrun, which waits
+# 30 s for it) and saves; the step ends. Seeing PreemptTime set, this shell records "preempted" and waits for SLURM
+# to end the job at the GraceTime's end: only a job still running then is requeued (one that ends on its own is
+# recorded COMPLETED or FAILED and never resumes). With PreemptParameters=send_user_signal, SLURM sends the warning
+# (B:USR1) instead: the ranks save on it, and the job is not requeued by this shell but left to SLURM.
 
 ctx_seconds() {   # SLURM time ([D-]HH:MM:SS, MM:SS, SS) → seconds; nothing for UNLIMITED/NOT_SET
   local t=$1 d=0 a b c
@@ -51,21 +57,33 @@ ctx_status() {    # ctx_status WORD [EXIT_CODE [KEY=VALUE...]]: the attempt's st
 
 _ctx_epoch() { date -d "$1" +%s 2>/dev/null || true; }
 
-ctx_end_reason() {   # how slurmctld sees the job ending: cancelled, timeout, preempted, requeued, or nothing (unknown)
-  local info state limit start end
+_ctx_field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<" $2"; }   # _ctx_field NAME "scontrol show job -o" line
+
+ctx_end_reason() {   # how slurmctld sees the job ending: cancelled, timeout, preempted, requeued, preempting (within a
+                     # preemption's GraceTime, still running), or nothing (unknown)
+  local info state limit start end restarts preempt
   info=$(scontrol show job -o "${SLURM_JOB_ID:-0}" 2>/dev/null) || return 0
-  state=$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$info")
+  state=$(_ctx_field JobState "$info")
+  restarts=$(_ctx_field Restarts "$info")
+  preempt=$(_ctx_field PreemptTime "$info")
   case $state in
     CANCELLED) echo cancelled ;;
     TIMEOUT|DEADLINE) echo timeout ;;
     PREEMPTED) echo preempted ;;
     PENDING|REQUEUED|REQUEUE_FED|REQUEUE_HOLD) echo requeued ;;
-    COMPLETING)   # the state it ends in is not shown yet: ended at the time limit (timeout) or before (scancel)
-      limit=$(ctx_seconds "$(sed -n 's/.*TimeLimit=\([^ ]*\).*/\1/p' <<<"$info")")
-      start=$(_ctx_epoch "$(sed -n 's/.*StartTime=\([^ ]*\).*/\1/p' <<<"$info")")
-      end=$(_ctx_epoch "$(sed -n 's/.*EndTime=\([^ ]*\).*/\1/p' <<<"$info")")
-      if [ -n "$limit" ] && [ -n "$start" ] && [ -n "$end" ] && [ $((end - start)) -ge "$limit" ]; then echo timeout
-      elif [ -n "$start" ] && [ -n "$end" ]; then echo cancelled; fi ;;
+    RUNNING|COMPLETING|SIGNALING|STOPPED|SUSPENDED)
+      if [[ $restarts =~ ^[0-9]+$ ]] && [ "$restarts" -gt "${SLURM_RESTART_COUNT:-0}" ]; then
+        echo requeued    # SLURM is requeueing it (a preemption's GraceTime is over, or scontrol requeue)
+      elif [ -n "$preempt" ] && [ "$preempt" != None ] && [ "$preempt" != Unknown ]; then
+        echo preempting   # within the preemption's GraceTime
+      elif [ "$state" = COMPLETING ]; then
+        # the state it ends in is not shown yet: ended at the time limit (timeout) or before (scancel)
+        limit=$(ctx_seconds "$(_ctx_field TimeLimit "$info")")
+        start=$(_ctx_epoch "$(_ctx_field StartTime "$info")")
+        end=$(_ctx_epoch "$(_ctx_field EndTime "$info")")
+        if [ -n "$limit" ] && [ -n "$start" ] && [ -n "$end" ] && [ $((end - start)) -ge "$limit" ]; then echo timeout
+        elif [ -n "$start" ] && [ -n "$end" ]; then echo cancelled; fi
+      fi ;;
   esac
 }
 
@@ -84,11 +102,19 @@ _ctx_on_warning() {   # SLURM's time-limit warning: every rank (torchrun's child
 
 _ctx_on_term() {
   local reason now
-  _ctx_termed=1
   case $_ctx_reason in   # decided already (the step has ended): stop waiting
-    requeued|cancelled|timeout|preempted) kill -TERM "$_ctx_pid" 2>/dev/null || true; return 0 ;;
+    requeued|cancelled|timeout|preempted) _ctx_termed=1; kill -TERM "$_ctx_pid" 2>/dev/null || true; return 0 ;;
   esac
   reason=$(ctx_end_reason)
+  if [ "$reason" = preempting ] && [ "$_ctx_reason" != preempting ]; then
+    # within the preemption's GraceTime: SLURM signals the steps too, so the ranks save and the step ends by itself
+    _ctx_reason=preempting
+    ctx_status preempted "" "stopping=preempted: the ranks got SIGTERM to save and stop within the GraceTime"
+    echo "ctx_plugin: preempted: the ranks save and stop within the GraceTime" >&2
+    return 0
+  fi
+  _ctx_termed=1
+  [ "$reason" != preempting ] || reason=preempted   # SLURM's second SIGTERM: the GraceTime is over
   if [ -z "$reason" ]; then   # slurmctld did not say: the time left says
     now=$(date +%s)
     if [ -n "$_ctx_deadline" ] && [ "$now" -ge $((_ctx_deadline - 90)) ]; then reason=timeout; else reason=cancelled; fi
@@ -106,8 +132,33 @@ _ctx_wait() {     # waits for $_ctx_pid (a trapped signal interrupts wait: wait 
   done
 }
 
+_ctx_wait_for_slurm() {   # _ctx_wait_for_slurm SECONDS: sleeps until SLURM ends the job (its SIGTERM stops it)
+  [ -z "$_ctx_termed" ] || return 0
+  [ "$1" -gt 0 ] || return 0
+  echo "ctx_plugin: waiting for SLURM to end the job (${2:-time limit or requeue})" >&2
+  sleep "$1" &
+  _ctx_pid=$!
+  [ -z "$_ctx_termed" ] || kill -TERM "$_ctx_pid"   # SLURM's SIGTERM came while the wait began
+  _ctx_wait
+}
+
+_ctx_after_preemption() {   # the step ended within a preemption's GraceTime: SLURM ends the job at the GraceTime's end
+  local rc=$1 end
+  _ctx_reason=preempted
+  ctx_status preempted "$rc" "note=preempted (PreemptTime set): the ranks were signalled to save and stop; SLURM ends \
+the job at the end of the GraceTime and requeues it (PreemptMode=REQUEUE) or cancels it"
+  end=$(_ctx_epoch "$(_ctx_field EndTime "$(scontrol show job -o "${SLURM_JOB_ID:-0}" 2>/dev/null || true)")")
+  # a job that ends before SLURM's end of the GraceTime is not requeued: wait for it (300 s past: SLURM acts
+  # on its next scheduling pass)
+  _ctx_wait_for_slurm $((${end:-$(date +%s)} - $(date +%s) + 300)) "end of the preemption's GraceTime"
+}
+
 _ctx_after_warning() {   # the ranks stopped after the warning: requeue, or wait for the time limit (TIMEOUT)
   local rc=$1 left
+  if [ "$(ctx_end_reason)" = preempting ]; then   # the warning came at preemption (send_user_signal): SLURM decides
+    _ctx_after_preemption "$rc"
+    return 0
+  fi
   if [ "$rc" -ne 0 ]; then
     _ctx_reason=timeout
     ctx_status timeout "$rc" "note=the job step failed after the time-limit warning: not requeued"
@@ -124,14 +175,9 @@ _ctx_after_warning() {   # the ranks stopped after the warning: requeue, or wait
     _ctx_reason=timeout
     ctx_status timeout "$rc"
   fi
-  [ -n "$_ctx_deadline" ] && [ -z "$_ctx_termed" ] || return 0
+  [ -n "$_ctx_deadline" ] || return 0
   left=$((_ctx_deadline - $(date +%s) + 60))
-  [ "$left" -gt 0 ] || return 0
-  echo "ctx_plugin: waiting for SLURM to end the job (time limit or requeue)" >&2
-  sleep "$left" &
-  _ctx_pid=$!
-  [ -z "$_ctx_termed" ] || kill -TERM "$_ctx_pid"   # SLURM's SIGTERM came while the wait began
-  _ctx_wait
+  _ctx_wait_for_slurm "$left"
 }
 
 ctx_run() {       # ctx_run RUN_DIR ATTEMPT_DIR [REQUEUE]: runs ATTEMPT_DIR/command.sh, records the status
@@ -153,7 +199,11 @@ ctx_run() {       # ctx_run RUN_DIR ATTEMPT_DIR [REQUEUE]: runs ATTEMPT_DIR/comm
     _ctx_wait
   fi
   local rc=$_ctx_rc failure
+  if [ -z "$_ctx_reason" ] && [ "$(ctx_end_reason)" = preempting ]; then
+    _ctx_reason=preempting   # the ranks got SLURM's SIGTERM within a preemption's GraceTime (this shell did not)
+  fi
   if [ "$_ctx_reason" = warned ]; then _ctx_after_warning "$rc"
+  elif [ "$_ctx_reason" = preempting ]; then _ctx_after_preemption "$rc"
   elif [ -n "$_ctx_reason" ]; then ctx_status "$_ctx_reason" "$rc"
   elif [ "$rc" -eq 0 ]; then ctx_status completed 0
   else

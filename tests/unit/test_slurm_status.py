@@ -292,11 +292,21 @@ def test_warning_before_the_step_starts(job):
     assert "the time-limit warning came before the job step started" in err
 
 
-def show_job(state: str, seconds_run: int, limit: str = "00:10:00") -> str:
+def show_job(state: str, seconds_run: int, limit: str = "00:10:00", restarts: int = 0, preempt: str = "") -> str:
+    """``scontrol show job -o`` as SLURM 22.05 prints it (PreemptTime only once the job is picked for preemption)."""
     end = 1_700_000_000 + seconds_run
     stamp = lambda t: time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))   # noqa: E731
-    return (f"JobId=4242 JobName=x JobState={state} Reason=None RunTime=00:00:01 TimeLimit={limit} "
-            f"StartTime={stamp(1_700_000_000)} EndTime={stamp(end)} Deadline=N/A")
+    return (f"JobId=4242 JobName=x JobState={state} Reason=None Dependency=(null) Requeue=1 Restarts={restarts} "
+            f"BatchFlag=1 RunTime=00:00:01 TimeLimit={limit} StartTime={stamp(1_700_000_000)} EndTime={stamp(end)} "
+            f"Deadline=N/A PreemptEligibleTime={stamp(1_700_000_000)}"
+            + (f" PreemptTime={preempt}" if preempt else "") + " SuspendTime=None SecsPreSuspend=0")
+
+
+def in_grace(seconds_left: int = 2) -> str:
+    """Within a preemption's GraceTime: still RUNNING, PreemptTime set, EndTime moved to its end."""
+    start = 1_700_000_000
+    stamp = lambda t: time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))   # noqa: E731
+    return show_job("RUNNING", int(time.time()) + seconds_left - start, preempt=stamp(time.time()))
 
 
 @pytest.mark.parametrize("answer,time_left,word", [
@@ -305,10 +315,11 @@ def show_job(state: str, seconds_run: int, limit: str = "00:10:00") -> str:
     (show_job("CANCELLED", 60), "0:30", "cancelled"),
     (show_job("TIMEOUT", 600), "", "timeout"),
     (show_job("PREEMPTED", 60), "", "preempted"),
+    (show_job("COMPLETING", 700, restarts=1), "1-00:00:00", "requeued"),   # a preemption's GraceTime ended
     (None, "0:30", "timeout"),                              # slurmctld does not answer: within 90 s of the limit
     (None, "1-00:00:00", "cancelled"),
     (None, "", "cancelled"),
-], ids=["scancel-near-limit", "at-limit", "cancelled", "timeout", "preempted", "no-answer-near",
+], ids=["scancel-near-limit", "at-limit", "cancelled", "timeout", "preempted", "requeued-by-slurm", "no-answer-near",
         "no-answer-far", "no-answer-no-limit"])
 def test_sigterm_is_classified_by_slurmctld(job, answer, time_left, word):
     j = job("exec sleep 30", time_left=time_left, show_job=answer)
@@ -363,3 +374,55 @@ def test_ctx_seconds(value, seconds):
                           value], capture_output=True, text=True, timeout=10)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"[{seconds}]"
+
+
+def test_preempted_step_waits_for_slurm_to_end_the_job(job):
+    """Preemption with a GraceTime: SLURM signals the steps (not the batch shell); the ranks save, torchrun exits 1
+    after its SIGTERM. Not a failure: preempted, and the shell waits for SLURM's end of the GraceTime (a job that
+    ended before it would be COMPLETED, never requeued)."""
+    j = job("exit 1", time_left="9:00", show_job=in_grace())
+    j.start()
+    wait_for(lambda: status_lines(j.attempt)[:1] == ["preempted"], 10, "the preempted status")
+    lines = status_lines(j.attempt)
+    assert "exit_code=1" in lines and any(line.startswith("note=preempted (PreemptTime set)") for line in lines)
+    assert not any(line.startswith("first_failure=") for line in lines)
+    time.sleep(0.5)
+    assert j.proc.poll() is None                       # still there when SLURM's GraceTime ends
+    assert not any(a.startswith("requeue") for a in j.args("scontrol"))   # SLURM requeues it, not the script
+    j.proc.send_signal(signal.SIGTERM)                 # the GraceTime's end
+    rc, err = j.finish(timeout=10)
+    assert rc == 1 and status_lines(j.run)[0] == "preempted"
+    assert "waiting for SLURM to end the job (end of the preemption's GraceTime)" in err
+
+
+def test_sigterm_within_the_grace_time_leaves_the_step_to_save(job, tmp_path):
+    """Where SLURM's preemption SIGTERM reaches the batch shell too, the step is not stopped (srun would SIGKILL the
+    ranks): it ends once the ranks have saved; then as above. SLURM's second SIGTERM ends the wait."""
+    j = job("exec sleep 30", time_left="9:00", show_job=in_grace())
+    j.start()
+    child = j.started()
+    j.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: status_lines(j.attempt)[:1] == ["preempted"], 10, "the preempted status")
+    time.sleep(0.5)
+    assert alive(child)
+    assert any(line.startswith("stopping=preempted") for line in status_lines(j.attempt))
+    os.kill(child, signal.SIGTERM)                     # the ranks saved and exited
+    wait_for(lambda: "exit_code=143" in status_lines(j.attempt), 10, "the step to end")
+    assert j.proc.poll() is None
+    j.proc.send_signal(signal.SIGTERM)
+    rc, _ = j.finish(timeout=10)
+    assert status_lines(j.attempt)[0] == "preempted" and status_lines(j.run)[0] == "preempted"
+
+
+def test_warning_at_preemption_is_not_requeued_by_the_script(job, tmp_path):
+    """PreemptParameters=send_user_signal: the warning (USR1) comes at preemption; the ranks save, and the job is left
+    to SLURM (which requeues it at the GraceTime's end) even with --requeue."""
+    command, out = rank(tmp_path)
+    j = job(command, time_left="9:00", requeue=True, show_job=in_grace())
+    warn_and_wait_for_the_rank(j, out)
+    assert status_lines(j.attempt)[0] == "preempted"
+    time.sleep(0.5)
+    assert j.proc.poll() is None and not any(a.startswith("requeue") for a in j.args("scontrol"))
+    j.proc.send_signal(signal.SIGTERM)
+    j.finish(timeout=10)
+    assert status_lines(j.attempt)[0] == "preempted"
