@@ -297,13 +297,20 @@ class _InputCheck:
             raise ValueError("ctx_plugin: " + "; ".join(found))
 
 
+def check_model(model, cp_config: CPConfig, cp_size: int) -> None:
+    """What :func:`enable` checks of a model before it changes anything: the options ctx_plugin's attention does not
+    implement and the head split over ``cp_size`` ranks (``ValueError`` naming them). Modules and configs only: a
+    model built on the meta device will do (``ctx-plugin launch`` checks a job's model that way)."""
+    _require_transformers()
+    _check_model(model)
+    _check_heads(model, cp_config, cp_size)
+
+
 def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None) -> str:
     """Checks the model (options ctx_plugin does not implement are a ``ValueError`` naming them, before anything
     changes), registers the attention, switches ``model`` to it, turns its KV cache off (``config.use_cache=False``)
     and checks every forward's inputs on all ranks of the group together. Returns the attention's name."""
-    _require_transformers()
-    _check_model(model)
-    _check_heads(model, cp_config, groups.size)
+    check_model(model, cp_config, groups.size)
     name, fn = _register(cp_config, groups, name)
     fn.modules.update(model.modules())
     model.set_attn_implementation(name)

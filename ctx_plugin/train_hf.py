@@ -99,16 +99,42 @@ class StopRequest:
         return bool(flag.item())
 
 
-def load_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _model_config(args: argparse.Namespace):
+    from transformers import AutoConfig
 
     model = Path(args.model).expanduser()
-    if args.pretrained:
-        return AutoModelForCausalLM.from_pretrained(model)
-    config = AutoConfig.from_pretrained(model) if model.is_dir() else \
+    return AutoConfig.from_pretrained(model) if model.is_dir() else \
         AutoConfig.for_model(**json.loads(model.read_text()))
+
+
+def load_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if args.pretrained:
+        return AutoModelForCausalLM.from_pretrained(Path(args.model).expanduser())
+    config = _model_config(args)
     torch.manual_seed(args.seed)
     return AutoModelForCausalLM.from_config(config)
+
+
+def check_job(args: argparse.Namespace, cp_config, size: int) -> None:
+    """What the job would refuse once started, checked without training (``ctx-plugin launch`` calls it with the
+    DeepSpeed config's "context_parallel" section): the model, built from ``--model``'s config on the meta device
+    (no weights, no memory), as :func:`ctx_plugin.hf.enable` checks it, and ``--seq-len`` against the layout's
+    sequence unit (:func:`ctx_plugin.rules.check_seq_len`, as sharding the batches checks it). ``ValueError``."""
+    from transformers import AutoModelForCausalLM
+
+    from .hf import check_model
+    from .rules import SettingNames, check_seq_len
+
+    try:
+        config = _model_config(args)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (OSError, TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"--model {args.model}: transformers cannot build a causal LM from it ({e})") from None
+    check_model(model, cp_config, size)
+    check_seq_len(cp_config, args.seq_len, size, SettingNames(seq_len="--seq-len", cp='"context_parallel.size"'))
 
 
 def load_data(args: argparse.Namespace) -> list[dict]:

@@ -192,8 +192,8 @@ def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: s
         if len(program) < 2 or not _module_exists(program[1]):
             raise ValueError(f"-m {program[1] if len(program) > 1 else ''}: no such module in this Python")
         if program[1] == "ctx_plugin.train_hf":
-            from ..train_hf import parse_args
-            parse_args(program[2:])
+            from ..train_hf import check_job, parse_args
+            check_job(parse_args(program[2:]), section.cp_config, section.size)
     else:
         _file(program[0], "training script")
     return (f"DeepSpeed: {world} ranks = CP {section.size} ({section.cp_config.backend}) × DP {world // section.size}, "

@@ -330,6 +330,42 @@ def test_deepspeed_consistent_batches(batch, ds_config, model_json):
     assert "CP 2" in deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(config))
 
 
+# ctx_plugin.train_hf jobs the job itself would stop at start (ctx_plugin.hf.enable's model checks, the batches'
+# sharding): (model config changes, DeepSpeed "context_parallel" section, ranks, train_hf arguments, message)
+TRAIN_HF_REFUSED = {
+    "seq-len": ({}, {"backend": "zigzag", "size": 2}, 2, ["--seq-len", "30"],
+                r'--seq-len must be a positive multiple of 4, got 30 \(zigzag over "context_parallel.size" 2\)'),
+    "dropout": ({"attention_dropout": 0.1}, {"size": 2}, 2, [], "attention_dropout=0.1"),
+    "heads": ({}, {"backend": "ulysses", "size": 8}, 8, ["--seq-len", "64"],
+              r"Ulysses splits heads over 8 ranks, but there are 4 attention heads"),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAIN_HF_REFUSED))
+def test_deepspeed_train_hf_job_refused_as_the_job_would(case, ds_config, tmp_path):
+    """The launcher builds train_hf's model on the meta device and checks it as ctx_plugin.hf.enable does (the
+    same message as on the model the job builds) and --seq-len as the sharding does; it used to accept these jobs,
+    which then stopped at start (after DeepSpeed's initialisation)."""
+    from ctx_plugin import CPConfig
+    from ctx_plugin.hf import check_model
+    from ctx_plugin.train_hf import load_model, parse_args
+
+    changes, section, world, extra, message = TRAIN_HF_REFUSED[case]
+    model_json = tmp_path / "model.json"
+    model_json.write_text(json.dumps({**TINY_LLAMA, **changes}))
+    program = ["-m", "ctx_plugin.train_hf", "--model", str(model_json), *extra]
+    with pytest.raises(ValueError, match=message) as launcher:
+        deepspeed(program, ds_config({"train_micro_batch_size_per_gpu": 1, "context_parallel": section}), world=world)
+    if case != "seq-len":            # the job's own model, built for real, refused by enable's check alike
+        cfg = CPConfig(**{k: v for k, v in section.items() if k != "size"})
+        with pytest.raises(ValueError) as job:
+            check_model(load_model(parse_args(program[2:])), cfg, section["size"])
+        assert str(job.value) == str(launcher.value)
+    if case != "dropout":            # the same model passes with a sequence and a CP size it can split
+        assert "CP 2" in deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json), "--seq-len", "32"],
+                                   ds_config(GOOD_DS))
+
+
 @pytest.mark.parametrize("program,message", [
     ([], "give the training program after '--'"),
     (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--deepspeed_config", "x.json"], "drop it"),
