@@ -37,7 +37,7 @@ def merge_into_torch(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tens
     ref = new_lse.masked_fill(torch.isneginf(new_lse), 0.0)
     w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)          # [B, S, H, 1]
     w_new = torch.exp(block_lse.to(lse.dtype) - ref).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).add_(block_out.to(out.dtype) * w_new)
+    out.mul_(w_old).addcmul_(block_out, w_new)        # no fp32 copy of block_out, no temporary product
     lse.copy_(new_lse)
 
 

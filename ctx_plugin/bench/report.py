@@ -3,7 +3,9 @@
 Simulated mode (default) runs each rank of an N-rank group in turn on one device (see
 :mod:`ctx_plugin.bench.simulated`); ``--distributed --nproc N`` starts N local processes with torchrun and times
 the real distributed path (NCCL on GPUs, gloo on CPU) with its communication (:mod:`ctx_plugin.bench.distributed`).
-``--smoke`` is a tiny CPU case (CI runs it; its times mean nothing).
+``--smoke`` is a tiny CPU case (CI runs it; its times mean nothing). ``--memory`` (simulated mode) adds what each
+rank's call allocates, copies and holds at its peak (:mod:`ctx_plugin.bench.memory`, the torch profiler's memory
+events) and that peak against ``(1/N) of the one-device peak + two K/V blocks``.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ..memory.report import need_matplotlib
 from ..kernels import kernel_unavailable, select_kernel
 from ..names import Backend, Kernel
 from .harness import PASSES, Shape, ideal_time, rank_times
+from .memory import memory_columns, rank_bytes, single_device_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 DEFAULTS = dict(seq_len=131072, heads=32, kv_heads=None, head_dim=128, dtype="bf16", device="auto", reps=5, ranks=[8])
@@ -58,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPConfig(check_ranks=False): no agreement check among the ranks before each call "
                         "(--distributed; simulated ranks never check). With the check on, --distributed reports "
                         "its time per call")
+    p.add_argument("--memory", action="store_true",
+                   help="also measure, per rank and call, the bytes allocated and copied and the peak (torch profiler "
+                        "memory events; one more call per rank) against (1/N) of the one-device peak + two K/V "
+                        "blocks (columns alloc/copied/peak/bound MiB, peak/bound; simulated mode)")
     p.add_argument("--compare-kernels", action="store_true",
                    help="first time every local kernel that can run here on one rank's share (S / max N) and say "
                         "which one kernel=auto picks (it should be the fastest)")
@@ -81,7 +88,8 @@ def settle(args: argparse.Namespace) -> None:
         raise ValueError(f"--smoke sets {', '.join(map(_flag, given))} itself: drop {'them' if len(given) > 1 else 'it'}"
                          f" or --smoke")
     if args.distributed:
-        for name, what in (("ranks", "the group size is --nproc"), ("compare_kernels", "it runs in simulated mode")):
+        for name, what in (("ranks", "the group size is --nproc"), ("compare_kernels", "it runs in simulated mode"),
+                           ("memory", "it measures simulated ranks")):
             if getattr(args, name):
                 raise ValueError(f"{_flag(name)} does not apply to --distributed ({what}): drop it")
     else:
@@ -149,6 +157,7 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
     for pass_ in args.passes:
         backward = pass_ == "fwd+bwd"
         ideal, kernel = ideal_time(shape, Kernel(args.kernel), backward, args.reps)
+        single = single_device_bytes(shape, Kernel(args.kernel), backward) if args.memory else None
         for size in args.ranks:
             for label, config in configs(args, size):
                 try:
@@ -163,6 +172,8 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
                     same_kernel = replace(config, kernel=kernel)
                     full = max(rank_times(replace(shape, window=None), same_kernel, size, backward, args.reps))
                     extra = {"full_slowest_ms": full * 1e3, "vs_full": full / max(times)}
+                if single is not None:
+                    extra.update(memory_columns(shape, size, single, rank_bytes(shape, config, size, backward)))
                 rows.append(row(shape, label, size, pass_, kernel, times, ideal, **extra))
     return rows
 
@@ -189,9 +200,12 @@ def format_table(rows: list[dict]) -> str:
     hidden = any("hidden_comm" in r for r in rows)
     check = any("check_us" in r for r in rows)
     window = any("vs_full" in r for r in rows)
+    memory = any("peak_mib" in r for r in rows)
     head = f"{'backend':<17} {'N':>3} {'pass':<8} {'slowest ms':>10} {'mean ms':>9} {'ideal ms':>9} " \
            f"{'eff.':>5} {'TFLOP/s':>8}" + (f" {'comm ms':>8} {'hidden':>6}" if hidden else "") + \
-           (f" {'check µs':>8}" if check else "") + (f" {'full ms':>9} {'vs full':>7}" if window else "")
+           (f" {'check µs':>8}" if check else "") + (f" {'full ms':>9} {'vs full':>7}" if window else "") + \
+           (f" {'alloc MiB':>10} {'copied MiB':>10} {'peak MiB':>9} {'bound MiB':>9} {'peak/bound':>10}"
+            if memory else "")
     lines = [head]
     for r in rows:
         if "skipped" in r:
@@ -205,6 +219,9 @@ def format_table(rows: list[dict]) -> str:
             line += f" {r.get('check_us', 0.0):>8.1f}"
         if window:
             line += f" {r['full_slowest_ms']:>9.3f} {r['vs_full']:>6.2f}×"
+        if memory:
+            line += f" {r['alloc_mib']:>10.3f} {r['copied_mib']:>10.3f} {r['peak_mib']:>9.3f} {r['bound_mib']:>9.3f} " \
+                    f"{r['peak_vs_bound']:>10.2f}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -216,7 +233,9 @@ def describe(shape: Shape, rows: list[dict], mode: str) -> str:
             f"({shape.kv_heads} K/V) × {shape.head_dim}, {'causal' if shape.causal else 'full'}, "
             f"{_window_text(shape, rows)}"
             f"{str(shape.dtype).removeprefix('torch.')}, {device}, kernel {'/'.join(kernels) or '-'}; "
-            f"efficiency = ideal (one kernel on the whole sequence ÷ N) ÷ slowest rank")
+            f"efficiency = ideal (one kernel on the whole sequence ÷ N) ÷ slowest rank"
+            + ("; memory per rank and call (largest rank): allocated, copied, peak above the inputs; bound = "
+               "one-device peak ÷ N + 2 K/V blocks" if any("peak_mib" in r for r in rows) else ""))
 
 
 def _window_text(shape: Shape, rows: list[dict]) -> str:

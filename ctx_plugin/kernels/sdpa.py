@@ -2,10 +2,19 @@
 through their aten ops
 because ring attention needs the log-sum-exp in forward and a backward that takes the merged out/lse.
 
-Both ops take ``[B, H, S, D]`` views of our ``[B, S, H, D]`` tensors and need equal head counts, so GQA K/V
-heads are expanded for the call and their gradients summed back. Their ``is_causal`` is aligned top-left, so a
-causal block with more keys than queries (bottom-right, see base.py) runs as a full block over the leading keys
-plus a square causal block, merged in fp32.
+All ops take ``[B, H, S, D]`` views of our ``[B, S, H, D]`` tensors. **GQA**: torch's CPU flash kernel takes K/V
+with fewer heads than Q and returns dK/dV with K's heads itself (checked here: identical to the expanded call, its
+CPU decomposition sets ``enable_gqa`` from the head counts), so its GQA K/V are never copied
+(``native_gqa``). For the CUDA ops the K/V heads of each block are still expanded for the call
+(``repeat_interleave``) and their gradients summed back: torch 2.13 documents GQA for its flash kernel (SDPA's
+``enable_gqa`` hands it unexpanded K/V) but not for cuDNN, and neither can be run here; switching
+:class:`FlashKernel` to ``native_gqa`` waits for a GPU run of ``tests/gpu`` (GQA shapes) and for the flash stand-in
+of ``tests/unit/test_sdpa_layouts.py`` to accept K/V heads.
+
+Their ``is_causal`` is aligned top-left, so a causal block with more keys than queries (bottom-right, see base.py;
+the all-gather backend's query chunks against their prefix) runs as a full block over the leading keys plus a
+square causal block, merged in one pass into the first block's output (:func:`_merge_pair`: no fp32 copy of
+either output, no copy back).
 
 **Layouts handed to the ops.** The ring and all-gather loops pass sequence slices (zigzag halves, striped
 ``q[1:]``/``k[:-1]``, K/V views into the packed ``[2, B, S, H, D]`` buffer), whose batch stride is that of the
@@ -26,10 +35,21 @@ from __future__ import annotations
 
 import torch
 
-from ..merge import merge_into
 from .base import FULL, Window, accum_dtype, check_block, describe, is_windowed
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def _merge_pair(out0: torch.Tensor, lse0: torch.Tensor, out1: torch.Tensor,
+                lse1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial results of the same rows over disjoint keys, each row having keys in both (so no −inf LSE),
+    merged in place into ``out0``: ``out0 + w·(out1 − out0)`` with ``w = exp(lse1 − lse) = sigmoid(lse1 − lse0)``,
+    one elementwise pass (``lerp_``, computed in fp32 for half inputs) that reads both outputs once and writes
+    ``out0`` in its own dtype. The weight is rounded to the outputs' dtype (``lerp`` takes no fp32 weight for half
+    tensors): a relative change of at most 2^-9 in bf16, the size of the output's own rounding."""
+    weight = torch.sigmoid(lse1 - lse0)
+    out0.lerp_(out1, weight.transpose(1, 2).unsqueeze(-1).to(out0.dtype))
+    return out0, torch.logaddexp(lse0, lse1)
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -149,6 +169,9 @@ class _SdpaKernel:
     """Shared GQA handling and layouts; subclasses call the aten forward/backward ops."""
 
     name = ""
+    native_gqa = False
+    """Whether the ops take K/V with fewer heads than Q (and return dK/dV with K's heads) themselves; else the
+    K/V heads of each block are expanded for the call and their gradients summed back."""
     dense = False
     """Whether the op needs freshly-allocated layouts (:func:`dense_bshd`), not only a unit last stride."""
 
@@ -167,10 +190,8 @@ class _SdpaKernel:
         self._plain_only(q, k, causal, window, softcap)
         lead = k.shape[1] - q.shape[1]
         if causal and lead:
-            out, lse = self._block_forward(q, k[:, :lead], v[:, :lead], False, scale)
-            out = out.to(accum_dtype(q.dtype))
-            merge_into(out, lse, *self._block_forward(q, k[:, lead:], v[:, lead:], True, scale))
-            return out.to(q.dtype), lse
+            return _merge_pair(*self._block_forward(q, k[:, :lead], v[:, :lead], False, scale),
+                               *self._block_forward(q, k[:, lead:], v[:, lead:], True, scale))
         return self._block_forward(q, k, v, causal, scale)
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window: Window = FULL,
@@ -180,17 +201,20 @@ class _SdpaKernel:
         if causal and lead:
             dq, dk0, dv0 = self._block_backward(dout, q, k[:, :lead], v[:, :lead], out, lse, False, scale)
             dq1, dk1, dv1 = self._block_backward(dout, q, k[:, lead:], v[:, lead:], out, lse, True, scale)
-            acc = accum_dtype(q.dtype)
-            return dq.to(acc) + dq1.to(acc), torch.cat((dk0, dk1), 1), torch.cat((dv0, dv1), 1)
+            return dq.to(accum_dtype(q.dtype)).add_(dq1), torch.cat((dk0, dk1), 1), torch.cat((dv0, dv1), 1)
         return self._block_backward(dout, q, k, v, out, lse, causal, scale)
 
+    def _groups(self, q: torch.Tensor, k: torch.Tensor) -> int:
+        """How many times each K/V head is expanded for the op: 1 when it takes GQA itself."""
+        return 1 if self.native_gqa else q.shape[2] // k.shape[2]
+
     def _block_forward(self, q, k, v, causal: bool, scale: float):
-        g = q.shape[2] // k.shape[2]
+        g = self._groups(q, k)
         out, lse = self._fwd(*(self._layout(t) for t in (q, _expand_kv(k, g), _expand_kv(v, g))), causal, scale)
         return _bhsd(out), lse.reshape(lse.shape[:3]).to(accum_dtype(q.dtype))
 
     def _block_backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
-        g = q.shape[2] // k.shape[2]
+        g = self._groups(q, k)
         tensors = (dout.to(q.dtype), q, _expand_kv(k, g), _expand_kv(v, g), out.to(q.dtype))
         dq, dk, dv = self._bwd(*(self._layout(t) for t in tensors), lse.to(accum_dtype(q.dtype)).contiguous(),
                                causal, scale)
@@ -228,6 +252,7 @@ class FlashKernel(_SdpaKernel):
 
 class CpuFlashKernel(_SdpaKernel):
     name = "sdpa_cpu"
+    native_gqa = True
 
     def _fwd(self, q, k, v, causal, scale):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
