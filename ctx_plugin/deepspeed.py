@@ -186,5 +186,5 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if training_data is not None:
         loader = ShardedLoader(training_data, engine.train_micro_batch_size_per_gpu(), groups,
                                replicas=world // section.size, replica=dist.get_rank() // section.size,
-                               collate_fn=collate_fn)
+                               collate_fn=collate_fn, pad_documents=section.pad_documents)
     return engine, optimizer, loader, lr_scheduler

@@ -14,7 +14,8 @@ from .rules import SettingNames, check_ulysses_size
 SECTION = "context_parallel"
 
 
-_KEYS = {"backend": str, "size": int, "ulysses_size": int, "kernel": str, "recompute": str, "check_ranks": bool}
+_KEYS = {"backend": str, "size": int, "ulysses_size": int, "kernel": str, "recompute": str, "check_ranks": bool,
+         "pad_documents": bool}
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class ContextParallelSection:
     cp_config: CPConfig
     size: int
     recompute: RecomputeConfig
+    pad_documents: bool = False
+    """Packed batches: pad every document to the layout's unit in the loader (else documents it cannot split are an
+    error; :func:`ctx_plugin.deepspeed_data.shard_batch`)."""
 
 
 def parse_section(section: dict) -> ContextParallelSection:
@@ -53,7 +57,8 @@ def parse_section(section: dict) -> ContextParallelSection:
                          f'memory --model <config.json> --seq-len <tokens> --cp {size} --budget '
                          f'{recompute.budget_gib:g}` (or ctx_plugin.recompute.resolve) and give that preset here')
     check_ulysses_size(cp_config, size, SettingNames(cp=f'"{SECTION}.size"', ulysses_size=f'"{SECTION}.ulysses_size"'))
-    return ContextParallelSection(cp_config=cp_config, size=size, recompute=recompute)
+    return ContextParallelSection(cp_config=cp_config, size=size, recompute=recompute,
+                                  pad_documents=section.get("pad_documents", False))
 
 
 def _load_config(config, args) -> dict:

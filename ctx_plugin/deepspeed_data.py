@@ -3,6 +3,8 @@ causal-LM batch, the loader that gives them, and the global token-mean loss (who
 ``+tile_loss``)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -11,36 +13,51 @@ from . import hf_loss
 from .api import shard_sequence
 from .deepspeed_config import SECTION
 from .groups import CPGroups
+from .packing import DOCUMENTS_KEYWORD, HF_DOCUMENT_KEYWORDS, documents_of_batch, pad_packed_batch, shift_labels
 from .recompute import RecomputeConfig
+from .rules import padding_units
 from .tiled_loss import lm_loss_sum, upcast
 
-def shard_batch(batch: dict, groups: CPGroups) -> dict:
+def shard_batch(batch: dict, groups: CPGroups, *, pad_documents: bool = False) -> dict:
     """This rank's part of a causal-LM batch: ``input_ids``, ``position_ids`` (made when absent), ``labels``
     shifted one token left (the last target ignored) *before* sharding, every other per-token tensor (e.g. a
     loss mask, ``[batch, seq, ...]``) sharded as it is, and an all-ones ``attention_mask`` dropped (padding is
-    refused). Per-sample values pass through."""
+    refused). Per-sample values pass through.
+
+    A packed batch — several documents in one sequence: ``position_ids`` that restart at 0 in each (Hugging Face's
+    ``DataCollatorWithFlattening``), ``cu_seq_lens_q``/``cu_seq_lens_k`` of the whole sequence, or a ``documents``
+    entry (:class:`ctx_plugin.Documents`) — is sharded per document (:func:`ctx_plugin.packing.documents_of_batch`),
+    its labels stop at every document's end, and the result carries ``documents`` (the model gets them as
+    ``ctx_plugin_documents``). Documents the layout cannot split are an error unless ``pad_documents``: then each one
+    is padded at its end to the layout's unit (:func:`ctx_plugin.packing.pad_packed_batch`; padding is masked out of
+    attention and loss)."""
     cfg = groups.config
-    input_ids = batch["input_ids"]
-    seq = input_ids.shape[1]
-    out = {}
-    for key, value in batch.items():
-        if key in ("input_ids", "labels", "position_ids", "attention_mask"):
-            continue
-        per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq
-        out[key] = shard_sequence(value, config=cfg, groups=groups, dim=1) if per_token else value
     mask = batch.get("attention_mask")
     if mask is not None and not bool(torch.all(mask != 0)):
         raise ValueError("padded batches are not supported under context parallelism: pack or trim sequences and "
                          "give padding labels -100 instead of an attention_mask")
+    documents = documents_of_batch(batch)
+    if documents is not None and pad_documents and documents.valid is None:
+        batch, documents = pad_packed_batch(batch, documents, *padding_units(cfg, groups.size))
+    input_ids = batch["input_ids"]
+    seq = input_ids.shape[1]
+    shard = functools.partial(shard_sequence, config=cfg, groups=groups, dim=1, documents=documents)
+    out = {}
+    for key, value in batch.items():
+        if key in ("input_ids", "labels", "position_ids", "attention_mask", "documents", *HF_DOCUMENT_KEYWORDS):
+            continue
+        per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq
+        out[key] = shard(value) if per_token else value
     positions = batch.get("position_ids")
     if positions is None:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    out["input_ids"] = shard_sequence(input_ids, config=cfg, groups=groups, dim=1)
-    out["position_ids"] = shard_sequence(positions, config=cfg, groups=groups, dim=1)
+        positions = (torch.arange(seq) if documents is None else documents.positions()).to(input_ids.device)
+        positions = positions.expand_as(input_ids)
+    out["input_ids"] = shard(input_ids)
+    out["position_ids"] = shard(positions)
     if "labels" in batch:
-        labels = batch["labels"]
-        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
-        out["labels"] = shard_sequence(shifted, config=cfg, groups=groups, dim=1)
+        out["labels"] = shard(shift_labels(batch["labels"], documents))
+    if documents is not None:
+        out["documents"] = documents
     return out
 
 
@@ -49,18 +66,18 @@ class ShardedLoader:
     same samples), sharded with :func:`shard_batch`."""
 
     def __init__(self, dataset, batch_size: int, groups: CPGroups, *, replicas: int, replica: int,
-                 collate_fn=None) -> None:
+                 collate_fn=None, pad_documents: bool = False) -> None:
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=False)
         self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                                                   collate_fn=collate_fn)
-        self.groups = groups
+        self.groups, self.pad_documents = groups, pad_documents
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self):
         for batch in self.loader:
-            yield shard_batch(batch, self.groups)
+            yield shard_batch(batch, self.groups, pad_documents=self.pad_documents)
 
 
 def _recompute(engine) -> RecomputeConfig:
@@ -109,10 +126,12 @@ def tiled_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, engine, *, 
 
 def lm_loss(engine, batch: dict) -> tuple[torch.Tensor, float]:
     """Forward and loss of a Hugging Face causal LM on this rank's ``batch`` (``input_ids``, ``position_ids``,
-    pre-shifted ``labels``, as :class:`ShardedLoader` gives them): (loss to backpropagate, global token-mean loss).
+    pre-shifted ``labels`` and, packed, ``documents``, as :class:`ShardedLoader` gives them): (loss to backpropagate, global token-mean loss).
     With ``+tile_loss`` in the section the model's ``lm_head`` runs over chunks of tokens
     (:func:`ctx_plugin.hf_loss.hidden_states`, :func:`tiled_causal_lm_loss`), else on the whole logits."""
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    if batch.get("documents") is not None:      # a packed batch (shard_batch)
+        inputs[DOCUMENTS_KEYWORD] = batch["documents"]
     recompute = getattr(engine, "ctx_plugin_recompute", None)      # None: an engine without the section
     if recompute is None or not recompute.tile_loss:
         return causal_lm_loss(engine(**inputs).logits, batch["labels"], engine)

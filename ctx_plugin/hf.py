@@ -29,7 +29,8 @@ import torch.distributed as dist
 from .api import cp_attention, sequence_positions
 from .config import CPConfig
 from .groups import CPGroups
-from .rules import SettingNames, check_heads
+from .packing import DOCUMENTS_KEYWORD, HF_DOCUMENT_KEYWORDS, hf_documents
+from .rules import SettingNames, check_documents_fit, check_heads
 
 HONOURED = {"scaling": "softmax scale (default head_dim**-0.5)",
             "is_causal": "causal or bidirectional (default: the module's is_causal, else causal)",
@@ -37,13 +38,16 @@ HONOURED = {"scaling": "softmax scale (default head_dim**-0.5)",
             "sliding_window": "sliding-window attention with transformers' masks: causal, the last w keys "
                               "(window (w - 1, 0)); bidirectional by is_causal=False, |i - j| <= w (window (w, w))",
             "softcap": "attention logit soft-capping, c * tanh(scores / c) before the softmax (Gemma-2)",
-            "s_aux": "attention sinks, one learnable logit per query head (gpt-oss)"}
+            "s_aux": "attention sinks, one learnable logit per query head (gpt-oss)",
+            "cu_seq_lens_q": "packed documents: the global sequence's cumulative lengths (equal to cu_seq_lens_k)",
+            "cu_seq_lens_k": "packed documents (equal to cu_seq_lens_q)",
+            "max_length_q": "must be the longest document of cu_seq_lens_q (checked)",
+            "max_length_k": "must be the longest document of cu_seq_lens_k (checked)",
+            DOCUMENTS_KEYWORD: "packed documents as a ctx_plugin.Documents (with padding: Documents.valid)"}
 """Keywords of transformers' attention interface that ctx_plugin implements exactly."""
 MUST_BE_UNSET = {"sinks": "per-token attention sinks",
                  "position_bias": "an additive position bias (relative attention)",
-                 "cu_seq_lens_q": "packed sequences", "cu_seq_lens_k": "packed sequences",
-                 "max_length_q": "packed sequences", "max_length_k": "packed sequences",
-                 "seq_idx": "packed sequences", "indices": "sparse attention", "block_indices": "sparse attention",
+                 "seq_idx": "per-token sequence indices (packed state-space layers)", "indices": "sparse attention", "block_indices": "sparse attention",
                  "block_table": "a paged KV cache", "use_cache": "a KV cache",
                  "output_attentions": "attention weights (ctx_plugin never materialises them)"}
 """Keywords that change the math or the result: accepted only as ``None`` (or ``False``), refused otherwise."""
@@ -117,10 +121,11 @@ class _Attention:
                                   or sinks.shape[0] != query.shape[1]):
             raise ValueError(f"ctx_plugin's attention takes s_aux as one sink logit per query head (shape "
                              f"[{query.shape[1]}]), got {tuple(getattr(sinks, 'shape', ())) or type(sinks).__name__}")
+        documents = hf_documents(kwargs, query.shape[2] * self.groups.size)
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
                            groups=self.groups, causal=causal, softmax_scale=scaling,
                            window=hf_window(kwargs.get("sliding_window"), given, causal),
-                           softcap=kwargs.get("softcap"), sinks=sinks)
+                           softcap=kwargs.get("softcap"), sinks=sinks, documents=documents)
         return out, None
 
 
@@ -242,24 +247,43 @@ class _InputCheck:
         "no_positions": "position_ids were not given, so transformers would number each rank's tokens from 0 "
                         "(wrong positions); pass this rank's share of the global positions (ctx_plugin."
                         "shard_sequence of torch.arange(seq_len), or ctx_plugin.sequence_positions)",
-        "positions": "position_ids are not this rank's share of the global positions 0..seq_len-1 "
-                     "(ctx_plugin.shard_sequence of torch.arange(seq_len), or ctx_plugin.sequence_positions); "
-                     "packed sequences (positions restarting) are not supported",
+        "documents": "the packed documents (ctx_plugin_documents, or cu_seq_lens_q/cu_seq_lens_k with max_length_q/"
+                     "max_length_k) are not valid documents of the global sequence (this rank's length × CP size) "
+                     "that the backend can split: give the whole packed sequence's cumulative lengths, the same on "
+                     "every rank, each document a multiple of ctx_plugin.rules.document_unit (pad_documents)",
+        "positions": "position_ids are not this rank's share of the global positions 0..seq_len-1, or with packed "
+                     "documents of the positions restarting at 0 in each document (ctx_plugin.shard_sequence of "
+                     "the global position_ids, or ctx_plugin.sequence_positions(..., documents=))",
         "labels": "labels= makes transformers shift labels inside this rank's shard (wrong targets at the shard "
                   "edges); shift labels before sharding and compute the loss from the logits (see the README)",
     }
 
     def __init__(self, cp_config: CPConfig, groups: CPGroups, signature: inspect.Signature):
         self.cp_config, self.groups, self.signature = cp_config, groups, signature
+        self.var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
-    def _flags(self, model, arguments: dict, tokens, device: torch.device) -> list:
+    def _documents(self, arguments: dict, tokens):
+        """(documents, whether they are invalid) of this forward, from the keywords that reach the attention."""
+        extra = {**arguments, **arguments.get(self.var_keyword, {})} if self.var_keyword else arguments
+        if not any(extra.get(k) is not None for k in (DOCUMENTS_KEYWORD, *HF_DOCUMENT_KEYWORDS)):
+            return None, False
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+            return None, True
+        try:
+            docs = hf_documents(extra, tokens.shape[1] * self.groups.size)
+            check_documents_fit(self.cp_config, docs, self.groups.size)
+        except (TypeError, ValueError):
+            return None, True
+        return docs, False
+
+    def _flags(self, model, arguments: dict, tokens, device: torch.device, documents, bad_documents: bool) -> list:
         mask, positions = arguments.get("attention_mask"), arguments.get("position_ids")
         use_cache = arguments.get("use_cache")
         use_cache = getattr(model.config, "use_cache", False) if use_cache is None else use_cache
         flags = {"mask": False if mask is None else
                  (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or (mask == 0).any()),
                  "cache": bool(use_cache) or arguments.get("past_key_values") is not None,
-                 "no_positions": positions is None, "positions": False,
+                 "documents": bad_documents, "no_positions": positions is None, "positions": False,
                  "labels": arguments.get("labels") is not None}
         if isinstance(positions, torch.Tensor) and isinstance(tokens, torch.Tensor) \
                 and positions.shape[-1] != tokens.shape[1]:
@@ -267,7 +291,7 @@ class _InputCheck:
         elif isinstance(positions, torch.Tensor):
             try:
                 want = sequence_positions(positions.shape[-1] * self.groups.size, config=self.cp_config,
-                                          groups=self.groups, device=positions.device)
+                                          groups=self.groups, device=positions.device, documents=documents)
                 flags["positions"] = (positions != want).any()
             except ValueError:
                 flags["positions"] = True
@@ -286,7 +310,8 @@ class _InputCheck:
             device = tokens.device if isinstance(tokens, torch.Tensor) else device
             if groups.size > 1 and device.type not in groups.device_types:
                 device = torch.device("cpu")
-        mine = torch.stack(self._flags(model, arguments, tokens, device)).to(torch.int32)
+        documents, bad_documents = self._documents(arguments, tokens)
+        mine = torch.stack(self._flags(model, arguments, tokens, device, documents, bad_documents)).to(torch.int32)
         flags = torch.zeros(len(self.PROBLEMS), groups.size, dtype=torch.int32, device=device)
         flags[:, groups.rank] = mine
         if groups.size > 1:
@@ -295,6 +320,10 @@ class _InputCheck:
                  for text, row in zip(self.PROBLEMS.values(), flags.tolist()) if any(row)]
         if found:
             raise ValueError("ctx_plugin: " + "; ".join(found))
+        if documents is not None:     # read once per forward: every layer's attention gets them as one object
+            kwargs = {k: v for k, v in kwargs.items() if k not in HF_DOCUMENT_KEYWORDS}
+            return args, {**kwargs, DOCUMENTS_KEYWORD: documents}
+        return None
 
 
 def check_model(model, cp_config: CPConfig, cp_size: int) -> None:

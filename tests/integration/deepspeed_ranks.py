@@ -66,6 +66,55 @@ def plain_train(batch: int, steps: int = 2) -> dict:
     return {"losses": losses, "norms": norms, "params": params.tolist()}
 
 
+PACKED = {"fit": [[8, 16, 8], [24, 8], [8, 8, 8, 8], [32]],          # multiples of 8: every layout at CP 2 and 4
+          "ragged": [[5, 11, 16], [9, 1, 22], [3, 3, 26], [32]]}      # padded (pad_documents) or cut (ring)
+"""Per packed sample (SEQ tokens), its documents' lengths."""
+
+
+def _packed_dataset(mix: str):
+    """Packed samples, one sequence of several documents each, as Hugging Face's DataCollatorWithFlattening packs
+    them: ``position_ids`` restart at 0 in every document; ``labels`` are the tokens (shifted by the loader)."""
+    g = torch.Generator().manual_seed(8)
+    out = []
+    for lengths in PACKED[mix]:
+        tokens = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        out.append({"input_ids": tokens, "labels": tokens.clone(),
+                    "position_ids": torch.cat([torch.arange(n) for n in lengths])})
+    return out
+
+
+@functools.cache
+def plain_packed_train(mix: str, replicas: int, steps: int = 2) -> dict:
+    """The reference for packed batches: plain PyTorch (HF sdpa, torch Adam, clipping) on every document of a step's
+    samples on its own, unpacked; the loss is the token mean over all their targets."""
+    model = qwen2()
+    model.set_attn_implementation("sdpa")
+    opt = torch.optim.Adam(model.parameters(), lr=OPTIM["lr"], betas=tuple(OPTIM["betas"]), eps=OPTIM["eps"],
+                           weight_decay=OPTIM["weight_decay"])
+    data = _packed_dataset(mix)
+    losses, norms = [], []
+    for step in range(steps):
+        total, count = 0.0, 0
+        for index in range(step * replicas, (step + 1) * replicas):   # replica r takes sample step·replicas + r
+            ids, start = data[index]["input_ids"], 0
+            for n in PACKED[mix][index]:
+                doc = ids[start:start + n][None]
+                start += n
+                if n == 1:
+                    continue
+                logits = model(input_ids=doc).logits
+                total = total + torch.nn.functional.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
+                count += n - 1
+        loss = total / count
+        opt.zero_grad()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        losses.append(loss.item())
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {"losses": losses, "norms": norms, "params": params.tolist()}
+
+
 def check_against_plain(got: list, key: str, want: dict) -> None:
     """Every rank's losses and gradient norms within 1e-5 relative of :func:`plain_train`'s, and rank 0's parameters
     within 1e-5 of the largest."""
@@ -108,10 +157,11 @@ def launch(world: int) -> list:
     test_tiled_loss_deepspeed.py (2 ranks) and test_deepspeed_presets.py at ``world`` ranks, in one launch: a
     DeepSpeed launch spends ~25 s on 2 cores before its first case (spawn, imports, the first initialize), ~2-3 s per
     case after. The presets come last: their last case is the model whose first forward fails."""
-    from tests.integration import test_deepspeed, test_deepspeed_presets, test_tiled_loss_deepspeed
+    from tests.integration import test_deepspeed, test_deepspeed_packed, test_deepspeed_presets, test_tiled_loss_deepspeed
 
     tiled = {TILED: test_tiled_loss_deepspeed.payload()} if world == test_tiled_loss_deepspeed.WORLD else {}
     return spawn("several", world, {"ds_train": test_deepspeed.payload(world), **tiled,
+                                    "packed_train": test_deepspeed_packed.payload(world),
                                     "presets_train": test_deepspeed_presets.payload(world)})
 
 
@@ -141,7 +191,7 @@ def _config(micro: int, zero: int, section: dict, extra: dict) -> dict:
             "zero_optimization": {"stage": zero}, "context_parallel": {"kernel": "torch", **section}, **extra}
 
 
-def _two_steps(engine, loader, zero: int, rank: int) -> dict:
+def _two_steps(engine, loader, zero: int, rank: int, *, packed: bool = False) -> dict:
     """Two optimizer steps: the reported losses and DeepSpeed's gradient norms, and on rank 0 the parameters after."""
     import deepspeed
 
@@ -149,8 +199,11 @@ def _two_steps(engine, loader, zero: int, rank: int) -> dict:
 
     losses, norms = [], []
     for _, batch in zip(range(2), loader):
-        logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        loss, report = cpds.causal_lm_loss(logits, batch["labels"], engine)
+        if packed:                                  # the documents reach the model's attention
+            loss, report = cpds.lm_loss(engine, batch)
+        else:
+            logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            loss, report = cpds.causal_lm_loss(logits, batch["labels"], engine)
         engine.backward(loss)
         engine.step()
         losses.append(report)
@@ -175,6 +228,25 @@ def ds_train(rank: int, world: int, payload: dict) -> dict:
         engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
                                                training_data=_dataset(), config=_config(micro, zero, section, {}))
         out[f"{backend}-u{u}-cp{size}-z{zero}-mb{micro}"] = _two_steps(engine, loader, zero, rank)
+        engine.destroy()
+        _restore_linear()
+    return out
+
+
+def packed_train(rank: int, world: int, payload: dict) -> dict:
+    """Each case (backend, ulysses_size, CP size, ZeRO stage, document mix, pad_documents): two steps of :func:`qwen2`
+    on packed samples (:func:`_packed_dataset`, one per micro batch) through ``ctx_plugin.deepspeed.initialize``."""
+    _start(rank, world)
+    import ctx_plugin.deepspeed as cpds
+
+    out = {}
+    for backend, u, size, zero, mix, pad in payload["cases"]:
+        model = qwen2()
+        section = {"backend": backend, "size": size, "ulysses_size": u, "pad_documents": pad}
+        engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
+                                               training_data=_packed_dataset(mix), config=_config(1, zero, section, {}))
+        out[f"{backend}-u{u}-cp{size}-z{zero}-{mix}-pad{int(pad)}"] = _two_steps(engine, loader, zero, rank,
+                                                                                 packed=True)
         engine.destroy()
         _restore_linear()
     return out

@@ -101,6 +101,77 @@ def _parity(kind: str, backend: str, u: int, reference: dict) -> dict:
             "n_grads": len(grad_errs), "n_ref_grads": len(reference["grads"])}
 
 
+PACKED_LENGTHS = {"fit": [8, 16, 4, 12], "padded": [5, 17, 1, 9]}
+"""Documents of the packed parity runs: lengths that every layout at CP 2 and 4 splits as they are (multiples of 8:
+passed as transformers' cu_seq_lens_q/k), and lengths that need padding (ctx_plugin.packing.pad_packed_batch)."""
+
+
+def _packed_reference(kind: str, lengths: list[int]) -> dict:
+    """HF's own attention on every document on its own (no packing): loss (token mean over all documents' targets),
+    each document's logits, gradients."""
+    m = model(kind, REFERENCE[kind])
+    tokens = torch.randint(0, VOCAB, (BATCH, sum(lengths)), generator=torch.Generator().manual_seed(9))
+    total, count, logits = 0.0, 0, []
+    start = 0
+    for n in lengths:
+        doc = tokens[:, start:start + n]
+        out = m(input_ids=doc, position_ids=torch.arange(n).expand(BATCH, n), use_cache=False).logits
+        logits.append(out.detach())
+        if n > 1:
+            total = total + F.cross_entropy(out[:, :-1].flatten(0, 1), doc[:, 1:].flatten(), reduction="sum")
+            count += BATCH * (n - 1)
+        start += n
+    (total / count).backward()
+    return {"tokens": tokens, "loss": (total / count).item(), "logits": torch.cat(logits, 1),
+            "grads": {n: p.grad for n, p in m.named_parameters()}}
+
+
+def _packed(kind: str, backend: str, u: int, mix: str) -> dict:
+    """One packed batch under CP (documents from the batch's restarting position_ids; padded when ``mix`` needs it)
+    against :func:`_packed_reference`: loss, logits at the real tokens, CP-summed gradients."""
+    import ctx_plugin
+    import ctx_plugin.hf
+    from ctx_plugin.packing import documents_of_batch, pad_packed_batch, shift_labels
+    from ctx_plugin.rules import padding_units
+
+    lengths = PACKED_LENGTHS[mix]
+    reference = _packed_reference(kind, lengths)
+    cfg = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
+    groups = ctx_plugin.build_cp_groups(cfg)
+    m = model(kind, None)
+    ctx_plugin.hf.enable(m, cfg, groups)
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(BATCH, -1)
+    batch = {"input_ids": reference["tokens"], "labels": reference["tokens"].clone(), "position_ids": positions}
+    docs = documents_of_batch(batch)
+    real = torch.arange(docs.seq_len)
+    if mix == "padded":
+        batch, docs = pad_packed_batch(batch, docs, *padding_units(cfg, groups.size))
+        real = torch.tensor([i for i in range(docs.seq_len) if docs.is_real(i)])
+        keywords = {"ctx_plugin_documents": docs}
+    else:
+        cu = torch.tensor(docs.bounds, dtype=torch.int32)
+        keywords = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
+                    "max_length_k": max(lengths)}
+    shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1, documents=docs)  # noqa: E731
+    logits = m(input_ids=shard(batch["input_ids"]), position_ids=shard(batch["position_ids"]), use_cache=False,
+               **keywords).logits
+    local_labels = shard(shift_labels(batch["labels"], docs))
+    loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100, reduction="sum")
+    stats = torch.stack([loss.detach(), (local_labels != -100).sum().to(loss.dtype)])
+    dist.all_reduce(stats)
+    (loss / stats[1]).backward()
+    grad_errs = {}
+    for name, p in m.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g)
+        grad_errs[name] = _rel(g, reference["grads"][name])
+    full = ctx_plugin.gather_sequence(logits.detach(), config=cfg, groups=groups, dim=1, documents=docs)
+    worst = max(grad_errs, key=grad_errs.get)
+    return {"loss_err": abs((stats[0] / stats[1]).item() - reference["loss"]) / abs(reference["loss"]),
+            "logits_err": _rel(full[:, real], reference["logits"]), "grad_err": grad_errs[worst], "worst": worst,
+            "n_grads": len(grad_errs), "n_ref_grads": len(reference["grads"]), "targets": int(stats[1].item())}
+
+
 def _refused_inputs(setup: str, rank: int, world: int) -> dict:
     """What each bad input does on this rank: the error text and how long it took to come."""
     import ctx_plugin
@@ -166,6 +237,7 @@ def suite(rank: int, world: int, payload: dict) -> dict:
     warnings.filterwarnings("ignore")
     refs = {kind: _reference(kind) for kind in {c[0] for c in payload["parity"]}}
     out = {"parity": {"-".join(map(str, c)): _parity(*c, refs[c[0]]) for c in payload["parity"]},
+           "packed": {"-".join(map(str, c)): _packed(*c) for c in payload.get("packed", [])},
            "refused": {b: _refused_inputs(b, rank, world) for b in payload["refused"]}}
     if payload["two_models"]:
         out["two_models"] = _two_models(rank, world)

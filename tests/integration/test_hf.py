@@ -44,6 +44,10 @@ PARITY += [(2, "mistral_swa", "ring", 1), (2, "mistral_swa", "zigzag", 1), (2, "
 # fp32 / float64 against sdpa / float64 against Gemma-2's eager attention, whose softmax runs in fp32
 TOLERANCE = {"llama": 1e-5, "llama_bidir": 1e-5, "qwen2": 1e-10, "mistral_swa": 1e-10, "mistral_bidir": 1e-10,
              "qwen2_mixed": 1e-10, "gemma2": 1e-5, "gpt_oss": 1e-10}
+# packed documents (hf_ranks._packed): kind, backend, ulysses size, document mix (fit: cu_seq_lens; padded)
+PACKED = [(2, "qwen2", "zigzag", 1, "fit"), (2, "qwen2", "allgather", 1, "padded"), (2, "qwen2", "ulysses", 1, "fit"),
+          (4, "qwen2", "striped", 1, "padded"), (4, "qwen2", "ring", 1, "fit"), (4, "qwen2", "ulysses_ring", 2, "padded"),
+          (4, "mistral_swa", "zigzag", 1, "padded")]
 REFUSED = {2: ["zigzag", "ring-nocheck"], 4: ["ring"]}     # -nocheck: CPConfig(check_ranks=False), no CPU-side group
 _results: dict[int, list] = {}
 
@@ -51,6 +55,7 @@ _results: dict[int, list] = {}
 def suite(world: int) -> list:
     if world not in _results:
         payload = {"parity": [c[1:] for c in PARITY if c[0] == world], "refused": REFUSED[world],
+                   "packed": [c[1:] for c in PACKED if c[0] == world],
                    "two_models": world == 2}
         _results[world] = run_spawned("tests.integration.hf_ranks:suite", world, payload, timeout_s=600)
     return _results[world]
@@ -67,8 +72,22 @@ def test_matches_hf_attention_on_one_rank(world, kind, backend, u):
         assert r["grad_err"] <= tol, f"rank {rank}: {r['worst']} gradient error {r['grad_err']:.2e}"
 
 
+@pytest.mark.parametrize("world,kind,backend,u,mix", PACKED, ids=["P{}-{}-{}-u{}-{}".format(*c) for c in PACKED])
+def test_packed_documents_match_hf_per_document(world, kind, backend, u, mix):
+    """A packed batch (documents from its restarting position_ids; transformers' cu_seq_lens_q/k, or padded to the
+    layout's unit and passed as ctx_plugin_documents) gives the loss, logits and gradients of HF's own attention run on
+    every document on its own."""
+    for rank, res in enumerate(suite(world)):
+        r = res["packed"][f"{kind}-{backend}-{u}-{mix}"]
+        assert r["n_grads"] == r["n_ref_grads"] > 0 and r["targets"] == 2 * (sum(
+            {"fit": [8, 16, 4, 12], "padded": [5, 17, 1, 9]}[mix]) - 4)
+        assert r["loss_err"] <= 1e-10, f"rank {rank}: loss error {r['loss_err']:.2e}"
+        assert r["logits_err"] <= 1e-10, f"rank {rank}: logits error {r['logits_err']:.2e}"
+        assert r["grad_err"] <= 1e-10, f"rank {rank}: {r['worst']} gradient error {r['grad_err']:.2e}"
+
+
 REFUSAL_TEXT = {"padding": "cannot apply a padding/custom attention_mask", "cache": "use_cache=False",
-                "no_positions": "position_ids were not given", "packed": "packed sequences",
+                "no_positions": "position_ids were not given", "packed": "restarting at 0 in each document",
                 "labels": "labels= makes transformers shift labels"}
 
 
@@ -169,8 +188,7 @@ def _enabled_llama():
     return model, transformers.AttentionInterface()[name]
 
 
-REFUSED_KWARGS = {"sinks": torch.zeros(2, 4, 8, 1), "position_bias": torch.zeros(1, 4, 8, 8), "cu_seq_lens_q": torch.tensor([0, 8]),
-                  "cu_seq_lens_k": torch.tensor([0, 8]), "max_length_q": 8, "max_length_k": 8,
+REFUSED_KWARGS = {"sinks": torch.zeros(2, 4, 8, 1), "position_bias": torch.zeros(1, 4, 8, 8),
                   "seq_idx": torch.zeros(1, 8, dtype=torch.int32), "indices": torch.zeros(1, 8, 2),
                   "block_indices": torch.zeros(1, 8, 2), "block_table": torch.zeros(1, 1),
                   "use_cache": True, "output_attentions": True, "some_new_option": 1}
@@ -207,6 +225,39 @@ def test_attention_keywords_honoured_and_harmless():
         fn(module, q, k, v, torch.zeros(2, 1, 8, 8))
     with pytest.raises(ValueError, match="not passed to ctx_plugin.hf.enable"):
         fn(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).model.layers[0].self_attn, q, k, v, None)
+
+
+def test_packed_document_keywords():
+    """transformers' cu_seq_lens_q/k (global cumulative lengths) and ctx_plugin_documents give attention inside each
+    document (HF's sdpa on each document on its own); inconsistent packing keywords are errors naming them."""
+    from ctx_plugin.documents import Documents
+
+    model, fn = _enabled_llama()
+    module = model.model.layers[0].self_attn
+    q, k, v = _qkv()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    want = torch.cat([sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True)
+                      for a, b in ((0, 2), (2, 8))], 2).transpose(1, 2)
+    cu = torch.tensor([0, 2, 8], dtype=torch.int32)
+    for keywords in ({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": 6, "max_length_k": 6},
+                     {"ctx_plugin_documents": Documents((0, 2, 8))},
+                     {"ctx_plugin_documents": Documents((0, 2, 8)), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}):
+        out, _ = fn(module, q, k, v, None, **keywords)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    padded, _ = fn(module, q, k, v, None, ctx_plugin_documents=Documents((0, 2, 8), (2, 5)))
+    torch.testing.assert_close(padded[:, :7], want[:, :7], rtol=1e-12, atol=1e-12)   # causal: padding is last
+    assert torch.all(padded[:, 7] == 0)
+    for keywords, text in (({"cu_seq_lens_q": cu}, "cu_seq_lens_q and cu_seq_lens_k together"),
+                           ({"cu_seq_lens_q": cu, "cu_seq_lens_k": torch.tensor([0, 4, 8])}, "differ"),
+                           ({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 8}, "not this rank's shard"),
+                           ({"max_length_k": 5}, "without cu_seq_lens_q"),
+                           ({"cu_seq_lens_q": torch.tensor([0, 2, 6]), "cu_seq_lens_k": torch.tensor([0, 2, 6])},
+                            "global sequence length 8"),
+                           ({"ctx_plugin_documents": [0, 2, 8]}, "must be a ctx_plugin.Documents"),
+                           ({"ctx_plugin_documents": Documents((0, 4, 8)), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu},
+                            "describe different documents")):
+        with pytest.raises(ValueError, match=text):
+            fn(module, q, k, v, None, **keywords)
 
 
 def _hf_reference(variant: str, q, k, v, window: int, sinks=None, softcap=None):
