@@ -15,7 +15,7 @@ from .deepspeed_config import SECTION
 from .groups import CPGroups
 from .packing import DOCUMENTS_KEYWORD, HF_DOCUMENT_KEYWORDS, documents_of_batch, pad_packed_batch, shift_labels
 from .recompute import RecomputeConfig
-from .rules import padding_units
+from .rules import SettingNames, check_documents_fit, padding_units
 from .tiled_loss import lm_loss_sum, upcast
 
 def shard_batch(batch: dict, groups: CPGroups, *, pad_documents: bool = False) -> dict:
@@ -39,6 +39,12 @@ def shard_batch(batch: dict, groups: CPGroups, *, pad_documents: bool = False) -
     documents = documents_of_batch(batch)
     if documents is not None and pad_documents and documents.valid is None:
         batch, documents = pad_packed_batch(batch, documents, *padding_units(cfg, groups.size))
+    elif documents is not None:
+        try:
+            check_documents_fit(cfg, documents, groups.size, SettingNames(documents="the packed batch's documents",
+                                                                         cp=f'"{SECTION}.size"'))
+        except ValueError as e:
+            raise ValueError(f'{e}; or set "{SECTION}": {{"pad_documents": true}} so the loader pads them') from None
     input_ids = batch["input_ids"]
     seq = input_ids.shape[1]
     shard = functools.partial(shard_sequence, config=cfg, groups=groups, dim=1, documents=documents)

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help=".npy token ids [samples, seq_len] or 1-D; default: synthetic")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (synthetic data; checked for --data)")
     p.add_argument("--samples", type=int, default=64, help="synthetic samples")
+    p.add_argument("--pack-eos", type=int, default=None, metavar="ID",
+                   help="packed documents: each sample holds documents that end after every token ID (Megatron's "
+                        "--reset-attention-mask / --reset-position-ids reading); attention stays inside each, positions "
+                        "restart, labels stop at each end. Needs train_micro_batch_size_per_gpu 1, and "
+                        '"pad_documents": true in the section unless every document fits the layout')
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--report", default=None, help="rank 0 writes its losses and throughput here (JSON)")
@@ -63,6 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("seq_len", "samples", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.pack_eos is not None and args.pack_eos < 0:
+        raise ValueError(f"--pack-eos must be a token id (>= 0), got {args.pack_eos}")
     return args
 
 
@@ -155,7 +162,19 @@ def load_data(args: argparse.Namespace) -> list[dict]:
             tokens = tokens.view(-1, args.seq_len)
         if tokens.dim() != 2 or tokens.shape[1] != args.seq_len:
             raise ValueError(f"--data {args.data}: shape {tuple(tokens.shape)}, expected [samples, {args.seq_len}]")
-    return [{"input_ids": t, "labels": t.clone()} for t in tokens]
+    if args.pack_eos is None:
+        return [{"input_ids": t, "labels": t.clone()} for t in tokens]
+    return [{"input_ids": t, "labels": t.clone(), "position_ids": eos_positions(t, args.pack_eos)} for t in tokens]
+
+
+def eos_positions(tokens: torch.Tensor, eos: int) -> torch.Tensor:
+    """Position ids of a packed sample whose documents end after every ``eos`` token: 0, 1, ... restarting after each
+    (the loader reads the documents from them, :func:`ctx_plugin.packing.documents_from_positions`)."""
+    n = tokens.numel()
+    index = torch.arange(n)
+    starts = torch.zeros(n, dtype=torch.int64)
+    starts[1:] = torch.where(tokens[:-1] == eos, index[1:], 0)
+    return index - torch.cummax(starts, 0).values
 
 
 def micro_batches(loader, skip: int):
@@ -191,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(loader) == 0:
         raise ValueError(f"{len(data)} samples make no micro-batch of {engine.train_micro_batch_size_per_gpu()} per "
                          f"data-parallel replica: give more samples")
+    if args.pack_eos is not None and engine.train_micro_batch_size_per_gpu() != 1:
+        raise SystemExit(f"--pack-eos packs each sample's own documents: set train_micro_batch_size_per_gpu to 1 (got "
+                         f"{engine.train_micro_batch_size_per_gpu()}) and raise gradient_accumulation_steps instead")
     rank, accumulation = dist.get_rank(), engine.gradient_accumulation_steps()
     losses = []
     if args.resume:
@@ -203,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     micro_losses, tokens, start = [], 0, time.perf_counter()
     batches = micro_batches(loader, len(losses) * accumulation)
     while len(losses) < args.steps:
-        batch = {k: v.to(engine.device) for k, v in next(batches).items()}
+        batch = {k: v.to(engine.device) if isinstance(v, torch.Tensor) else v for k, v in next(batches).items()}
         loss, report = cpds.lm_loss(engine, batch)       # the section's +tile_loss: head and loss tiled
         engine.backward(loss)
         engine.step()

@@ -87,3 +87,25 @@ def test_deepspeed_section_pad_documents():
     assert parse_section({"size": 2, "pad_documents": True}).pad_documents is True
     with pytest.raises(TypeError, match="pad_documents.* must be a bool"):
         parse_section({"size": 2, "pad_documents": "yes"})
+
+
+def test_train_hf_pack_eos_positions_and_refusals(tmp_path):
+    from ctx_plugin.train_hf import eos_positions, parse_args
+
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    tokens = torch.tensor([5, 9, 3, 9, 9, 4, 4])
+    assert eos_positions(tokens, 9).tolist() == [0, 1, 0, 1, 0, 0, 1]
+    assert eos_positions(tokens, 7).tolist() == list(range(7))
+    assert documents_from_positions(eos_positions(tokens, 9)) == Documents((0, 2, 4, 5, 7))
+    with pytest.raises(ValueError, match="--pack-eos must be a token id"):
+        parse_args(["--model", str(config), "--pack-eos", "-1"])
+    assert parse_args(["--model", str(config), "--pack-eos", "2"]).pack_eos == 2
+
+
+def test_loader_error_names_the_section_switch():
+    cfg = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
+    batch = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+    with pytest.raises(ValueError, match=r'the packed batch\'s documents: document 0 holds 3 tokens.*"pad_documents": '
+                                         r'true'):
+        shard_batch(batch, ctx_plugin.build_cp_groups(cfg))
