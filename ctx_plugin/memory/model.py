@@ -24,9 +24,10 @@ import torch
 
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig, candidates, regions
-from ..rules import SettingNames, check_heads, check_seq_len
+from ..rules import SettingNames, check_heads, check_seq_len, document_unit
 from ..tiled_loss import auto_tokens
 from .blocks import layer_terms
+from .flops import Packing, check_documents, pack
 from .specs import ModelSpec, ParallelSpec, ceil_div
 
 _NAMES = SettingNames(cp="cp", heads="query heads per tensor-parallel rank",
@@ -122,13 +123,23 @@ def _cp_buffers(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int, micro_batch
     return a2a + 2 * kv_block * e + 3 * kv_block * acc + dq   # K/V + spare, dK/dV ×2 + incoming (fp32), dQ
 
 
-def layer_flops(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int) -> tuple[float, float, float]:
-    """(projection+MLP, MLP, attention) forward FLOPs of one layer on one rank (causal attention halved)."""
+def layout_packing(p: ParallelSpec, seq_len: int, documents=None) -> Packing:
+    """How ``documents`` (None, a mean length or a list of lengths: :mod:`ctx_plugin.memory.flops`) fill a sequence
+    of ``seq_len`` tokens under ``p``'s layout, each document padded to the layout's document unit."""
+    unit = 1 if documents is None else document_unit(p.cp_config, p.cp)
+    return pack(seq_len, documents, unit=unit)
+
+
+def layer_flops(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int, documents=None) -> tuple[float, float, float]:
+    """(projection+MLP, MLP, attention) forward FLOPs of one layer on one rank: the projections and MLP over all
+    ``t`` tokens (document padding included), the causal attention over the pairs of the packed documents
+    (:func:`layout_packing`; one document of ``seq_len`` tokens without ``documents``): ``4·pairs·q_w·t/seq_len``."""
     d, f = m.head_dim, ceil_div(m.ffn, p.tp)
     q_w, kv_w = m.heads // p.tp * d, max(m.kv_heads // p.tp, 1) * d
     mlp = 2 * t * m.hidden * f * (3 if m.gated else 2)
     proj = 2 * t * m.hidden * (2 * q_w + 2 * kv_w)
-    return proj + mlp, mlp, 2 * t * seq_len * q_w
+    pairs = layout_packing(p, seq_len, documents).pairs
+    return proj + mlp, mlp, 4 * pairs * q_w * t / seq_len
 
 
 @dataclass(frozen=True)
@@ -197,13 +208,18 @@ def _offloaded(recompute: RecomputeConfig, k, num_layers: int) -> list[tuple[int
 
 
 def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
-             micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> MemoryEstimate:
+             micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+             documents=None) -> MemoryEstimate:
     """Memory per GPU of one training step (mixed-precision Adam: params and grads in ``dtype``, fp32 master
     weights and moments; float32 training keeps no master copy), for ``model.family``'s blocks, with the preset's
     modifiers (tiled loss and MLP, attention recompute, offload). ``device="cpu"`` describes the same layers run
-    on CPU (how the model is held to measured bytes: only the megatron family's RMSNorm differs)."""
+    on CPU (how the model is held to measured bytes: only the megatron family's RMSNorm differs).
+    ``documents`` (packed documents: None, a mean length or a list of lengths, :mod:`ctx_plugin.memory.flops`)
+    change only the attention's FLOPs and so :attr:`MemoryEstimate.recompute_fraction`: every byte is per token
+    (q, k, v, out, LSE; padding tokens count like real ones), so memory is the same with or without them."""
     recompute = RecomputeConfig.parse(recompute)
     _check(model, parallel, seq_len)
+    documents = check_documents(documents)
     e = torch.empty((), dtype=dtype).element_size()
     acc = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
     n_params = param_count(model, parallel.tp)
@@ -238,7 +254,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     activations = sum(gpu_layers) + k.shared + k.head
     backward = _backward_peak(model, recompute, k, gpu_layers, chunk_inner, chunk_temps, in_flight)
     spans = [stop - start for start, stop in regions(recompute, model.layers)]
-    full_step, mlp, attn = layer_flops(model, parallel, t, seq_len)
+    full_step, mlp, attn = layer_flops(model, parallel, t, seq_len, documents)
     step = 3 * model.layers * (full_step + attn)
     preset = recompute.preset
     extra = {Recompute.MLP: model.layers * mlp, Recompute.CORE_ATTN: model.layers * attn}.get(preset, 0.0)
@@ -261,18 +277,20 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
 
 
 def resolve(recompute: RecomputeConfig | str, model: ModelSpec, parallel: ParallelSpec, *, seq_len: int,
-            micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> RecomputeConfig:
+            micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, documents=None) -> RecomputeConfig:
     """``budget:<GiB>`` → among the presets whose estimated peak fits, the one with the least estimated recompute
     (:attr:`MemoryEstimate.recompute_fraction`, extra FLOPs); ties go to the preset without elementwise recompute
     (``none`` before ``selective``, whose recomputed norms and activations the FLOP estimate counts as free), then
-    to the smaller peak. Other presets are returned unchanged. Also ``ctx_plugin.recompute.resolve``."""
+    to the smaller peak. Other presets are returned unchanged. ``documents``: packed documents, whose shorter
+    attention makes ``core_attn`` cheaper (:func:`estimate`). Also ``ctx_plugin.recompute.resolve``."""
     recompute = RecomputeConfig.parse(recompute)
     if recompute.preset != Recompute.BUDGET:
         return recompute
     budget = recompute.budget_gib * GiB
     keep = {"tile_loss": recompute.tile_loss, "loss_tokens": recompute.loss_tokens, "tile_mlp": recompute.tile_mlp,
             "mlp_tokens": recompute.mlp_tokens}      # the only modifiers budget:<GiB> accepts; every candidate keeps them
-    estimates = [(c, estimate(model, parallel, c, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype))
+    estimates = [(c, estimate(model, parallel, c, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
+                              documents=documents))
                  for c in (replace(c, **keep) for c in candidates(model.layers))]
     fits = [(c, est) for c, est in estimates if est.peak <= budget]
     if fits:     # min keeps the first of equal keys: candidates' order (none before attn_out)

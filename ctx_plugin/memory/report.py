@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from ..cliargs import output_file, positive_float, positive_int, read_json_object, tokens
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig
+from .flops import describe as describe_documents
 from .model import GiB, MemoryEstimate, estimate, resolve
 from .specs import FAMILIES, MODEL_PRESETS, ModelSpec, ParallelSpec
 
@@ -39,6 +41,59 @@ def model_arg(text: str) -> ModelSpec:
         raise argparse.ArgumentTypeError(f"{text}: {e}") from None
 
 
+def doc_lengths_file(text: str) -> tuple[int, ...]:
+    """``--doc-lengths FILE``: document lengths (tokens, whole numbers ≥ 1) as a JSON list (``[4096, 812, ...]``)
+    or as text, whitespace- or newline-separated (``#`` starts a comment); argparse ``type=``."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file of document lengths")
+    try:
+        raw = path.read_text()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text} ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{text} is not text: give a JSON list or whitespace-separated lengths") \
+            from None
+    if raw.lstrip().startswith("["):
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{text} is not a JSON list of lengths ({e})") from None
+        if not isinstance(values, list):
+            raise argparse.ArgumentTypeError(f"{text} holds a JSON {type(values).__name__}, not a list of lengths")
+        words = [(v, json.dumps(v)) for v in values]
+    else:
+        words = [(w, w) for line in raw.splitlines() for w in line.split("#", 1)[0].split()]
+    if not words:
+        raise argparse.ArgumentTypeError(f"{text} holds no document length; give at least one")
+    lengths = []
+    for i, (value, shown) in enumerate(words):
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise argparse.ArgumentTypeError(f"{text}: length {i + 1} is {shown}, not a whole number of tokens ≥ 1")
+        lengths.append(value)
+    return tuple(lengths)
+
+
+def add_document_arguments(p: argparse.ArgumentParser) -> None:
+    """``--doc-len MEAN`` / ``--doc-lengths FILE``: the packed documents of each sequence (one of them)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--doc-len", type=parse_tokens, default=None,
+                       help="packed documents: each sequence is filled with documents of this many tokens (a mean "
+                            "length, equal documents assumed; e.g. 4096 or 4k); attention FLOPs count the pairs "
+                            "inside each document")
+    group.add_argument("--doc-lengths", type=doc_lengths_file, default=None, metavar="FILE",
+                       help="packed documents: a file of document lengths (a JSON list, or whitespace-separated "
+                            "numbers), taken in order and repeated until each sequence is full")
+
+
+def documents_from(args: argparse.Namespace):
+    """The ``documents`` of :func:`ctx_plugin.memory.estimate` / :func:`ctx_plugin.plan.predict`: None, a mean
+    length or a tuple of lengths."""
+    return args.doc_len if args.doc_lengths is None else args.doc_lengths
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=model_arg,
                    help=f"a model preset ({', '.join(MODEL_PRESETS)}) or the path of a Hugging Face config.json")
@@ -60,6 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="block implementation the model runs as (default: ctx_plugin for a preset, hf for a "
                         "config.json)")
     p.add_argument("--plot", type=output_file, default=None, help="write a PNG of peak memory vs. sequence length per preset")
+    add_document_arguments(p)
 
 
 def recompute_arg(text: str) -> RecomputeConfig:
@@ -107,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
                             sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero)
     dtype = DTYPES[args.dtype]
-    kw = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=dtype)
+    documents = documents_from(args)
+    kw = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=dtype, documents=documents)
     if args.plot:
         need_matplotlib()
     chosen_one = getattr(args, "recompute", None)
@@ -128,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"blocks: {model.family} ({_FAMILY_TEXT[model.family]})")
     print(f"parallel: cp={parallel.cp} ({parallel.backend}), tp={parallel.tp}, dp={parallel.dp} = {gpus} GPUs, "
           f"ZeRO-{parallel.zero_stage}; GiB per GPU")
+    if documents is not None:
+        print(f"documents: {describe_documents(documents)}; memory as for one document (every saved tensor is per "
+              f"token), extra FLOPs against the attention of the pairs inside each document")
     print(f"{'preset':<{width}} {'activations':>11} {'recompute':>10} {'cp bufs':>8} {'logits':>8} "
           f"{'params+grad+opt':>14} {'peak':>9} {'extra FLOPs':>10} {'host':>8}")
     print("\n".join(rows))

@@ -89,9 +89,10 @@ def _overflow(fp: Footprint, cluster: Cluster) -> float:
 
 def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (1,),
             zero_stages: Iterable[int] = (0, 1, 2, 3), presets: Iterable[RecomputeConfig | str] | None = None,
-            micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> Longest:
+            micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, documents=None) -> Longest:
     """The longest sequence that fits, its fastest configurations and the one closest to fitting one unit longer
-    (see the module docstring); ValueError when nothing fits even one unit."""
+    (see the module docstring); ValueError when nothing fits even one unit. ``documents`` (packed documents: None,
+    a mean length or lengths) change the step times, not the memory, so not the length found."""
     if not isinstance(model, ModelSpec) or not isinstance(cluster, Cluster):
         raise TypeError("longest(model=ModelSpec, cluster=Cluster, ...)")
     stages = tuple(sorted(set(zero_stages)))
@@ -149,7 +150,7 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
     checked = sum(c.checked for c in checkers.values())
     if not misses:
         raise ValueError(f"no configuration can run {k * step:,} tokens on {cluster.gpus} GPUs")
-    kw = dict(seq_len=k * step, cluster=cluster, micro_batch=micro_batch, dtype=dtype)
+    kw = dict(seq_len=k * step, cluster=cluster, micro_batch=micro_batch, dtype=dtype, documents=documents)
     par, rec, opt, _ = min(misses, key=lambda f: _overflow(f[3], cluster))
     closest = predict(model, par, rec, offload_optimizer=opt, **kw)
     host_bound = None
@@ -162,7 +163,7 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
     seq_len = best * step
     check = Checker(model, cluster, seq_len, micro_batch=micro_batch, dtype=dtype)
     plans = [predict(model, par, rec, seq_len=seq_len, cluster=cluster, micro_batch=micro_batch, dtype=dtype,
-                     offload_optimizer=opt)
+                     offload_optimizer=opt, documents=documents)
              for p in parallels for par, rec, opt, _ in fitting(check, p, presets, stages)]
     checked += check.checked
     return Longest(seq_len=seq_len, unit=step, plans=sorted(plans, key=rank_key), next_len=seq_len + step,

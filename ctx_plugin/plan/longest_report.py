@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..memory.report import DTYPES
+from ..memory.report import DTYPES, documents_from
 from ..memory.specs import ModelSpec
 from .cluster import Cluster
 from .longest import Longest, binding, longest
@@ -49,11 +49,14 @@ def summary(result: Longest, cluster: Cluster) -> str:
 
 def run_longest(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> int:
     stages = args.zero or [0, 1, 2, 3]
+    from .report import print_documents
+    documents = documents_from(args)
     result = longest(model, cluster, tp_options=args.tp, zero_stages=stages, micro_batch=args.micro_batch,
-                     dtype=DTYPES[args.dtype])
+                     dtype=DTYPES[args.dtype], documents=documents)
     print_header(model, cluster)
     print(f"search: micro-batch {args.micro_batch}, {args.dtype}, ZeRO {'/'.join(map(str, sorted(set(stages))))}, "
           f"tp {'/'.join(map(str, args.tp))}, every backend, recompute preset, modifier and optimizer offload")
+    print_documents(documents)
     print(summary(result, cluster))
     print(f"{len(result.plans)} configurations fit at {result.seq_len:,} tokens and may be fastest; top "
           f"{min(args.top, len(result.plans))}:")

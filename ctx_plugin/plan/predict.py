@@ -4,9 +4,13 @@ Per GPU, per layer and micro-batch, with b the micro-batch, s the sequence lengt
 a = heads/tp and g = max(kv_heads/tp, 1) heads per TP rank, d the head size, e / e_acc the bytes of the dtype /
 of its accumulation dtype (fp32 for bf16), u the Ulysses size and r the ring size (cp = u·r)::
 
-    attention forward    F = 2·t·s·a·d = 4·b·s²·a·d / (cp·tp) halved (causal LM); backward 2.5·F
-                         (flash-style: the kernel recomputes the scores). `ring` (contiguous, causal) runs at the
-                         pace of its last rank: × (2r−1)/r. Time F / attention rate.
+    attention forward    F = 4·b·pairs·a·d / cp per TP rank, pairs the causal (query, key) pairs of the sequence:
+                         s(s+1)/2 for one document, the sum of n(n+1)/2 over packed documents (``documents``: a
+                         mean length or lengths, each document padded to the layout's document unit:
+                         :mod:`ctx_plugin.memory.flops`; padding holds no pair); backward 2.5·F (flash-style: the
+                         kernel recomputes the scores). `ring` (contiguous, causal) runs at the pace of its busiest
+                         rank: × max/mean of its ranks' pairs (≈ (2r−1)/r for one document, → 1 for documents much
+                         shorter than a rank's shard). Time F / attention rate.
     dense                6·t·W (2 forward, 4 backward), W = QKV, o_proj and MLP weights per TP rank; plus the LM
                          head 6·t·h·V/tp once per step. Time / matmul rate. (FLOPs from memory.model.layer_flops.)
     recompute            the memory model's recompute_fraction × its step FLOPs 3·L·(W-FLOPs + F): at the attention
@@ -16,7 +20,10 @@ of its accumulation dtype (fp32 for bf16), u the Ulysses size and r the ring siz
                          recompute has no FLOPs and counts zero. +tile_loss, +tile_mlp, activation and optimizer
                          offload: see :mod:`ctx_plugin.plan.costs`.
     MFU                  model FLOPs without any recompute, 3·L·(W-FLOPs + F) + 6·t·h·V/tp per GPU, over the step
-                         time × the GPU's peak (Cluster.peak_tflops); causal attention counts half a full one.
+                         time × the GPU's peak (Cluster.peak_tflops). Only the FLOPs the model needs count: the
+                         attention's causal pairs inside each document (not s² nor s²/2 of the whole packed
+                         sequence), the dense FLOPs of real tokens only (not of document padding, which the step
+                         time does include); tokens/s counts real tokens too.
     ring (r > 1)         K/V step T = 2·t·u·g_u·d·e / bw, g_u = max(g, u)/u (K/V heads after Ulysses); dK/dV hop
                          T' = T·e_acc/e (they travel in fp32). Each step computes c = F/r (forward), 2.5·c
                          (backward). Forward: r−1 steps of ring_step(c, T). Backward, as ring.py schedules it:
@@ -37,7 +44,11 @@ norms, elementwise ops and kernel launch overheads. Ring steps assume ring.py's 
 block's kernel, waited after) and balanced layouts' per-step work F/r.
 
 The minimum tokens per GPU to hide the ring is where compute equals transfer on every overlapped step; compute
-grows as t², transfer as t, so it is t·max(T/c) (the backward step, T + T' against 2.5·c, binds for bf16).
+grows as t², transfer as t, so it is t·max(T/c) (the backward step, T + T' against 2.5·c, binds for bf16). With
+packed documents the compute grows as the pairs of a longer sequence of the same documents, about linearly once
+the sequence holds many documents: the smallest t whose pairs hide the transfer is searched (doubling, then
+bisection), and may not exist (``None``: documents this short never give a ring step enough work, whatever the
+length). Balanced layouts split every document over the ranks, so every ring step runs, with 1/r of the work.
 """
 from __future__ import annotations
 
@@ -48,7 +59,8 @@ import torch
 
 from ..config import CPConfig
 from ..kernels import accum_dtype
-from ..memory.model import MemoryEstimate, estimate, layer_flops, param_count
+from ..memory.flops import check_documents, contiguous_rank_pairs
+from ..memory.model import MemoryEstimate, estimate, layer_flops, layout_packing, param_count
 from ..memory.specs import ModelSpec, ParallelSpec, ceil_div
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig
@@ -76,14 +88,35 @@ def check_heads_split(model: ModelSpec, parallel: ParallelSpec) -> None:
                 model.heads // parallel.tp, max(model.kv_heads // parallel.tp, 1), parallel.cp)
 
 
-def _ring(t: int, r: int, c_fwd: float, kv_s: float, dkv_s: float) -> tuple[float, bool, int]:
-    """(exposed seconds per layer, steps hidden, minimum tokens per GPU to hide) of a ring of r > 1 ranks."""
+def _ring(t: int, r: int, c_fwd: float, kv_s: float, dkv_s: float) -> tuple[float, bool, int, float]:
+    """(exposed seconds per layer, steps hidden, minimum tokens per GPU to hide, the largest transfer/compute
+    ratio of a step) of a ring of r > 1 ranks."""
     c_bwd = BACKWARD * c_fwd
     fwd = [(c_fwd, kv_s)] * (r - 1)
     bwd = [(c_bwd, kv_s), *[(c_bwd, kv_s + dkv_s)] * (r - 2), (c_bwd, dkv_s)]
     steps = [ring_step(c, x) for c, x in fwd + bwd]
     need = max(x / c for c, x in fwd + bwd)
-    return sum(steps) + dkv_s, not any(steps), math.ceil(round(t * need, 6))
+    return sum(steps) + dkv_s, not any(steps), math.ceil(round(t * need, 6)), need
+
+
+def _min_tokens_documents(p: ParallelSpec, seq_len: int, t: int, need: float, pairs: int, documents) -> int | None:
+    """The fewest tokens per GPU whose ring steps hide their transfers with these documents: at t' tokens per GPU a
+    step's transfer/compute ratio is ``need`` (at t; ≤ 1 hides) × (t'/t) × pairs(s) / pairs(s'), s' = s·t'/t
+    (transfer ∝ tokens, compute ∝ the pairs of the longer packed sequence); None when none up to 2³⁴ tokens does."""
+    def hides(k: int) -> bool:
+        longer = layout_packing(p, max(1, -(-seq_len * k // t)), documents).pairs
+        return need * k / t * pairs <= longer
+    top = 2**34 // p.cp
+    hi = 1
+    while not hides(hi):
+        if hi >= top:
+            return None
+        hi = min(2 * hi, top)
+    lo = hi // 2                       # hides(lo) is False (or lo = 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hides(mid) else (mid, hi)
+    return hi
 
 
 @dataclass(frozen=True)
@@ -109,9 +142,10 @@ class Footprint:
 
 def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
               cluster: Cluster, micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16,
-              offload_optimizer: bool = False) -> Footprint:
+              offload_optimizer: bool = False, documents=None) -> Footprint:
     """Memory of one configuration on the GPU and the host, without timing it (what :func:`predict` fits; the
-    longest-sequence search checks only this); ValueError (naming the fix) when the configuration cannot run."""
+    longest-sequence search checks only this); ValueError (naming the fix) when the configuration cannot run.
+    ``documents`` change no byte, only the estimate's recompute FLOPs (:func:`ctx_plugin.memory.estimate`)."""
     recompute = RecomputeConfig.parse(recompute)
     if recompute.preset == Recompute.BUDGET:
         raise ValueError("the planner compares concrete presets; give one (none, selective, full, ...) not budget")
@@ -120,7 +154,7 @@ def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConf
     p, c = parallel, cluster
     if offload_optimizer and p.zero_stage < 1:
         raise ValueError("optimizer offload (DeepSpeed offload_optimizer) needs ZeRO stage 1, 2 or 3, not 0")
-    est = estimate(model, p, recompute, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype)
+    est = estimate(model, p, recompute, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, documents=documents)
     check_heads_split(model, p)
     if p.tp * p.cp * p.dp != c.gpus:
         raise ValueError(f"tp × cp × dp = {p.tp * p.cp * p.dp} must equal the cluster's {c.gpus} GPUs")
@@ -137,21 +171,30 @@ def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConf
 
 def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
             cluster: Cluster, micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16,
-            offload_optimizer: bool = False) -> Prediction:
-    """Memory and step time of one configuration; ValueError (naming the fix) when it cannot run."""
+            offload_optimizer: bool = False, documents=None) -> Prediction:
+    """Memory and step time of one configuration; ValueError (naming the fix) when it cannot run. ``documents``:
+    the packed documents of each sequence — None (one document), a mean length or a list of lengths
+    (:mod:`ctx_plugin.memory.flops` says how they fill the sequence)."""
     recompute = RecomputeConfig.parse(recompute)
+    documents = check_documents(documents)
     mem = footprint(model, parallel, recompute, seq_len=seq_len, cluster=cluster, micro_batch=micro_batch,
-                    dtype=dtype, offload_optimizer=offload_optimizer)
+                    dtype=dtype, offload_optimizer=offload_optimizer, documents=documents)
     est, p, c = mem.estimate, parallel, cluster
     e = dtype.itemsize
     acc = accum_dtype(dtype).itemsize
     t, d, L = micro_batch * seq_len // p.cp, model.head_dim, model.layers
     a, g = model.heads // p.tp, max(model.kv_heads // p.tp, 1)
     rate_a, rate_m = c.attention_tflops * 1e12, c.matmul_tflops * 1e12
-    dense, mlp, attn = layer_flops(model, p, t, seq_len)
+    dense, mlp, attn = layer_flops(model, p, t, seq_len, documents)
+    packing = layout_packing(p, seq_len, documents)
+    real = packing.real_tokens / seq_len
     u = p.ulysses
     r = 1 if p.backend in (Backend.ULYSSES, Backend.ALLGATHER) else p.cp // u
-    attn_s = attn * ((2 * r - 1) / r if p.backend == Backend.RING else 1.0) / rate_a
+    busiest = 1.0
+    if p.backend == Backend.RING and p.cp > 1:          # contiguous shards: the busiest rank's pairs over the mean
+        ranks = contiguous_rank_pairs(seq_len, p.cp, documents)
+        busiest = max(ranks) * p.cp / sum(ranks)
+    attn_s = attn * busiest / rate_a
     cp_inter, a2a_inter = c.crosses_nodes(p.tp * p.cp), c.crosses_nodes(p.tp * u)
     bw = c.bandwidth(cp_inter)
 
@@ -159,7 +202,9 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
     hidden = min_tokens = None
     if r > 1:
         kv_s = 2 * t * max(g, u) * d * e / bw          # t·u tokens × max(g, u)/u heads after the all-to-all
-        ring_s, hidden, min_tokens = _ring(t, r, attn_s / r, kv_s, kv_s * acc / e)
+        ring_s, hidden, min_tokens, need = _ring(t, r, attn_s / r, kv_s, kv_s * acc / e)
+        if documents is not None:
+            min_tokens = _min_tokens_documents(p, seq_len, t, need, packing.pairs, documents)
         ring_fwd_s = (r - 1) * ring_step(attn_s / r, kv_s)
     a2a_s = (u - 1) / u * t * (2 * a + 2 * max(g, u)) * d * e / c.bandwidth(a2a_inter) if u > 1 else 0.0
     ag_fwd = ag_bwd = 0.0
@@ -189,7 +234,7 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
     offload_s = copy_exposed(est.host, region_layers(recompute, L), layer_fwd, layer_bwd,
                              c.host_bandwidth)
     exposed = L * (ring_s + 2 * 4 * a2a_s + ag_fwd + ag_bwd + 8 * tp_s) + recompute_comm + offload_s + mem.optimizer_s
-    model_flops = 3 * L * (dense + attn) + 6 * t * model.hidden * ceil_div(model.vocab, p.tp)
+    model_flops = 3 * L * (dense * real + attn) + 6 * t * real * model.hidden * ceil_div(model.vocab, p.tp)
     parts = {"ring": L * ring_s, "all-to-all": L * 8 * a2a_s, "all-gather": L * (ag_fwd + ag_bwd),
              "TP collectives": L * 8 * tp_s, "recompute": recompute_s + recompute_comm, "activation offload": offload_s,
              "optimizer offload": mem.optimizer_s}
@@ -206,7 +251,9 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
         where = "" if link is None else (" over InfiniBand" if link else " over NVLink")
         reason = f"largest overhead: {worst}{where} {parts[worst] * 1e3:.1f} ms"
         if hidden is not None:
-            reason += f"; ring {'hidden' if hidden else 'exposed'} ({t:,} vs {min_tokens:,} tokens/GPU)"
+            reason += (f"; ring exposed ({t:,} tokens/GPU; no length hides it with these documents)"
+                       if min_tokens is None else
+                       f"; ring {'hidden' if hidden else 'exposed'} ({t:,} vs {min_tokens:,} tokens/GPU)")
     step = compute + exposed
     return Prediction(backend=p.backend, cp=p.cp, ulysses_size=u, ring_size=r, tp=p.tp, dp=p.dp,
                       zero_stage=p.zero_stage, recompute=recompute, offload_optimizer=offload_optimizer,
@@ -214,6 +261,6 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
                       host_fits=mem.host_fits, compute_ms=compute * 1e3, recompute_ms=recompute_s * 1e3,
                       exposed_ms=exposed * 1e3, offload_ms=offload_s * 1e3, optimizer_ms=mem.optimizer_s * 1e3,
                       model_flops=model_flops, mfu=model_flops / (step * c.peak_tflops * 1e12),
-                      ring_exposed_ms=L * ring_s * 1e3, tokens_per_gpu=t, ring_hidden=hidden,
+                      ring_exposed_ms=L * ring_s * 1e3, tokens_per_gpu=t, real_share=real, ring_hidden=hidden,
                       min_tokens_to_hide=min_tokens, cp_inter_node=cp_inter, ulysses_inter_node=a2a_inter,
                       reason=reason, estimate=est)

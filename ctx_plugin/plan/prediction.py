@@ -57,7 +57,10 @@ class Prediction:
     ring_exposed_ms: float
     """The part of exposed_ms from ring steps (including the last dK/dV hop, which nothing hides)."""
     tokens_per_gpu: int
-    """micro_batch · seq_len / cp."""
+    """micro_batch · seq_len / cp (document padding included)."""
+    real_share: float
+    """The share of a sequence's tokens that are real, not padding of packed documents to the layout's document
+    unit (1 without documents or padding)."""
     ring_hidden: bool | None
     """Every overlapped ring step hides its transfer (None: no ring)."""
     min_tokens_to_hide: int | None
@@ -79,6 +82,8 @@ class Prediction:
         if min(self.compute_ms, self.recompute_ms, self.exposed_ms, self.ring_exposed_ms, self.offload_ms,
                self.optimizer_ms) < 0:
             raise ValueError("times must be non-negative")
+        if not 0 < self.real_share <= 1:
+            raise ValueError(f"real_share must be in (0, 1], got {self.real_share!r}")
         if self.cp % (self.ulysses_size * self.ring_size):
             raise ValueError(f"ulysses_size × ring_size must divide cp ({self.cp})")
 
@@ -101,8 +106,9 @@ class Prediction:
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
-        """Training throughput: the tokens of a step (b·s·dp) over the step time and all GPUs (tp·cp·dp)."""
-        return self.tokens_per_gpu / self.tp / (self.step_ms / 1e3)
+        """Training throughput: the real tokens of a step (b·s·dp, less document padding) over the step time and all
+        GPUs (tp·cp·dp)."""
+        return self.tokens_per_gpu * self.real_share / self.tp / (self.step_ms / 1e3)
 
     @property
     def layout(self) -> str:

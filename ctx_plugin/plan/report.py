@@ -6,7 +6,8 @@ import math
 from pathlib import Path
 
 from ..cliargs import nonnegative_float, output_file, positive_float, positive_int, read_json_object, tokens
-from ..memory.report import DTYPES, model_arg, model_from, need_matplotlib
+from ..memory.flops import describe as describe_documents
+from ..memory.report import DTYPES, add_document_arguments, documents_from, model_arg, model_from, need_matplotlib
 from ..memory.specs import MODEL_PRESETS, ModelSpec
 from .cluster import Cluster
 from .prediction import Prediction
@@ -63,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-presets", action="store_true",
                    help="one row per layout × preset (default: each layout's best preset only)")
     p.add_argument("--plot", type=output_file, default=None, help="write a PNG of step time against memory for every configuration")
+    add_document_arguments(p)
 
 
 def _attention_tflops(args: argparse.Namespace) -> float:
@@ -100,6 +102,13 @@ def _check_mode(args: argparse.Namespace) -> None:
         raise ValueError("give --seq-len <tokens> (plan one length) or --max-seq-len (find the longest)")
 
 
+def print_documents(documents) -> None:
+    """The line that says how packed documents fill each sequence (nothing without ``--doc-len``/``--doc-lengths``)."""
+    if documents is not None:
+        print(f"documents: {describe_documents(documents)}, each padded to its layout's document unit; attention "
+              f"FLOPs, step time and MFU count only the pairs inside each document")
+
+
 def cluster_from(args: argparse.Namespace) -> Cluster:
     return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
                    intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, attention_tflops=_attention_tflops(args),
@@ -119,12 +128,14 @@ def run(args: argparse.Namespace) -> int:
     if args.max_seq_len:
         return run_longest(args, model, cluster)
     stages = args.zero or [1]
+    documents = documents_from(args)
     plans = enumerate_plans(model, args.seq_len, cluster, micro_batch=args.micro_batch, dtype=DTYPES[args.dtype],
-                            tp_options=args.tp, zero_stage=stages, modifiers=args.modifiers)
+                            tp_options=args.tp, zero_stage=stages, modifiers=args.modifiers, documents=documents)
     c = cluster
     print_header(model, c)
     print(f"sequence: {args.seq_len:,} tokens × micro-batch {args.micro_batch}, {args.dtype}, ZeRO "
           f"{'/'.join(map(str, sorted(set(stages))))}" + (", with memory modifiers and offload" if args.modifiers else ""))
+    print_documents(documents)
     rows = plans if args.all_presets else best_per_layout(plans)
     what = "every layout × preset" if args.all_presets else "each layout's best recompute preset"
     print(f"{len(plans)} configurations, {sum(p.fits for p in plans)} fit; top {min(args.top, len(rows))} "

@@ -65,12 +65,13 @@ def _check_tp(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int]) -> 
 def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_batch: int = 1,
                     dtype: torch.dtype = torch.bfloat16, tp_options: Iterable[int] = (1,),
                     presets: Iterable[RecomputeConfig | str] | None = None, zero_stage: int | Iterable[int] = 1,
-                    modifiers: bool = False) -> list[Prediction]:
+                    modifiers: bool = False, documents=None) -> list[Prediction]:
     """Every valid configuration's prediction, best first (see the module docstring). ``zero_stage`` 1 is Megatron's
     distributed optimizer (several stages: each is tried); ``presets`` defaults to the memory model's candidates.
     ``modifiers``: each layout × preset also with the memory modifiers, activation offload and optimizer offload
     that make it fit (:func:`ctx_plugin.plan.variants.fitting`: the settings that may be fastest, at the lowest
-    ZeRO stage given that fits), and the plain preset at the highest stage where nothing makes it fit."""
+    ZeRO stage given that fits), and the plain preset at the highest stage where nothing makes it fit.
+    ``documents``: each sequence's packed documents (None, a mean length or lengths; :func:`predict`)."""
     if not isinstance(model, ModelSpec) or not isinstance(cluster, Cluster):
         raise TypeError("enumerate_plans(model=ModelSpec, seq_len, cluster=Cluster, ...)")
     stages = tuple(sorted(set([zero_stage] if isinstance(zero_stage, int) else zero_stage)))
@@ -93,10 +94,11 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
                                             dp=cluster.gpus // (tp * cp), zero_stage=stages[-1])
                     check_heads_split(model, parallel)
                     if modifiers:
-                        row = _with_modifiers(model, parallel, presets, stages, seq_len, cluster, micro_batch, dtype)
+                        row = _with_modifiers(model, parallel, presets, stages, seq_len, cluster, micro_batch, dtype,
+                                              documents)
                     else:
                         row = [predict(model, replace(parallel, zero_stage=z), preset, seq_len=seq_len,
-                                       cluster=cluster, micro_batch=micro_batch, dtype=dtype)
+                                       cluster=cluster, micro_batch=micro_batch, dtype=dtype, documents=documents)
                                for z in stages for preset in presets]
                 except ValueError as e:
                     skipped.append(f"{backend.value} cp={cp} tp={tp}: {e}")
@@ -108,9 +110,10 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
 
 
 def _with_modifiers(model: ModelSpec, parallel: ParallelSpec, presets: list[RecomputeConfig], stages: tuple[int, ...],
-                    seq_len: int, cluster: Cluster, micro_batch: int, dtype: torch.dtype) -> list[Prediction]:
+                    seq_len: int, cluster: Cluster, micro_batch: int, dtype: torch.dtype,
+                    documents=None) -> list[Prediction]:
     check = Checker(model, cluster, seq_len, micro_batch=micro_batch, dtype=dtype)
-    kw = dict(seq_len=seq_len, cluster=cluster, micro_batch=micro_batch, dtype=dtype)
+    kw = dict(seq_len=seq_len, cluster=cluster, micro_batch=micro_batch, dtype=dtype, documents=documents)
     found = list(fitting(check, parallel, presets, stages))
     fitted = {rec.base for _, rec, _, _ in found}
     return [predict(model, par, rec, offload_optimizer=opt, **kw) for par, rec, opt, _ in found] + \
@@ -138,6 +141,9 @@ def _link(inter: bool) -> str:
 
 def _ring_text(p: Prediction) -> str:
     link = _link(p.cp_inter_node)
+    if p.min_tokens_to_hide is None:
+        return (f"its ring exposes {p.ring_exposed_ms:.1f} ms over {link}: with these documents a ring step's "
+                f"attention never outgrows its K/V transfer, however long the sequence")
     if p.ring_hidden:
         return (f"its ring hides every K/V step over {link}: {p.tokens_per_gpu:,} tokens per GPU ≥ the "
                 f"{p.min_tokens_to_hide:,} needed (only the last dK/dV hop shows: {p.ring_exposed_ms:.1f} ms)")
@@ -188,6 +194,9 @@ def explain(winner: Prediction, plans: list[Prediction]) -> str:
         best = min(lighter, key=lambda p: (p.recompute_ms, p.memory_bytes))
         text += f"; less recompute does not fit ({best.recompute} needs {best.memory_gib:.1f} GiB)"
     why.append(text)
+    if winner.real_share < 1:
+        why.append(f"padding its documents to the layout's document unit takes {100 * (1 - winner.real_share):.2f}% "
+                   f"of its tokens (computed, not counted in tokens/s or MFU)")
     return (f"winner: {winner.setup}: {winner.step_ms:,.1f} ms per step, {winner.tokens_per_s_per_gpu:,.0f} "
             f"tokens/s per GPU, MFU {100 * winner.mfu:.1f}%, {winner.memory_gib:.1f} GiB per GPU\n  because "
             + ";\n  ".join(why))

@@ -18,7 +18,8 @@ LLAMA = ModelSpec.preset("llama3-8b")
 TINY = ModelSpec(layers=1, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=64)
 SEQ = 64
 # Rates in FLOP/s chosen so that times are round numbers of seconds (the model's units are TFLOP/s and GB/s).
-R_ATTN = 32768            # zigzag cp=4: F = 2·t·s·a·d = 2·16·64·4·16 = 131072 → 4 s; per step c = 1 s
+R_ATTN = 33280            # zigzag cp=4: F = 4·pairs·a·d/cp, pairs = 64·65/2 = 2080: 4·2080·4·16/4 = 133120 → 4 s;
+                          # per step c = 1 s
 R_MM = 4325376            # 3·L·2·t·h·(2q+2kv+3f) + 6·t·h·V = 3·1310720 + 393216 → 1 s
 
 
@@ -67,9 +68,9 @@ def test_crossing_nodes_switches_to_inter_node_bandwidth():
 
 
 def test_minimum_tokens_to_hide_by_hand():
-    # t* = b·g·(e + e_acc)·R / (2.5·a·bw) (the backward step binds): 1·4·6·32768 / (2.5·4·8192) = 9.6 → 10
+    # t* = t·max(T/c) (the backward step binds): T + T' = 1.5 s against 2.5 s → 16·0.6 = 9.6 → 10
     assert tiny(intra=8192).min_tokens_to_hide == 10
-    assert tiny(intra=4096).min_tokens_to_hide == 20                          # 19.2 → 20
+    assert tiny(intra=4096).min_tokens_to_hide == 20                          # 16·3/2.5 = 19.2 → 20
     # Llama-3-8B across 2 nodes at 480 TFLOP/s, 50 GB/s: 8 K/V of 32 heads: 8·6·480e12/(2.5·32·50e9) = 5760;
     # forward alone would need 8·2·480e12/(32·50e9) = 4800. 32 K/V heads (Llama-2-7B): 4× that.
     kw = dict(seq_len=131072, cluster=Cluster(nodes=2))
@@ -80,8 +81,9 @@ def test_minimum_tokens_to_hide_by_hand():
 
 
 def test_other_backends_by_hand():
-    # contiguous ring, causal: the last rank does (2r−1)/r = 7/4 of the balanced work: attention 7 s.
-    assert tiny(backend="ring").compute_ms == pytest.approx((7 * 3.5 + 1) * 1000)
+    # contiguous ring, causal: the last rank's queries 48..63 hold 16·48 + 16·17/2 = 904 of the 2080 pairs, against
+    # 520 on average (≈ (2r−1)/r = 7/4 of the balanced work): attention 4 s · 904/520.
+    assert tiny(backend="ring").compute_ms == pytest.approx((4 * 904 / 520 * 3.5 + 1) * 1000)
     # Ulysses over 4 ranks: 8 all-to-alls of 3/4 · 16·(2·4 + 2·4)·16·2 = 6144 B at 8192 B/s = 0.75 s each.
     u = tiny(backend="ulysses")
     assert u.exposed_ms == pytest.approx(6000) and u.ring_hidden is None and u.min_tokens_to_hide is None

@@ -25,7 +25,7 @@ from ctx_plugin.recompute.presets import RecomputeConfig, candidates
 # test_plan.py's hand-computable model and rates: zigzag cp=4, t=16 tokens per GPU, attention forward 4 s,
 # dense forward+backward of the layer + head 1 s (R_MM FLOP/s).
 TINY = ModelSpec(layers=1, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=64)
-SEQ, R_ATTN, R_MM = 64, 32768, 4325376
+SEQ, R_ATTN, R_MM = 64, 33280, 4325376     # attention: 4·(64·65/2 pairs)·4·16/4 = 133120 FLOPs → 4 s
 
 
 def cluster(**kw) -> Cluster:
