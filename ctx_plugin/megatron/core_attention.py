@@ -13,6 +13,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is
 
 from ..api import cp_attention
 from ..config import CPConfig
+from ..documents import Documents
 from ..groups import CPGroups, build_cp_groups
 from .options import check_model_options, window
 
@@ -53,8 +54,9 @@ class CPCoreAttention(MegatronModule):
     (a zero sink logit per head) and ``learnable`` (a ``softmax_offset`` parameter per head of this tensor-parallel
     rank, made, initialised and checkpointed like megatron-core's ``DotProductAttention``'s; its gradient is this
     rank's part, reduced over data × context ranks like every other parameter's). Every option it does not
-    implement (options.py: QK-clip, MLA, FP8 attention, dropout, ...; padding/arbitrary masks, attention bias,
-    packed sequences) is an error."""
+    implement (options.py: QK-clip, MLA, FP8 attention, dropout, ...; padding/arbitrary masks, attention bias)
+    is an error. Packed sequences (``PackedSeqParams``, ``qkv_format="thd"``, q ``[t, heads, dim]``) attend inside
+    each document (:func:`packed_documents`), the batch sharded with the same documents (``shard_batch``)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  cp_comm_type: str | None = None, softmax_scale: float | None = None, pg_collection=None, *,
@@ -110,14 +112,25 @@ class CPCoreAttention(MegatronModule):
             raise ValueError(f"ctx_plugin's core attention supports causal and no_mask attention, not {mask_type.name}")
         if attention_bias is not None:
             raise ValueError("ctx_plugin's core attention does not support attention_bias")
+        documents = None
         if packed_seq_params is not None:
-            raise ValueError("ctx_plugin's core attention does not support packed sequences (packed_seq_params) yet")
+            documents = packed_documents(packed_seq_params)
+            if query.dim() == 4:            # THD arrives as [t, heads, dim]; a [t, 1, ...] batch dim is dropped
+                if query.shape[1] != 1:
+                    raise ValueError(f"packed sequences (qkv_format='thd') hold one packed sequence, got a batch of "
+                                     f"{query.shape[1]}: flatten it first (flatten_batch_for_packed_sequences)")
+                query, key, value = query[:, 0], key[:, 0], value[:, 0]
         if attention_mask is not None:
             raise ValueError(f"ctx_plugin's core attention got an attention_mask with attn_mask_type "
                              f"{mask_type.name}; it applies the causal mask itself and cannot apply others. Megatron's "
                              f"dataloader mask is checked and dropped by ctx_plugin's batch sharder (the entry point "
                              f"python -m ctx_plugin.megatron.pretrain_gpt, or ctx_plugin.megatron.spec.shard_batch); "
                              f"otherwise pass --no-create-attention-mask-in-dataloader")
+        thd = query.dim() == 3
+        if thd:
+            if documents is None:
+                raise ValueError("ctx_plugin's core attention got [t, heads, dim] tensors without packed_seq_params")
+            query, key, value = query[:, None], key[:, None], value[:, None]
         s, b, heads, dim = query.shape
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
         window_ = self.window
@@ -128,8 +141,9 @@ class CPCoreAttention(MegatronModule):
             sinks = torch.zeros(heads, dtype=query.dtype, device=query.device)
         out = cp_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                            config=self.cp_config, groups=self.groups, causal=mask_type == AttnMaskType.causal,
-                           softmax_scale=scale, window=window_, sinks=sinks)
-        return out.transpose(0, 1).reshape(s, b, heads * dim)
+                           softmax_scale=scale, window=window_, sinks=sinks, documents=documents)
+        out = out.transpose(0, 1).reshape(s, b, heads * dim)
+        return out[:, 0] if thd else out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The learnable ``softmax_offset`` sharded over tensor-parallel heads, as megatron-core's
@@ -140,6 +154,48 @@ class CPCoreAttention(MegatronModule):
         return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix,
                                                    {"softmax_offset": 0}, sharded_offsets, tp_group=self.tp_group,
                                                    dp_cp_group=metadata["dp_cp_group"])
+
+
+def packed_documents(packed_seq_params) -> Documents:
+    """The packed documents of megatron-core's ``PackedSeqParams`` (``qkv_format="thd"``): its cumulative lengths
+    are of the *global* packed sequence (before context-parallel sharding; megatron-core's THD RoPE and Transformer
+    Engine's partitioning read them so). ``cu_seqlens_q_padded`` (when given) are the boundaries in the token
+    layout and ``cu_seqlens_q`` the real lengths (Transformer Engine's convention): ``Documents(bounds=padded,
+    valid=real)``. Megatron-LM's pretrain_gpt.py passes the padded boundaries as both; the padding at each
+    document's end then belongs to the document, which a causal mask keeps from every real token."""
+    fmt = getattr(packed_seq_params, "qkv_format", None)
+    if fmt != "thd":
+        raise ValueError(f"ctx_plugin's core attention supports packed sequences in qkv_format='thd' only, got "
+                         f"{fmt!r}")
+    for name in ("cp_group", "local_cp_size"):
+        if getattr(packed_seq_params, name, None) is not None:
+            raise ValueError(f"packed_seq_params.{name} is set (Megatron's --hybrid-context-parallel, dynamic "
+                             f"context-parallel groups per batch), which ctx_plugin's attention does not support: "
+                             f"it runs over the context-parallel group of the model")
+    q, q_pad = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+    kv, kv_pad = packed_seq_params.cu_seqlens_kv, packed_seq_params.cu_seqlens_kv_padded
+    if q is None and q_pad is None:
+        raise ValueError("packed_seq_params (qkv_format='thd') gives neither cu_seqlens_q nor cu_seqlens_q_padded")
+    bounds = _ints(q_pad if q_pad is not None else q)
+    real = _ints(q) if q is not None else bounds
+    if (kv is not None and _ints(kv) != real) or (kv_pad is not None and _ints(kv_pad) != bounds):
+        raise ValueError("packed_seq_params: cu_seqlens_kv(_padded) differ from cu_seqlens_q(_padded); ctx_plugin's "
+                         "core attention is self-attention over one set of packed documents")
+    if len(real) != len(bounds):
+        raise ValueError(f"packed_seq_params: cu_seqlens_q has {len(real)} entries but cu_seqlens_q_padded "
+                         f"{len(bounds)}; they must describe the same documents")
+    valid = tuple(b - a for a, b in zip(real, real[1:]))
+    return Documents(bounds, None if real == bounds else valid)
+
+
+def _ints(cu) -> tuple[int, ...]:
+    if isinstance(cu, torch.Tensor):
+        if cu.dim() == 2 and cu.shape[0] == 1:
+            cu = cu[0]
+        if cu.dim() != 1:
+            raise ValueError(f"cu_seqlens must be 1-D (one packed sequence), got shape {tuple(cu.shape)}")
+        return tuple(int(x) for x in cu.tolist())
+    return tuple(int(x) for x in cu)
 
 
 def _tensor_parallel_group(pg_collection=None) -> dist.ProcessGroup | None:

@@ -13,7 +13,8 @@ from .. import recompute as recompute_presets
 from ..api import sequence_positions, shard_sequence
 from ..config import CPConfig
 from ..groups import CPGroups
-from ..layouts import shard_layout
+from ..documents import Documents
+from ..layouts import Zigzag, shard_layout
 from ..names import Recompute
 from .args import MegatronCPSettings
 from .core_attention import CPCoreAttention, GroupsProvider, context_parallel_group
@@ -157,9 +158,21 @@ _LAYOUT_ROPE = {RotaryEmbedding: LayoutRotaryEmbedding, YarnRotaryEmbedding: Lay
 
 
 def _layout_positions(rope, max_seq_len: int, packed_seq: bool) -> torch.Tensor:
-    if packed_seq:
-        raise ValueError("ctx_plugin does not support packed sequences with RoPE yet")
+    if packed_seq:          # megatron-core's THD RoPE slices each document itself, zigzag-wise (2P chunks)
+        check_packed_rope(rope.ctx_plugin_config, rope.ctx_plugin_groups.size)
+        return torch.arange(max_seq_len)
     return sequence_positions(max_seq_len, config=rope.ctx_plugin_config, groups=rope.ctx_plugin_groups)
+
+
+def check_packed_rope(cp_config: CPConfig, cp: int) -> None:
+    """With packed sequences (THD), megatron-core's attention applies RoPE to each document's two zigzag chunks
+    (``_apply_rotary_pos_emb_thd``: chunks r and 2P-1-r, positions restarting in each document), the documents'
+    layout of ctx_plugin's ``zigzag`` and ``allgather``. Other layouts hold other tokens: ValueError."""
+    if cp > 1 and not isinstance(shard_layout(cp_config), Zigzag):
+        raise ValueError(f"packed sequences (THD, cu_seqlens) with rotary position embeddings need --cp-backend "
+                         f"zigzag or allgather: megatron-core's attention applies RoPE to each document's zigzag "
+                         f"chunks (r and 2P-1-r of 2P), which --cp-backend {cp_config.backend} does not hold; use one "
+                         f"of those, or --position-embedding-type learned_absolute/none")
 
 
 def use_layout_rope(model, cp_config: CPConfig, groups: CPGroups) -> None:
@@ -179,7 +192,29 @@ def use_layout_rope(model, cp_config: CPConfig, groups: CPGroups) -> None:
     rope.ctx_plugin_config, rope.ctx_plugin_groups = cp_config, groups
 
 
-_PACKED = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
+_METADATA = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
+"""Keys of Megatron's batch that are not along the sequence (megatron-core 0.19's get_batch_on_this_cp_rank)."""
+
+
+def batch_documents(batch: dict) -> Documents | None:
+    """The packed documents of a Megatron batch: ``cu_seqlens`` (and ``cu_seqlens_padded``), ``[1, n]`` after
+    ``flatten_batch_for_packed_sequences``, global boundaries of the packed sequence; padded boundaries with the
+    real lengths as ``valid`` when both are given. None without them."""
+    from .core_attention import _ints
+
+    cu, padded = batch.get("cu_seqlens"), batch.get("cu_seqlens_padded")
+    if cu is None:
+        return None
+    for key in ("local_cp_size", "hybrid_cp_group"):
+        if batch.get(key) is not None:
+            raise ValueError(f"the batch carries {key} (Megatron's --hybrid-context-parallel), which ctx_plugin "
+                             f"does not support: drop --hybrid-context-parallel")
+    real = _ints(cu)
+    bounds = _ints(padded) if padded is not None else real
+    if len(real) != len(bounds):
+        raise ValueError(f"cu_seqlens has {len(real)} entries but cu_seqlens_padded {len(bounds)}")
+    valid = tuple(b - a for a, b in zip(real, real[1:]))
+    return Documents(bounds, None if real == bounds else valid)
 
 
 def shard_batch(batch: dict, *, config: CPConfig, groups: CPGroups) -> dict:
@@ -187,29 +222,36 @@ def shard_batch(batch: dict, *, config: CPConfig, groups: CPGroups) -> dict:
     the replacement for ``get_batch_on_this_cp_rank``. Labels must be pre-shifted. An ``attention_mask`` (Megatron's
     dataloader builds one unless ``--no-create-attention-mask-in-dataloader``) must be the standard causal mask of
     the whole sequence — checked on the full batch, which every context-parallel rank holds, so every rank decides
-    alike — and comes back as None: ctx_plugin's attention applies that mask itself. Any other mask (documents,
-    padding) is an error."""
-    packed = [k for k in _PACKED if batch.get(k) is not None]
-    if packed:
-        raise ValueError(f"packed sequences ({', '.join(packed)}) are not supported by ctx_plugin yet")
+    alike — and comes back as None: ctx_plugin's attention applies that mask itself. Any other mask is an error.
+
+    Packed batches (``cu_seqlens``, ``cu_seqlens_padded``: megatron-core's THD format, one packed sequence) are
+    sharded per document (:func:`batch_documents`; zigzag: chunks r and 2P-1-r of every document, as
+    Transformer Engine's ``thd_get_partitioned_indices``); the metadata keys come back unchanged, as Megatron's own
+    sharder leaves them (the attention reads the global boundaries from ``PackedSeqParams``)."""
+    docs = batch_documents(batch)
     mask = batch.get("attention_mask")
     if mask is not None:
-        _check_causal_mask(mask)
-    return {key: None if value is None or key == "attention_mask" else
-            shard_sequence(value, config=config, groups=groups, dim=1) for key, value in batch.items()}
+        _check_causal_mask(mask, docs)
+    return {key: value if key in _METADATA else None if value is None or key == "attention_mask" else
+            shard_sequence(value, config=config, groups=groups, dim=1, documents=docs)
+            for key, value in batch.items()}
 
 
-def _check_causal_mask(mask) -> None:
-    """Megatron's convention: bool ``[b|1, 1, s, s]``, True where a query (row) must not see a key (column)."""
+def _check_causal_mask(mask, documents: Documents | None = None) -> None:
+    """Megatron's convention: bool ``[b|1, 1, s, s]``, True where a query (row) must not see a key (column); with
+    packed ``documents``, the causal mask inside each of them."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 \
             or mask.shape[2] != mask.shape[3]:
         raise ValueError(f"attention_mask must be Megatron's bool [batch, 1, seq, seq] mask, got "
                          f"{getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))}")
     causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).triu_(1)
+    if documents is not None and documents.seq_len == mask.shape[-1]:
+        doc = torch.repeat_interleave(torch.arange(documents.count), torch.tensor(documents.lengths)).to(mask.device)
+        causal |= doc[:, None] != doc[None, :]
     if not torch.equal(mask, causal.expand_as(mask)):
         raise ValueError("attention_mask is not the standard causal mask (document masks from --reset-attention-mask, "
                          "or padding?); ctx_plugin's attention applies only the causal mask: drop the extra masking "
-                         "(packed documents are not supported yet)")
+                         "(packed documents reach ctx_plugin as cu_seqlens: megatron-core's THD batches)")
 
 
 def prepare_model(model, settings: MegatronCPSettings, groups_provider: GroupsProvider, pg_collection=None):

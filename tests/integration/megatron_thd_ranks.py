@@ -1,0 +1,129 @@
+"""Packed documents (megatron-core THD, ``PackedSeqParams``) on spawned gloo ranks (see test_megatron_thd.py).
+
+Every rank first computes the reference — Megatron's own GPTModel (local spec: DotProductAttention, its RoPE) at
+CP 1 on the unpacked batch with the explicit block-diagonal causal mask of the documents — then ctx_plugin's model at
+CP = world on the packed batch (``shard_batch`` with ``cu_seqlens``; ``PackedSeqParams(qkv_format="thd")`` as
+Megatron-LM's pretrain_gpt.py builds it). Float64, biases, GQA, init std 0.1 (tests/integration/megatron_ranks.py).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.integration.megatron_ranks import SEQ, VOCAB, _cpu_shims, _model
+
+MIXES = {   # name: (padded document lengths, real lengths or None); SEQ = 32 tokens
+    "docs": ((12, 8, 4, 8), None),
+    "padded": ((12, 8, 4, 8), (10, 8, 3, 5)),      # Transformer Engine's cu_seqlens_q / cu_seqlens_q_padded
+    "uneven": ((10, 22), None),                     # not a multiple of 2·CP: zigzag refuses, ring takes it
+}
+
+
+def _cumulative(lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _batch(mix: str) -> dict:
+    lengths, real = MIXES[mix]
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, VOCAB, (1, SEQ + 1), generator=g)
+    starts = torch.repeat_interleave(_cumulative(lengths)[:-1].long(), torch.tensor(lengths))
+    loss_mask = (torch.rand(1, SEQ, generator=g) > 0.2).double()
+    for d, n in enumerate(real or ()):             # padding: no loss
+        loss_mask[0, int(_cumulative(lengths)[d]) + n:int(_cumulative(lengths)[d + 1])] = 0
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask,
+            "position_ids": (torch.arange(SEQ) - starts)[None],          # restart in each document
+            "cu_seqlens": _cumulative(real if real else lengths)[None],
+            "cu_seqlens_padded": _cumulative(lengths)[None] if real else None,
+            "max_seqlen": torch.tensor([max(lengths)], dtype=torch.int32)}
+
+
+def _block_mask(lengths) -> torch.Tensor:
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return (torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1) | (doc[:, None] != doc[None, :]))[None, None]
+
+
+def _packed_params(batch: dict):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu, padded = batch["cu_seqlens"][0], batch["cu_seqlens_padded"]      # pretrain_gpt.py's forward_step
+    padded = padded[0] if padded is not None else None
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=int(batch["max_seqlen"].item()),
+                           max_seqlen_kv=int(batch["max_seqlen"].item()))
+
+
+def _step(model, batch, group, **forward) -> dict:
+    logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **forward)
+    per_token = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+    mask = batch["loss_mask"]
+    stats = torch.stack([(per_token * mask).sum().detach(), mask.sum()])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    ((per_token * mask).sum() / stats[1]).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if group is not None:
+            dist.all_reduce(g, group=group)
+        grads[name] = g
+    return {"loss": (stats[0] / stats[1]).item(), "grads": grads}
+
+
+def _reference(position: str, mix: str) -> dict:
+    batch = _batch(mix)
+    batch["attention_mask"] = _block_mask(MIXES[mix][0])
+    with _cpu_shims():
+        return _step(_model(1, position, "base", lambda spec: spec), batch, None)
+
+
+def thd_step(rank: int, world: int, payload: dict) -> dict:
+    """For each (backend, position embedding, mix): the relative errors of ctx_plugin's THD loss and gradients at
+    CP = world against Megatron's own model at CP 1 with the block-diagonal mask, or the error it raised."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    import ctx_plugin
+    from ctx_plugin.megatron.args import MegatronCPSettings
+    from ctx_plugin.megatron.core_attention import GroupsProvider
+    from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model, shard_batch
+    from ctx_plugin.recompute import RecomputeConfig
+
+    parallel_state.initialize_model_parallel()
+    try:
+        want = {(pos, mix): _reference(pos, mix) for _, pos, mix in payload["cases"]}
+    finally:
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    cp_group = parallel_state.get_context_parallel_group()
+    out = {}
+    try:
+        for backend, position, mix in payload["cases"]:
+            key = f"{backend}-{position}-{mix}"
+            cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
+            settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse("none"),
+                                          megatron_recompute=None)
+            provider = GroupsProvider(cp_config)
+            model = _model(world, position, "base",
+                           lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider))
+            groups = prepare_model(model, settings, provider)
+            full = _batch(mix)
+            try:
+                batch = shard_batch(full, config=cp_config, groups=groups)
+                assert batch["cu_seqlens"] is full["cu_seqlens"]            # metadata left global, as Megatron's
+                got = _step(model, batch, cp_group, packed_seq_params=_packed_params(batch))
+            except ValueError as e:
+                out[key] = {"error": str(e)}
+                continue
+            ref = want[position, mix]
+            floor = 1e-6 * max(g.abs().max().item() for g in ref["grads"].values())
+            grad_err = max(((got["grads"][n] - g).abs().max() / g.abs().max().clamp_min(floor)).item()
+                           for n, g in ref["grads"].items())
+            out[key] = {"loss_err": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]), "grad_err": grad_err,
+                        "local_tokens": batch["tokens"].shape[1]}
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
