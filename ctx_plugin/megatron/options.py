@@ -65,14 +65,32 @@ MODEL_OPTIONS: tuple[Refused, ...] = (
 )
 
 DATA_OPTIONS: tuple[Refused, ...] = (
-    Refused("reset_attention_mask", _truthy, "document masks (attention restricted to each packed document) are "
-            "not implemented by ctx_plugin's attention yet: it would attend across documents",
-            "drop it (one causal mask over the whole sequence)"),
-    Refused("reset_position_ids", _truthy, "per-document position ids go with document masks, which ctx_plugin's "
-            "attention does not implement yet", "drop it"),
-    Refused("dataloader_inter_document_masking", _truthy, "packed sequences (cu_seqlens) are not supported by "
-            "ctx_plugin yet", "drop it"),
+    Refused("reset_attention_mask", _truthy, "document masks from end-of-document tokens (a block-diagonal "
+            "dataloader mask) do not reach ctx_plugin's attention yet: it would attend across documents",
+            "use --dataloader-inter-document-masking (packed documents as cu_seqlens, megatron-core's THD format, "
+            "which ctx_plugin honours) or drop it"),
+    Refused("reset_position_ids", _truthy, "per-document position ids go with --reset-attention-mask's document "
+            "masks, which do not reach ctx_plugin's attention yet", "use --dataloader-inter-document-masking (its "
+            "position ids restart in each document) or drop it"),
+    Refused("hybrid_context_parallel", _truthy, "it picks a context-parallel group per batch (PackedSeqParams."
+            "cp_group / local_cp_size), while ctx_plugin's attention runs over the model's group", "drop it"),
 )
+
+
+def check_packed_data(args) -> None:
+    """Packed batches (``--sft``, ``--dataloader-inter-document-masking``: cu_seqlens, megatron-core's THD format)
+    with RoPE/YaRN need a layout whose per-document shards are megatron-core's THD RoPE slices (chunks r and
+    2P-1-r of every document): ``zigzag`` or ``allgather`` (:func:`ctx_plugin.megatron.spec.check_packed_rope`,
+    which the model also checks per batch). ValueError otherwise."""
+    packed = [f for f in ("sft", "dataloader_inter_document_masking") if getattr(args, f, False)]
+    if not packed or getattr(args, "position_embedding_type", None) not in ("rope", "yarn"):
+        return
+    if getattr(args, "context_parallel_size", 1) > 1 and args.cp_backend not in ("zigzag", "allgather"):
+        flags = ", ".join("--" + f.replace("_", "-") for f in packed)
+        raise ValueError(f"{flags} (packed documents, THD) with --position-embedding-type "
+                         f"{args.position_embedding_type}: megatron-core's attention applies RoPE to each document's "
+                         f"zigzag chunks (r and 2P-1-r of 2P), which --cp-backend {args.cp_backend} does not hold; use "
+                         f"--cp-backend zigzag or allgather, or --position-embedding-type learned_absolute/none")
 
 
 def refused_options(source, table: tuple[Refused, ...] = MODEL_OPTIONS) -> list[str]:
@@ -97,6 +115,7 @@ def check_data_options(args) -> None:
     found = refused_options(args, DATA_OPTIONS)
     if found:
         raise ValueError("ctx_plugin cannot honour these data settings:\n  " + "\n  ".join(found))
+    check_packed_data(args)
 
 
 def window(window_size, causal: bool) -> tuple[int | None, int | None]:

@@ -115,6 +115,10 @@ def test_flags_with_megatrons_parser(monkeypatch):
     default = settings_from_args(_parse(monkeypatch, "--context-parallel-size", "2"))
     assert default.cp_config.backend == "zigzag" and default.megatron_recompute["recompute_granularity"] is None
     assert settings_from_args(_parse(monkeypatch, "--cp-recompute", "sqrt")).megatron_recompute is None
+    for flags in (["--cp-backend", "zigzag", "--position-embedding-type", "rope"],    # packed documents (THD)
+                  ["--cp-backend", "ring", "--position-embedding-type", "learned_absolute"]):
+        settings_from_args(_parse(monkeypatch, "--context-parallel-size", "2", "--dataloader-inter-document-masking",
+                                  *flags))
 
 
 BAD = [
@@ -136,7 +140,12 @@ BAD = [
     (["--attention-dropout", "0.1"], ValueError, "set --attention-dropout 0 (got 0.1)"),
     (["--reset-attention-mask"], ValueError, "reset_attention_mask=True (--reset-attention-mask): document masks"),
     (["--reset-position-ids"], ValueError, "reset_position_ids=True (--reset-position-ids)"),
-    (["--dataloader-inter-document-masking"], ValueError, "(--dataloader-inter-document-masking): packed sequences"),
+    (["--hybrid-context-parallel"], ValueError, "hybrid_context_parallel=True (--hybrid-context-parallel)"),
+    (["--context-parallel-size", "2", "--cp-backend", "striped", "--dataloader-inter-document-masking",
+      "--position-embedding-type", "rope"], ValueError, "--dataloader-inter-document-masking (packed documents, "
+     "THD) with --position-embedding-type rope"),
+    (["--context-parallel-size", "2", "--cp-backend", "ring", "--sft", "--position-embedding-type", "yarn"],
+     ValueError, "which --cp-backend ring does not hold"),
     (["--window-size", "(4,2)"], ValueError, "window_size=(4, 2) (--window-size) has right=2 under a causal mask"),
     (["--window-size", "(4,-2)"], ValueError, "window_size=(4, -2) (--window-size) must be two integers"),
     (["--position-embedding-type", "mrope", "--mrope-section", "2", "2", "4"], ValueError,
