@@ -43,25 +43,35 @@ def qwen2():
     return model
 
 
+def _adam(model) -> torch.optim.Adam:
+    """The DeepSpeed config's optimizer (Adam, not AdamW) in plain PyTorch."""
+    return torch.optim.Adam(model.parameters(), lr=OPTIM["lr"], betas=tuple(OPTIM["betas"]), eps=OPTIM["eps"],
+                            weight_decay=OPTIM["weight_decay"])
+
+
+def _step(model, opt, loss, losses: list, norms: list) -> None:
+    """One optimizer step as DeepSpeed takes it (clipping to CLIP), recording the loss and the gradient norm."""
+    opt.zero_grad()
+    loss.backward()
+    norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+    opt.step()
+    losses.append(loss.item())
+
+
 @functools.cache
 def plain_train(batch: int, steps: int = 2) -> dict:
     """The reference: one process, no DeepSpeed, no ctx_plugin: HF sdpa attention, torch.optim.Adam and gradient
     clipping as the DeepSpeed config has them, ``batch`` samples per step (computed once per process)."""
     model = qwen2()
     model.set_attn_implementation("sdpa")
-    opt = torch.optim.Adam(model.parameters(), lr=OPTIM["lr"], betas=tuple(OPTIM["betas"]), eps=OPTIM["eps"],
-                           weight_decay=OPTIM["weight_decay"])
+    opt = _adam(model)
     data = torch.stack([s["input_ids"] for s in _dataset()])
     losses, norms = [], []
     for step in range(steps):
         ids = data[step * batch:(step + 1) * batch]
         logits = model(input_ids=ids).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        losses.append(loss.item())
+        _step(model, opt, loss, losses, norms)
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"losses": losses, "norms": norms, "params": params.tolist()}
 
@@ -89,8 +99,7 @@ def plain_packed_train(mix: str, replicas: int, steps: int = 2) -> dict:
     samples on its own, unpacked; the loss is the token mean over all their targets."""
     model = qwen2()
     model.set_attn_implementation("sdpa")
-    opt = torch.optim.Adam(model.parameters(), lr=OPTIM["lr"], betas=tuple(OPTIM["betas"]), eps=OPTIM["eps"],
-                           weight_decay=OPTIM["weight_decay"])
+    opt = _adam(model)
     data = _packed_dataset(mix)
     losses, norms = [], []
     for step in range(steps):
@@ -106,11 +115,7 @@ def plain_packed_train(mix: str, replicas: int, steps: int = 2) -> dict:
                 total = total + torch.nn.functional.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
                 count += n - 1
         loss = total / count
-        opt.zero_grad()
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        losses.append(loss.item())
+        _step(model, opt, loss, losses, norms)
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"losses": losses, "norms": norms, "params": params.tolist()}
 

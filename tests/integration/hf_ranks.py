@@ -72,6 +72,24 @@ def _reference(kind: str) -> dict:
     return {"loss": loss.item(), "logits": logits.detach(), "grads": {n: p.grad for n, p in m.named_parameters()}}
 
 
+def _backward_errors(m, logits, local_labels, reference: dict) -> dict:
+    """Backpropagates the global token-mean loss of this rank's ``logits``: the loss error and the worst gradient error
+    (gradients summed over the ranks) against ``reference``, and the global target count."""
+    loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100, reduction="sum")
+    stats = torch.stack([loss.detach(), (local_labels != -100).sum().to(loss.dtype)])
+    dist.all_reduce(stats)
+    (loss / stats[1]).backward()
+    grad_errs = {}
+    for name, p in m.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g)
+        grad_errs[name] = _rel(g, reference["grads"][name])
+    worst = max(grad_errs, key=grad_errs.get)
+    return {"loss_err": abs((stats[0] / stats[1]).item() - reference["loss"]) / abs(reference["loss"]),
+            "grad_err": grad_errs[worst], "worst": worst, "n_grads": len(grad_errs),
+            "n_ref_grads": len(reference["grads"]), "targets": int(stats[1].item())}
+
+
 def _parity(kind: str, backend: str, u: int, reference: dict) -> dict:
     """Errors of one CP forward/backward against the reference: loss, gathered logits, CP-summed gradients."""
     import ctx_plugin
@@ -84,21 +102,9 @@ def _parity(kind: str, backend: str, u: int, reference: dict) -> dict:
     ctx_plugin.hf.enable(m, cfg, groups)
     shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
     logits = m(input_ids=shard(input_ids), position_ids=shard(positions), use_cache=False).logits
-    local_labels = shard(labels)                                           # pre-shifted, then sharded
-    loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100, reduction="sum")
-    stats = torch.stack([loss.detach(), (local_labels != -100).sum().to(loss.dtype)])
-    dist.all_reduce(stats)
-    (loss / stats[1]).backward()
-    grad_errs = {}
-    for name, p in m.named_parameters():
-        g = p.grad.detach().clone()
-        dist.all_reduce(g)
-        grad_errs[name] = _rel(g, reference["grads"][name])
+    errors = _backward_errors(m, logits, shard(labels), reference)        # labels pre-shifted, then sharded
     full_logits = ctx_plugin.gather_sequence(logits.detach(), config=cfg, groups=groups, dim=1)
-    worst = max(grad_errs, key=grad_errs.get)
-    return {"loss_err": abs((stats[0] / stats[1]).item() - reference["loss"]) / abs(reference["loss"]),
-            "logits_err": _rel(full_logits, reference["logits"]), "grad_err": grad_errs[worst], "worst": worst,
-            "n_grads": len(grad_errs), "n_ref_grads": len(reference["grads"])}
+    return {**errors, "logits_err": _rel(full_logits, reference["logits"])}
 
 
 PACKED_LENGTHS = {"fit": [8, 16, 4, 12], "padded": [5, 17, 1, 9]}
@@ -155,21 +161,9 @@ def _packed(kind: str, backend: str, u: int, mix: str) -> dict:
     shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1, documents=docs)  # noqa: E731
     logits = m(input_ids=shard(batch["input_ids"]), position_ids=shard(batch["position_ids"]), use_cache=False,
                **keywords).logits
-    local_labels = shard(shift_labels(batch["labels"], docs))
-    loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), ignore_index=-100, reduction="sum")
-    stats = torch.stack([loss.detach(), (local_labels != -100).sum().to(loss.dtype)])
-    dist.all_reduce(stats)
-    (loss / stats[1]).backward()
-    grad_errs = {}
-    for name, p in m.named_parameters():
-        g = p.grad.detach().clone()
-        dist.all_reduce(g)
-        grad_errs[name] = _rel(g, reference["grads"][name])
+    errors = _backward_errors(m, logits, shard(shift_labels(batch["labels"], docs)), reference)
     full = ctx_plugin.gather_sequence(logits.detach(), config=cfg, groups=groups, dim=1, documents=docs)
-    worst = max(grad_errs, key=grad_errs.get)
-    return {"loss_err": abs((stats[0] / stats[1]).item() - reference["loss"]) / abs(reference["loss"]),
-            "logits_err": _rel(full[:, real], reference["logits"]), "grad_err": grad_errs[worst], "worst": worst,
-            "n_grads": len(grad_errs), "n_ref_grads": len(reference["grads"]), "targets": int(stats[1].item())}
+    return {**errors, "logits_err": _rel(full[:, real], reference["logits"])}
 
 
 def _refused_inputs(setup: str, rank: int, world: int) -> dict:

@@ -10,6 +10,8 @@ from ctx_plugin.documents import Documents, check_documents, pad_documents
 from ctx_plugin.layouts import RING_LAYOUTS, Contiguous, Striped, UlyssesRing, Zigzag, rank_work, ring_schedule
 from ctx_plugin.mask import Mask
 
+from .test_layouts import _kernel_mask
+
 WINDOWS = [(None, None), (0, 0), (2, 0), (3, 1), (None, 2)]
 
 
@@ -24,21 +26,6 @@ def mixes(unit: int, size: int) -> dict[str, Documents]:
     padded, _ = pad_documents([1, 2 * unit + 1, unit], step)
     docs["padded"] = padded
     return docs
-
-
-def kernel_mask(blk) -> torch.Tensor:
-    """The block's mask in the kernels' bottom-right convention (flash-attn's), written out."""
-    sq, sk = blk.q.stop - blk.q.start, blk.k.stop - blk.k.start
-    left, right = blk.window
-    d = torch.arange(sk).unsqueeze(0) - torch.arange(sq).unsqueeze(1) - (sk - sq)
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    if left is not None:
-        keep &= d >= -left
-    if right is not None:
-        keep &= d <= right
-    if blk.causal:
-        keep &= d <= 0
-    return keep
 
 
 def definition(mask: Mask, seq: int) -> torch.Tensor:
@@ -59,7 +46,7 @@ def check_cover(layout, size: int, mask: Mask, docs) -> None:
             blocks = layout.plan(rank, source, size, n, mask)
             assert not blocks or offset in schedule.offsets, (rank, offset)
             for blk in blocks:
-                keep = kernel_mask(blk)
+                keep = _kernel_mask(blk)
                 assert keep.any(1).all() and keep.any(0).all(), f"untrimmed block {blk}"
                 cover[q_pos[blk.q].unsqueeze(1), k_pos[blk.k].unsqueeze(0)] += keep.to(torch.int64)
     assert torch.equal(cover, definition(mask, seq)), (layout.name, size, docs, mask)
