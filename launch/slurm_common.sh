@@ -153,8 +153,25 @@ the job at the end of the GraceTime and requeues it (PreemptMode=REQUEUE) or can
   _ctx_wait_for_slurm $((${end:-$(date +%s)} - $(date +%s) + 300)) "end of the preemption's GraceTime"
 }
 
+_ctx_killed_by_warning_only() {   # every rank torchrun reports failed died of SIGUSR1 (exit code -10): it had stopped
+  # and saved (the ranks agree on the step) and was exiting, its handler gone, when the signal reached its node late
+  local log found=""
+  for log in "$_ctx_attempt"/logs/*.log; do
+    [ -f "$log" ] || continue
+    if grep -q '^ *exitcode *: ' "$log"; then
+      ! grep '^ *exitcode *: ' "$log" | grep -qv '^ *exitcode *: -10 ' || return 1
+      found=1
+    fi
+  done
+  [ -n "$found" ]
+}
+
 _ctx_after_warning() {   # the ranks stopped after the warning: requeue, or wait for the time limit (TIMEOUT)
   local rc=$1 left
+  if [ "$rc" -ne 0 ] && _ctx_killed_by_warning_only; then
+    echo "ctx_plugin: a rank got SIGUSR1 only as it exited (after stopping): counted as stopped" >&2
+    rc=0
+  fi
   if [ "$(ctx_end_reason)" = preempting ]; then   # the warning came at preemption (send_user_signal): SLURM decides
     _ctx_after_preemption "$rc"
     return 0

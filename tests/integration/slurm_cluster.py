@@ -1,9 +1,15 @@
-"""A one-machine SLURM cluster for tests: munged, slurmctld and slurmd started by hand, stopped by PID.
+"""A one-machine SLURM cluster for tests: munged, slurmctld and three slurmd started by hand, stopped by PID.
 
 Needs Debian's ``slurmctld slurmd slurm-client munge`` and root (slurmd starts jobs as the submitting user;
 munged runs as user munge). No systemd: the daemons are started directly with a minimal ``slurm.conf`` in a
-temporary directory (no accounting, process tracking by /proc, one node: this host at 127.0.0.1; OverSubscribe=FORCE,
-so the tests' jobs share its CPUs and run at once).
+temporary directory (no accounting, process tracking by /proc). Three nodes, all at 127.0.0.1, each its own
+``slurmd -N`` with its own port, spool directory, log and pid file (``%n``, ``SlurmdParameters=config_overrides``).
+A job's first node is its rendezvous host, so it must resolve: partition ``debug`` (the default, never preempted)
+has the node named after this host and ``<host>-2`` (two-node jobs: the host's name comes first); partitions
+``low`` (``PreemptMode=REQUEUE``, ``GraceTime``) and ``high`` (a higher ``PriorityTier``) share the third node,
+``localhost``, where a ``high`` job that needs all its CPUs preempts the ``low`` job there (``preempt/partition_prio``).
+The nodes declare more CPUs than the machine has and ``debug`` shares them (``OverSubscribe=FORCE``), so the tests'
+jobs run at once.
 """
 from __future__ import annotations
 
@@ -28,6 +34,12 @@ def missing() -> str | None:
     return None
 
 
+CPUS = 8
+"""CPUs each node declares (``config_overrides``: more than the machine has, shared by the tests' jobs)."""
+GRACE_TIME = 40
+"""Seconds a preempted job of partition ``low`` has to save before SLURM ends it (torchrun gives its ranks 30 s)."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,20 +58,31 @@ class LocalSlurm:
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.pids: list[tuple[str, int]] = []
+        host = socket.gethostname().split(".")[0]
+        # debug's two nodes: the host's name first (a job's first node is its rendezvous host, which must
+        # resolve); the preemption partitions' node: localhost (resolves too)
+        self.nodes = (host, f"{host}-2", "localhost")
 
     def _config(self) -> str:
-        host = socket.gethostname().split(".")[0]
         r = self.root
+        nodes = [f"NodeName={name} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={CPUS} State=UNKNOWN"
+                 for name in self.nodes]
         return "\n".join([
-            "ClusterName=ctxtest", f"SlurmctldHost={host}(127.0.0.1)", "SlurmUser=root",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}", "AuthType=auth/munge",
-            f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool", f"SlurmctldPidFile={r}/slurmctld.pid",
-            f"SlurmdPidFile={r}/slurmd.pid", f"SlurmctldLogFile={r}/slurmctld.log", f"SlurmdLogFile={r}/slurmd.log",
+            "ClusterName=ctxtest", f"SlurmctldHost={self.nodes[0]}(127.0.0.1)", "SlurmUser=root",
+            f"SlurmctldPort={_free_port()}", "AuthType=auth/munge",
+            f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool-%n", f"SlurmctldPidFile={r}/slurmctld.pid",
+            f"SlurmdPidFile={r}/slurmd-%n.pid", f"SlurmctldLogFile={r}/slurmctld.log",
+            f"SlurmdLogFile={r}/slurmd-%n.log", "SlurmdParameters=config_overrides",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core", "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
-            "MailProg=/bin/true", "ReturnToService=2", "KillWait=5",
-            f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
-            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8", ""])
+            "MailProg=/bin/true", "ReturnToService=2", "KillWait=5", "MinJobAge=600",
+            "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE", *nodes,
+            f"PartitionName=debug Nodes={self.nodes[0]},{self.nodes[1]} Default=YES MaxTime=INFINITE State=UP "
+            "OverSubscribe=FORCE:8 PriorityTier=1 PreemptMode=OFF",
+            f"PartitionName=low Nodes={self.nodes[2]} MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 "
+            f"PreemptMode=REQUEUE GraceTime={GRACE_TIME}",
+            f"PartitionName=high Nodes={self.nodes[2]} MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2 "
+            "PreemptMode=REQUEUE", ""])
 
     def _munge(self) -> None:
         if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
@@ -71,24 +94,27 @@ class LocalSlurm:
         self.pids.append(("munged", int((run / "munged.pid").read_text())))
 
     def start(self) -> LocalSlurm:
-        for d in ("state", "spool"):
-            (self.root / d).mkdir(parents=True, exist_ok=True)
+        (self.root / "state").mkdir(parents=True, exist_ok=True)
+        for node in self.nodes:
+            (self.root / f"spool-{node}").mkdir(parents=True, exist_ok=True)
         self.conf.write_text(self._config())
         self._munge()
-        for daemon in ("slurmctld", "slurmd"):
-            subprocess.run([_sbin(daemon), "-f", str(self.conf)], env=self.env, check=True, timeout=30)
-            pid_file = self.root / f"{daemon}.pid"
+        for daemon, args, pid_file in [("slurmctld", [], self.root / "slurmctld.pid"),
+                                       *(("slurmd", ["-N", node], self.root / f"slurmd-{node}.pid")
+                                         for node in self.nodes)]:
+            subprocess.run([_sbin(daemon), "-f", str(self.conf), *args], env=self.env, check=True, timeout=30)
             for _ in range(100):
                 if pid_file.exists() and pid_file.read_text().strip():
                     break
                 time.sleep(0.1)
             self.pids.append((daemon, int(pid_file.read_text())))
-        for _ in range(150):                                # until the node takes jobs
-            out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=self.env, capture_output=True, text=True)
-            if out.stdout.strip() in ("idle", "mix", "alloc"):
+        for _ in range(150):                                # until every node takes jobs
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True)
+            states = dict(line.split() for line in out.stdout.splitlines())
+            if len(states) == len(self.nodes) and set(states.values()) <= {"idle", "mix", "alloc"}:
                 return self
             time.sleep(0.2)
-        raise RuntimeError(f"the SLURM node never became idle: {out.stdout}{out.stderr}\n"
+        raise RuntimeError(f"the SLURM nodes never became idle: {out.stdout}{out.stderr}\n"
                            + (self.root / "slurmctld.log").read_text()[-2000:])
 
     def stop(self) -> None:

@@ -1,6 +1,7 @@
 """The job scripts under a real SLURM: launch/megatron.sbatch and launch/deepspeed.sbatch as 1-node, 2-process
-CPU jobs on tiny models, compared with the single-process run; the time-limit warning (stop, save, requeue,
-resume; or a TIMEOUT), a cancel near the limit, a failing rank, a job refused at start.
+CPU jobs on tiny models, compared with the single-process run; on two nodes (one rank each) the time-limit warning
+(stop, save, requeue, resume; or a TIMEOUT), a cancel near the limit, a failing rank; a preempted job (save, SLURM's
+requeue, resume); a job refused at start.
 
 SLURM runs on this machine (slurm_cluster.py). Without it the tests skip, unless CTX_REQUIRE_SLURM=1 (CI sets it
 after installing SLURM), when they fail.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .slurm_cluster import LocalSlurm, _free_port, missing
+from .slurm_cluster import GRACE_TIME, LocalSlurm, _free_port, missing
 from .test_megatron_entry import CHECKOUT, MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,9 +61,10 @@ def _status(run: Path) -> dict:
     return {"word": lines[0], **dict(line.split("=", 1) for line in lines[1:])}
 
 
-def _submit(cluster: LocalSlurm, tmp: Path, script: str, *args: str) -> str:
-    return cluster.sbatch("-N", "1", "-c", "2", "--time", "10", "-o", str(tmp / "batch-%j.out"),
-                          str(ROOT / "launch" / script), *args, cwd=tmp)
+def _submit(cluster: LocalSlurm, tmp: Path, script: str, *args: str, nodes: int = 1) -> str:
+    """``sbatch -N nodes`` of a job script: 2 CPUs on one node, else 1 per node (one rank per node)."""
+    return cluster.sbatch("-N", str(nodes), "-c", "2" if nodes == 1 else "1", "--time", "10", "-o",
+                          str(tmp / "batch-%j.out"), str(ROOT / "launch" / script), *args, cwd=tmp)
 
 
 def _close(got: list[float], want: list[float]) -> None:
@@ -126,12 +128,28 @@ def _job_state(cluster: LocalSlurm, job: str) -> str:
     return next((f.split("=", 1)[1] for f in out.stdout.split() if f.startswith("JobState=")), "")
 
 
-def test_warning_stop_requeue_resume(cluster, tmp_path):
-    """SLURM's warning (B:USR1 to the batch shell, sent here by the test at a known step) reaches both ranks; they
-    finish the step and save. With --requeue the job requeues itself and attempt 2 resumes: its losses continue
-    attempt 1's and equal an uninterrupted run's. Without, the job waits for its time limit: SLURM says TIMEOUT.
-    That job is submitted by ctx-plugin launch, whose --dry-run printed the command.sh the job wrote. A cancel
-    within a minute of the limit is recorded as cancelled; a failing rank is named with its exit code."""
+def _node_log(run: Path, attempt: int, node: int) -> str:
+    logs = list((run / f"attempt-{attempt}" / "logs").glob(f"node-{node}-*.log"))
+    assert len(logs) == 1, list((run / f"attempt-{attempt}" / "logs").iterdir())
+    return logs[0].read_text(errors="replace")
+
+
+def _show_job(cluster: LocalSlurm, job: str, field: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=cluster.env, capture_output=True, text=True)
+    return next((f.split("=", 1)[1] for f in out.stdout.split() if f.startswith(field + "=")), "")
+
+
+def test_warning_preemption_requeue_resume(cluster, tmp_path):
+    """Two-node jobs (one rank per node) and a preempted one, at once.
+
+    SLURM's warning (B:USR1 to the batch shell, sent here by the test at a known step) reaches both ranks, one on
+    each node; they finish the step and save. With --requeue the job requeues itself and attempt 2 resumes: its
+    losses continue attempt 1's and equal an uninterrupted run's, and both attempts keep their logs. Without, the job
+    waits for its time limit: SLURM says TIMEOUT. That job is submitted by ctx-plugin launch, whose --dry-run printed
+    the command.sh the job wrote. A cancel within a minute of the limit is recorded as cancelled; a failing rank on
+    the second node is named with its exit code. A job in partition ``low`` preempted by one in ``high``
+    (PreemptMode=REQUEUE, GraceTime): SLURM's SIGTERM makes its ranks save, it is recorded preempted, SLURM requeues
+    it at the GraceTime's end and attempt 2 resumes with the uninterrupted run's losses."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA))
     site = tmp_path / "site.sh"
@@ -142,15 +160,21 @@ def test_warning_stop_requeue_resume(cluster, tmp_path):
     (tmp_path / "sleep.py").write_text("import time\ntime.sleep(300)\n")
     (tmp_path / "exit3.py").write_text("import os, sys, time\nprint('rank', os.environ['RANK'], 'starts', "
                                        "flush=True)\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")
-    runs = {name: tmp_path / name for name in ("requeue", "timeout", "cancel", "exit3")}
+    runs = {name: tmp_path / name for name in ("requeue", "timeout", "cancel", "exit3", "preempt")}
+    host, second, _ = cluster.nodes
+    one_per_node = ["--nproc-per-node", "1"]
     cluster.env["CTX_SITE"] = str(site)
     try:
-        requeue = _submit(cluster, tmp_path, "deepspeed.sbatch", "--requeue", "--nproc-per-node", "2", "--run-dir",
+        requeue = _submit(cluster, tmp_path, "deepspeed.sbatch", "--requeue", *one_per_node, "--run-dir",
                           str(runs["requeue"]), "--ds-config", str(config), "--", *train, "--report",
-                          str(tmp_path / "requeue.json"))
-        line = ["sbatch", "--parsable", "-N", "1", "-c", "2", "--time", "3", "--signal=B:USR1@10", "-o",
+                          str(tmp_path / "requeue.json"), nodes=2)
+        preempt = cluster.sbatch("-p", "low", "-N", "1", "-c", "2", "--time", "10", "-o",
+                                 str(tmp_path / "batch-%j.out"), str(ROOT / "launch" / "deepspeed.sbatch"),
+                                 "--nproc-per-node", "2", "--run-dir", str(runs["preempt"]), "--ds-config",
+                                 str(config), "--", *train, "--report", str(tmp_path / "preempt.json"), cwd=tmp_path)
+        line = ["sbatch", "--parsable", "-N", "2", "-c", "1", "--time", "3", "--signal=B:USR1@10", "-o",
                 str(tmp_path / "batch-%j.out"),
-                str(ROOT / "launch" / "deepspeed.sbatch"), "--nproc-per-node", "2", "--run-dir",
+                str(ROOT / "launch" / "deepspeed.sbatch"), *one_per_node, "--run-dir",
                 str(runs["timeout"]), "--master-port", str(_free_port()), "--ds-config", str(config), "--",
                 *train, "--steps", "100000"]
         launch = [sys.executable, "-m", "ctx_plugin.cli", "launch"]
@@ -161,12 +185,12 @@ def test_warning_stop_requeue_resume(cluster, tmp_path):
                              timeout=120)
         assert sub.returncode == 0, sub.stderr
         timeout = sub.stdout.strip().splitlines()[-1].split(";")[0]
-        cancel = cluster.sbatch("-N", "1", "-c", "1", "--time", "1", "-o", str(tmp_path / "batch-%j.out"),
-                                str(ROOT / "launch" / "deepspeed.sbatch"), "--nproc-per-node", "2", "--run-dir",
+        cancel = cluster.sbatch("-N", "2", "-c", "1", "--time", "2", "--signal=B:USR1@10", "-o", str(tmp_path / "batch-%j.out"),
+                                str(ROOT / "launch" / "deepspeed.sbatch"), *one_per_node, "--run-dir",
                                 str(runs["cancel"]), "--ds-config", str(config), "--", str(tmp_path / "sleep.py"),
                                 cwd=tmp_path)
-        exit3 = _submit(cluster, tmp_path, "deepspeed.sbatch", "--nproc-per-node", "2", "--run-dir",
-                        str(runs["exit3"]), "--ds-config", str(config), "--", str(tmp_path / "exit3.py"))
+        exit3 = _submit(cluster, tmp_path, "deepspeed.sbatch", *one_per_node, "--run-dir",
+                        str(runs["exit3"]), "--ds-config", str(config), "--", str(tmp_path / "exit3.py"), nodes=2)
     finally:
         del cluster.env["CTX_SITE"]
     reference = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -174,59 +198,102 @@ def test_warning_stop_requeue_resume(cluster, tmp_path):
                                   str(config)], env={**os.environ, "DS_ACCELERATOR": "cpu"},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        # scancel within a minute of the time limit (--time 1: at once, before waiting on the others, so the limit
-        # cannot pass first on a slow machine): cancelled, not timeout
-        _wait_for("the sleeping job to run", lambda: (runs["cancel"] / "attempt-1" / "pids" / "node-0.pid").exists())
+        # scancel within 90 s of the time limit (--time 2, the warning 10 s before it, not at once: at once, before
+        # waiting on the others, so the limit cannot pass first on a slow machine): cancelled, not timeout
+        _wait_for("the sleeping job to run on both nodes", lambda: all(
+            (runs["cancel"] / "attempt-1" / "pids" / f"node-{n}.pid").exists() for n in (0, 1)))
         subprocess.run(["scancel", cancel], env=cluster.env, check=True, timeout=30)
-        # the warning, once each training job has trained a few steps
-        for job, run in ((requeue, runs["requeue"]), (timeout, runs["timeout"])):
-            _wait_for(f"job {job} to train", lambda: _logged(run, 1, "step     3"))
-            subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster.env, check=True, timeout=30)
+        # the warning, once each training job has trained a few steps; the preemption likewise (each as soon as it
+        # has: the jobs train 80 steps in about a minute)
+        waiting = {requeue: runs["requeue"], timeout: runs["timeout"], preempt: runs["preempt"]}
+        deadline = time.monotonic() + 300
+        while waiting:
+            assert time.monotonic() < deadline, f"timed out waiting for jobs {sorted(waiting)} to train"
+            for job, run in list(waiting.items()):
+                if not _logged(run, 1, "step     3"):
+                    continue
+                del waiting[job]
+                if job == preempt:
+                    high = cluster.sbatch("-p", "high", "-N", "1", "-c", "8", "--time", "2", "-o",
+                                          str(tmp_path / "high-%j.out"), "--wrap", "hostname", cwd=tmp_path)
+                else:
+                    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster.env, check=True,
+                                   timeout=30)
+            time.sleep(0.2)
         _wait_for("the requeue", lambda: _status(runs["requeue"])["word"] == "requeued")
         _wait_for("the job pending", lambda: _job_state(cluster, requeue) == "PENDING", 60)
+        time.sleep(3)
         subprocess.run(["scontrol", "update", f"JobId={requeue}", "StartTime=now"], env=cluster.env, check=True)
+        # preempted: the ranks save on SLURM's SIGTERM; SLURM requeues the job at the end of the GraceTime
+        _wait_for("the preempted job's status", lambda: _status(runs["preempt"])["word"] == "preempted"
+                  and "exit_code" in _status(runs["preempt"]), 120)
+        preempted = _status(runs["preempt"] / "attempt-1")
+        assert _job_state(cluster, preempt) == "RUNNING"      # still there, within the GraceTime
+        _wait_for("SLURM's requeue of the preempted job", lambda: _job_state(cluster, preempt) == "PENDING",
+                  GRACE_TIME + 120)
+        cluster.wait(high, timeout=120)
+        # started within the second of its requeue, slurmd refuses the job ("Job credential revoked")
+        time.sleep(3)
+        subprocess.run(["scontrol", "update", f"JobId={preempt}", "StartTime=now"], env=cluster.env, check=True)
         out, _ = reference.communicate(timeout=600)
         assert reference.returncode == 0, out[-3000:]
         cluster.wait(requeue)
+        cluster.wait(preempt)
         cluster.wait(exit3)
         cluster.wait(cancel)
         cluster.wait(timeout, timeout=300)
     finally:
         if reference.poll() is None:
             reference.kill()
-    # requeued: two attempts, each with its logs and status; attempt 2 resumed and matches the uninterrupted run
+    want = json.loads((tmp_path / "reference.json").read_text())["losses"]
+    # requeued: two attempts, each with its logs (one per node) and status; attempt 2 resumed and matches the
+    # uninterrupted run
     status = _status(runs["requeue"])
     assert status["word"] == "completed" and status["attempt"] == "2", status
     assert status["attempt_1"].startswith("requeued exit_code=0 job_id=" + requeue)
     assert _status(runs["requeue"] / "attempt-1")["word"] == "requeued"
-    for rank in (0, 1):
-        assert _logged(runs["requeue"], 1, f"rank {rank}: stopped by signal 10 after step")
-        assert _logged(runs["requeue"], 2, f"rank {rank}: resumed from {runs['requeue']}/checkpoints/step")
-    assert _logged(runs["requeue"], 1, "step     0 ")
-    assert not _logged(runs["requeue"], 2, "step     0 ")
+    for node in (0, 1):   # rank n on node n; both stop after the same step (a rank stopped by the other's signal
+        # before its own arrived says "signal None": the ranks agree on the step)
+        assert f"rank {node}: stopped by signal " in _node_log(runs["requeue"], 1, node)
+        assert f"rank {node}: resumed from {runs['requeue']}/checkpoints/step" in _node_log(runs["requeue"], 2, node)
+    assert _show_job(cluster, requeue, "NodeList") == f"{host},{second}"
+    assert "step     0 " in _node_log(runs["requeue"], 1, 0) and "step     0 " not in _node_log(runs["requeue"], 2, 0)
     got = json.loads((tmp_path / "requeue.json").read_text())["losses"]
-    want = json.loads((tmp_path / "reference.json").read_text())["losses"]
     assert len(got) == len(want) == 80 and got == want, (got, want)
+    # preempted: saved on SLURM's SIGTERM within the GraceTime, requeued by SLURM, resumed with the same losses
+    assert preempted["word"] == "preempted" and preempted["note"].startswith("preempted (PreemptTime set)"), preempted
+    status = _status(runs["preempt"])
+    assert status["word"] == "completed" and status["attempt"] == "2", status
+    assert status["attempt_1"].startswith("preempted exit_code="), status
+    assert _show_job(cluster, preempt, "Restarts") == "1" and _job_state(cluster, high) == "COMPLETED"
+    for rank in (0, 1):
+        assert _logged(runs["preempt"], 1, f"rank {rank}: stopped by signal 15 after step")
+        assert _logged(runs["preempt"], 2, f"rank {rank}: resumed from {runs['preempt']}/checkpoints/step")
+    got = json.loads((tmp_path / "preempt.json").read_text())["losses"]
+    assert len(got) == 80 and got == want, (got, want)
     # no requeue: saved, and SLURM ended it at its time limit
     status = _status(runs["timeout"])
     assert status["word"] == "timeout" and status["exit_code"] == "0", status
     assert (runs["timeout"] / "checkpoints" / "latest").is_file()
-    assert _logged(runs["timeout"], 1, "rank 1: stopped by signal 10 after step")
+    for node in (0, 1):
+        assert f"rank {node}: stopped by signal " in _node_log(runs["timeout"], 1, node)
+    assert any("stopped by signal 10 after step" in _node_log(run, 1, node) for run in (runs["requeue"], runs["timeout"])
+               for node in (0, 1))
     assert _job_state(cluster, timeout) == "TIMEOUT"
     printed = dry.stdout.split("command.sh the job would write (the run directory's attempt-1/command.sh):\n", 1)[1]
     assert printed.rstrip("\n") == (runs["timeout"] / "attempt-1" / "command.sh").read_text().rstrip("\n")
-    assert f"source {site}" in printed
+    assert f"source {site}" in printed and "--nnodes=2 --nproc-per-node=1" in printed
     records = runs["timeout"] / "attempt-1"
     assert json.loads((records / "ds_config.json").read_text()) == json.loads(config.read_text())
     assert (records / "site.sh").read_text() == site.read_text()
     assert "deepspeed " in (records / "versions.txt").read_text()
-    assert (records / "nodes.txt").read_text().split() == [socket.gethostname().split(".")[0]]
+    assert (records / "nodes.txt").read_text().split() == [host, second]
     assert "ctx_plugin: time-limit warning" in (records / "batch.log").read_text()
-    # cancelled near the limit; the failing rank named
+    # cancelled near the limit; the failing rank named (rank 1, on the second node)
     assert _status(runs["cancel"])["word"] == "cancelled"
     status = _status(runs["exit3"])
     assert status["word"] == "failed" and status["first_failure"].startswith(
-        f"first failure: node 0 ({socket.gethostname().split('.')[0]}) rank 1 exit code 3"), status
+        f"first failure: node 1 ({second}) rank 1 exit code 3"), status
     assert "rank 1 starts" in (runs["exit3"] / "attempt-1" / "failure").read_text()
 
 
