@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import sys
 import time
@@ -24,7 +25,9 @@ from ctx_plugin.models import DecoderConfig, DecoderLM
 from ctx_plugin.cliargs import nonnegative_float, output_file, positive_float, positive_int, tokens
 from ctx_plugin.names import Backend, Kernel, Recompute
 from ctx_plugin.recompute.presets import RecomputeConfig
-from ctx_plugin.rules import SettingNames, check_split
+from ctx_plugin.documents import Documents
+from ctx_plugin.packing import shift_labels
+from ctx_plugin.rules import SettingNames, check_split, padding_units
 
 
 def sample_batch(generator: torch.Generator, batch: int, seq_len: int, vocab: int) -> torch.Tensor:
@@ -35,22 +38,41 @@ def sample_batch(generator: torch.Generator, batch: int, seq_len: int, vocab: in
     return (start + stride * torch.arange(seq_len + 1)) % vocab
 
 
+def document_unit(cp_config, world: int) -> int:
+    """Every packed document's length is a multiple of this: the layout's document unit over ``world`` ranks and the
+    one-process reference's (its zigzag over one rank: 2)."""
+    return math.lcm(padding_units(cp_config, world)[0], 2)
+
+
+def packed_documents(generator: torch.Generator, count: int, seq_len: int, unit: int) -> Documents:
+    """``count`` documents of seeded random lengths, each a multiple of ``unit``, filling ``seq_len`` tokens."""
+    cuts = torch.randperm(seq_len // unit - 1, generator=generator)[:count - 1].add(1).sort().values * unit
+    return Documents((0, *cuts.tolist(), seq_len))
+
+
 def train(model, cp_config, groups, steps: int, batch: int, seq_len: int, vocab: int, lr: float, seed: int, *,
-          recompute: RecomputeConfig | None = None):
+          recompute: RecomputeConfig | None = None, documents: int = 0, document_unit: int = 1):
     """Trains on seeded synthetic sequences; returns (global mean loss per step, tokens per second). With
-    ``recompute.tile_loss`` (``+tile_loss[:<tokens>]``) the head and loss run over chunks of tokens."""
+    ``recompute.tile_loss`` (``+tile_loss[:<tokens>]``) the head and loss run over chunks of tokens. ``documents``
+    > 0: every step packs that many documents (random lengths, multiples of ``document_unit``) into each sequence:
+    attention inside each, positions restarting, no target across a document's end."""
     tile = recompute is not None and recompute.tile_loss
     loss_tokens = recompute.loss_tokens if tile else None
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     device = next(model.parameters()).device
     data = torch.Generator().manual_seed(seed)
-    shard = lambda t: ctx_plugin.shard_sequence(t, config=cp_config, groups=groups, dim=1)  # noqa: E731
-    positions = ctx_plugin.sequence_positions(seq_len, config=cp_config, groups=groups, device=device)
     losses, start = [], time.perf_counter()
     for _ in range(steps):
         tokens = sample_batch(data, batch, seq_len, vocab)
-        inputs, labels = shard(tokens[:, :-1]).to(device), shard(tokens[:, 1:]).to(device)  # labels pre-shifted
-        loss = model.loss(inputs, positions, labels, tile=tile, loss_tokens=loss_tokens) / (batch * seq_len)
+        docs = packed_documents(data, documents, seq_len, document_unit) if documents else None
+        shard = lambda t: ctx_plugin.shard_sequence(t, config=cp_config, groups=groups, dim=1,  # noqa: E731
+                                                    documents=docs)
+        positions = ctx_plugin.sequence_positions(seq_len, config=cp_config, groups=groups, device=device,
+                                                  documents=docs)
+        targets = tokens[:, 1:] if docs is None else shift_labels(tokens[:, :-1], docs)   # pre-shifted
+        inputs, labels = shard(tokens[:, :-1]).to(device), shard(targets).to(device)
+        loss = model.loss(inputs, positions, labels, tile=tile, loss_tokens=loss_tokens, documents=docs) \
+            / (targets != -100).sum().item()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         report = loss.detach().clone()
@@ -89,6 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=tokens, default=256)
     p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--documents", type=positive_int, default=None, metavar="N",
+                   help="pack N documents of random lengths into every sequence (attention inside each document)")
     p.add_argument("--rtol", type=nonnegative_float, default=1e-5, help="allowed relative loss difference (fp32)")
     p.add_argument("--json", type=output_file, default=None, help="write the report of rank 0 to this file")
 
@@ -98,6 +122,16 @@ def check(args: argparse.Namespace, world: int) -> None:
     cp_config = ctx_plugin.CPConfig(backend=args.backend, kernel=args.kernel, ulysses_size=args.ulysses_size)
     check_split(cp_config, world, seq_len=args.seq_len, heads=MODEL.heads, kv_heads=MODEL.kv_heads,
                 names=SettingNames(seq_len="--seq-len", cp="--nproc", ulysses_size="--ulysses-size"))
+    if args.documents is not None:
+        unit = document_unit(cp_config, world)
+        most = args.seq_len // unit
+        if args.seq_len % unit:
+            raise ValueError(f"--documents: --seq-len {args.seq_len} must be a multiple of {unit}, the document unit of "
+                             f"{args.backend} over --nproc {world} and of the one-process reference")
+        if args.documents > most:
+            raise ValueError(f"--documents {args.documents}: a --seq-len {args.seq_len} sequence holds at most {most} "
+                             f"documents of a multiple of {unit} tokens ({args.backend} over --nproc {world} splits "
+                             f"every document); give fewer documents or a longer --seq-len")
     preset = RecomputeConfig.parse(args.recompute)
     if preset.preset == Recompute.BUDGET:
         raise ValueError("--recompute budget:<GiB> is for real models (ctx_plugin.recompute.resolve picks a preset "
@@ -138,7 +172,8 @@ def main(argv=None) -> int:
         if name == "context_parallel":      # the layers' part of the preset; the loss applies +tile_loss
             recompute.apply(model.blocks, preset.for_layers)
         runs[name] = train(model, config, groups, args.steps, args.batch, args.seq_len, model_cfg.vocab, args.lr,
-                           args.seed, recompute=preset if name == "context_parallel" else None)
+                           args.seed, recompute=preset if name == "context_parallel" else None,
+                           documents=args.documents or 0, document_unit=document_unit(cp_config, world))
     (ref_losses, _), (cp_losses, tokens_per_s) = runs["reference"], runs["context_parallel"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(cp_losses, ref_losses))
     memory = torch.tensor([_peak_memory_mib(device)], device=device)
@@ -148,7 +183,8 @@ def main(argv=None) -> int:
     if rank == 0:
         hybrid = f" (ulysses_size={cp_config.ulysses_size})" if cp_config.backend == Backend.ULYSSES_RING else ""
         print(f"ctx_plugin demo: {model_cfg.layers}-layer GQA model, backend={cp_config.backend}{hybrid}, "
-              f"recompute={args.recompute}, "
+              f"recompute={args.recompute}, " + (f"{args.documents} packed documents per sequence, "
+                                                 if args.documents else "") +
               f"{world} {device.type} ranks, {args.seq_len} tokens per sequence ({args.seq_len // world} per rank)")
         print(f"{'step':>4}  {'loss (CP)':>12}  {'loss (1 process)':>16}  {'rel. diff':>9}")
         for i, (a, b) in enumerate(zip(cp_losses, ref_losses)):

@@ -71,8 +71,8 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.cp_config, self.groups = cp_config, groups
 
-    def forward(self, q, k, v):
-        return cp_attention(q, k, v, config=self.cp_config, groups=self.groups, causal=True)
+    def forward(self, q, k, v, documents=None):
+        return cp_attention(q, k, v, config=self.cp_config, groups=self.groups, causal=True, documents=documents)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -116,13 +116,13 @@ class Attention(nn.Module):
         self.core = core
         self.proj = nn.Linear(c.hidden, c.hidden, bias=False)
 
-    def forward(self, x, positions):
+    def forward(self, x, positions, documents=None):
         b, s, _ = x.shape
         hd, h, hkv = self.c.head_dim, self.c.heads, self.c.kv_heads
         q, k, v = self.qkv(x).split([h * hd, hkv * hd, hkv * hd], -1)
         q = rope(q.view(b, s, h, hd), positions)
         k = rope(k.view(b, s, hkv, hd), positions)
-        return self.proj(self.core(q, k, v.view(b, s, hkv, hd)).reshape(b, s, -1))
+        return self.proj(self.core(q, k, v.view(b, s, hkv, hd), documents).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
@@ -144,8 +144,8 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.norm1, self.attn, self.norm2, self.mlp = _norm(c), Attention(c, core), _norm(c), MLP(c)
 
-    def forward(self, x, positions):
-        x = x + self.attn(self.norm1(x), positions)
+    def forward(self, x, positions, documents=None):
+        x = x + self.attn(self.norm1(x), positions, documents)
         return x + self.mlp(self.norm2(x))
 
 
@@ -160,18 +160,19 @@ class DecoderLM(nn.Module):
         self.norm = _norm(c)
         self.head = nn.Linear(c.hidden, c.vocab, bias=False)
 
-    def hidden_states(self, tokens, positions):
-        """The final-norm output ``[B, S, hidden]``: what the LM head reads."""
+    def hidden_states(self, tokens, positions, documents=None):
+        """The final-norm output ``[B, S, hidden]``: what the LM head reads (``documents``: packed documents of the
+        global sequence, as :func:`ctx_plugin.cp_attention` takes them)."""
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, positions)
+            x = block(x, positions, documents=documents)
         return self.norm(x)
 
-    def forward(self, tokens, positions):
-        return self.head(self.hidden_states(tokens, positions))
+    def forward(self, tokens, positions, documents=None):
+        return self.head(self.hidden_states(tokens, positions, documents))
 
     def loss(self, tokens, positions, labels, *, tile: bool = False, loss_tokens: int | None = None,
-             ignore_index: int = -100):
+             ignore_index: int = -100, documents=None):
         """The token sum (at least fp32) of the cross-entropy of pre-shifted ``labels`` (``ignore_index`` targets
         count nothing); the caller divides by its token count. ``tile=True`` (``+tile_loss[:<tokens>]``): head and
         loss over chunks of ``loss_tokens`` tokens (``None``: automatic), never holding the whole logits
@@ -182,7 +183,7 @@ class DecoderLM(nn.Module):
             raise TypeError(f"tile must be True or False, got {tile!r}")
         if loss_tokens is not None and not tile:
             raise ValueError("loss_tokens sizes the chunks of the tiled loss: give it with tile=True")
-        hidden = self.hidden_states(tokens, positions)
+        hidden = self.hidden_states(tokens, positions, documents)
         if tile:
             return lm_loss_sum(hidden, labels, self.head, tokens=loss_tokens, ignore_index=ignore_index)
         return F.cross_entropy(upcast(self.head(hidden)).flatten(0, -2), labels.flatten(), ignore_index=ignore_index,

@@ -46,3 +46,21 @@ def test_demo_with_memory_modifiers(tmp_path):
     data = json.loads(report.read_text())
     assert data["ok"] and data["worst_rel_diff"] <= 1e-5 and data["args"]["recompute"] == recompute
     assert len(data["cp_losses"]) == 3
+
+
+def test_demo_with_packed_documents(tmp_path):
+    """``--documents 4`` under ``--recompute sqrt`` (documents through a multi-layer recompute region): packed
+    sequences train like the one-process run with the same documents, and differently from unpacked sequences (the
+    documents reach the attention)."""
+    losses = {}
+    for extra in (["--documents", "4"], []):
+        report = tmp_path / f"demo{len(extra)}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "ctx_plugin.cli", "demo", "--nproc", "2", "--backend", "zigzag", "--device", "cpu",
+             "--steps", "3", "--seq-len", "64", "--recompute", "sqrt", *extra, "--json", str(report)],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        data = json.loads(report.read_text())
+        assert data["ok"] and data["worst_rel_diff"] <= 1e-5
+        losses[len(extra)] = data["cp_losses"]
+    assert all(abs(a - b) > 1e-4 for a, b in zip(losses[2], losses[0])), losses
