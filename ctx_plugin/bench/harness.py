@@ -1,7 +1,8 @@
 """What the benchmark measures: one attention shape, timed per simulated rank against the one-kernel ideal.
 
 Efficiency of a backend at N ranks = ideal ÷ slowest rank, where ideal = the time of one local-kernel call on
-the whole sequence ÷ N (what perfect splitting with free communication would give). TFLOP/s per GPU = the
+the whole sequence ÷ N (what perfect splitting with free communication would give; with a window, that kernel's
+full-mask call scaled by the share of FLOPs the window keeps, see :func:`ideal_time`). TFLOP/s per GPU = the
 attention's FLOPs ÷ N ÷ slowest rank: ``4·B·S²·H·D`` forward (halved when causal), forward+backward 3.5× that
 (backward 2.5×, the flash-attention convention). With a sliding window of w tokens back (``Shape.window``) the
 FLOPs count the pairs the window keeps, ``4·B·H·D·(S·(w+1) − w·(w+1)/2)``.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -110,19 +111,34 @@ def attention_step(shape: Shape, config: CPConfig, groups, q, k, v, dout, backwa
     return go
 
 
-def ideal_time(shape: Shape, kernel: Kernel, backward: bool, reps: int) -> tuple[float, str]:
-    """(seconds for one local-kernel call on the whole sequence, the kernel's name)."""
+def call_time(shape: Shape, kernel: Kernel, backward: bool, reps: int, *, windowed: bool = True) -> tuple[float, str]:
+    """(seconds for one local-kernel call on the whole sequence, the kernel's name). The kernel is the one
+    ``kernel`` selects for the shape's mask; ``windowed=False`` times it over the mask without the window."""
     mask = Mask(shape.causal, shape.mask["window"]).within(shape.seq_len)
     k_obj = select_kernel(kernel, shape.device, shape.dtype, shape.head_dim, mask.features)
     q, k, v, dout = shape.tensors(shape.seq_len, torch.Generator().manual_seed(0), grad=False)
     scale = shape.head_dim ** -0.5
-    kw = {"causal": shape.causal, "scale": scale, "window": mask.window}    # the whole sequence: one square block
+    window = mask.window if windowed else Mask(shape.causal).window
+    kw = {"causal": shape.causal, "scale": scale, "window": window}    # the whole sequence: one square block
 
     def go():
         out, lse = k_obj.forward(q, k, v, **kw)
         if backward:
             k_obj.backward(dout, q, k, v, out, lse, **kw)
     return median_time(go, shape.device, reps), k_obj.name
+
+
+def ideal_time(shape: Shape, kernel: Kernel, backward: bool, reps: int) -> tuple[float, str]:
+    """(the one-device time whose N-th part is the ideal, the kernel's name): one local-kernel call on the whole
+    sequence. With a window, the kernel that applies it runs the whole sequence over the mask without the window
+    and the time is scaled by the share of FLOPs the window keeps (:meth:`Shape.flops`): the windowed work at that
+    kernel's own full-mask rate. (Timing the windowed call itself would credit a kernel that computes every score
+    and masks, like the torch kernel, with a window's cost equal to the full mask's, and ranks that skip blocks
+    would beat that "ideal".)"""
+    if shape.window is None:
+        return call_time(shape, kernel, backward, reps)
+    seconds, name = call_time(shape, kernel, backward, reps, windowed=False)
+    return seconds * shape.flops(backward) / replace(shape, window=None).flops(backward), name
 
 
 def rank_times(shape: Shape, config: CPConfig, size: int, backward: bool, reps: int) -> list[float]:
@@ -137,9 +153,9 @@ def rank_times(shape: Shape, config: CPConfig, size: int, backward: bool, reps: 
 
 
 def simulated_outputs(config: CPConfig, size: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      dout: torch.Tensor, *, causal: bool) -> tuple[torch.Tensor, ...]:
+                      dout: torch.Tensor, *, causal: bool, window=None) -> tuple[torch.Tensor, ...]:
     """out, dq, dk, dv of the whole sequence (original order) computed by ``size`` simulated ranks exchanging
-    real data in threads: what a distributed run computes."""
+    real data in threads: what a distributed run computes (``window``: cp_attention's)."""
     layout = shard_layout(config)
     seq = q.shape[1]
     check_seq_len(config, seq, size)
@@ -148,7 +164,7 @@ def simulated_outputs(config: CPConfig, size: int, q: torch.Tensor, k: torch.Ten
     def rank_work(rank: int, world) -> tuple[torch.Tensor, ...]:
         groups = simulated_groups(config, rank, size, world, q.device.type)
         local = [t.index_select(1, index[rank]).detach().requires_grad_(True) for t in (q, k, v)]
-        out = cp_attention(*local, config=config, groups=groups, causal=causal)
+        out = cp_attention(*local, config=config, groups=groups, causal=causal, window=window)
         out.backward(dout.index_select(1, index[rank]))
         return (out.detach(), *(t.grad for t in local))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from decimal import Decimal, InvalidOperation
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from ..config import CPConfig
 from ..rules import SettingNames, check_seq_len
 from ..memory.report import need_matplotlib
 from ..kernels import kernel_unavailable, select_kernel
+from ..mask import Mask
 from ..names import Backend, Kernel
-from .harness import PASSES, Shape, ideal_time, rank_times
+from .harness import PASSES, Shape, call_time, ideal_time, rank_times
 from .memory import memory_columns, rank_bytes, single_device_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -73,8 +75,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def non_negative_tokens(text: str) -> int:
-    """``0`` or a token count (:func:`ctx_plugin.cliargs.tokens`)."""
-    return 0 if text.strip() == "0" else tokens(text)
+    """A whole number of tokens ≥ 0, spelled as :func:`ctx_plugin.cliargs.tokens` reads them (``4096``, ``4k``):
+    the window's size (``0``: each query sees only itself, ``window=(0, 0)``)."""
+    try:
+        return tokens(text)
+    except argparse.ArgumentTypeError:
+        stripped = text.strip().lower()
+        try:
+            if Decimal(stripped[:-1] if stripped[-1:] in ("k", "m") else stripped) == 0:
+                return 0
+        except InvalidOperation:
+            pass
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens ≥ 0 (0: each query sees only "
+                                         f"itself); give e.g. 0, 4096 or 4k") from None
 
 
 def _flag(name: str) -> str:
@@ -179,10 +192,13 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
 
 
 def compare_kernels(args: argparse.Namespace, shape: Shape) -> str:
-    """A table of every kernel's forward and forward+backward time on one rank's share of the sequence."""
+    """A table of every kernel's forward and forward+backward time on one rank's share of the sequence, with the
+    shape's window applied; kernels that cannot apply it (or cannot run here) are listed with the reason."""
     block = Shape(**{**shape.__dict__, "seq_len": shape.seq_len // max(args.ranks)})
-    auto = select_kernel(Kernel.AUTO, block.device, block.dtype, block.head_dim).name
-    lines = [f"local kernels on {block.seq_len} tokens ({'causal' if block.causal else 'full'}, "
+    features = Mask(block.causal, block.mask["window"]).within(block.seq_len).features
+    auto = select_kernel(Kernel.AUTO, block.device, block.dtype, block.head_dim, features).name
+    window = "" if block.window is None else f", window ({block.window}, 0)"
+    lines = [f"local kernels on {block.seq_len} tokens ({'causal' if block.causal else 'full'}{window}, "
              f"{str(block.dtype).removeprefix('torch.')}); kernel=auto picks {auto}",
              f"{'kernel':<12} {'fwd ms':>9} {'fwd+bwd ms':>11} {'TFLOP/s fwd+bwd':>16}"]
     for name in (k for k in Kernel if k != Kernel.AUTO):
@@ -190,8 +206,12 @@ def compare_kernels(args: argparse.Namespace, shape: Shape) -> str:
         if why is not None:
             lines.append(f"{name.value:<12} unavailable: {why}")
             continue
-        fwd, _ = ideal_time(block, name, False, args.reps)
-        both, _ = ideal_time(block, name, True, args.reps)
+        why = kernel_unavailable(name, block.device, block.dtype, block.head_dim, features)
+        if why is not None:
+            lines.append(f"{name.value:<12} skipped: {why}")
+            continue
+        fwd, _ = call_time(block, name, False, args.reps)
+        both, _ = call_time(block, name, True, args.reps)
         lines.append(f"{name.value:<12} {fwd * 1e3:>9.3f} {both * 1e3:>11.3f} {block.flops(True) / both / 1e12:>16.1f}")
     return "\n".join(lines)
 
@@ -233,9 +253,13 @@ def describe(shape: Shape, rows: list[dict], mode: str) -> str:
             f"({shape.kv_heads} K/V) × {shape.head_dim}, {'causal' if shape.causal else 'full'}, "
             f"{_window_text(shape, rows)}"
             f"{str(shape.dtype).removeprefix('torch.')}, {device}, kernel {'/'.join(kernels) or '-'}; "
-            f"efficiency = ideal (one kernel on the whole sequence ÷ N) ÷ slowest rank"
+            f"efficiency = ideal (one kernel on the whole sequence ÷ N{_ideal_window(shape)}) ÷ slowest rank"
             + ("; memory per rank and call (largest rank): allocated, copied, peak above the inputs; bound = "
                "one-device peak ÷ N + 2 K/V blocks" if any("peak_mib" in r for r in rows) else ""))
+
+
+def _ideal_window(shape: Shape) -> str:
+    return "" if shape.window is None else "; with the window: its full-mask time × the FLOP share the window keeps"
 
 
 def _window_text(shape: Shape, rows: list[dict]) -> str:

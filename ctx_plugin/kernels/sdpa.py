@@ -27,6 +27,18 @@ already sit that way (a slice of a batch-1 tensor: only the batch stride is rewr
 of the slice. torch's flash kernel reads batch/sequence/head strides itself (its backward makes out and
 grad_out contiguous on its own), so it, like the CPU kernel, only needs a unit stride in the last dimension.
 
+**Windows** (:class:`FlashKernel` only): a block whose mask has a bounded side runs on the lower-level
+``aten::_flash_attention_forward/_backward`` (the ops ``_scaled_dot_product_flash_attention`` wraps: ``[B, S, H,
+D]`` tensors, ``cum_seq_q/k`` None and ``max_q/k`` = Sq/Sk for a dense batch, fp32 LSE ``[B, H, Sq]``, outputs
+``(out, lse, rng_state, unused, debug_mask)``) with ``window_size_left/right``, FlashAttention-2's bottom-right
+local mask (query a sees keys ``a + Sk − Sq − left .. a + Sk − Sq + right``, -1 unbounded), the convention of
+base.py. FlashAttention-2 treats a side ``>= Sk`` as unbounded; that is exact for the left side, and for the right
+side whenever ``Sq <= Sk + 1``: the rare non-causal block with more queries than that and a right side of at
+least Sk that still bounds some row runs on the torch kernel (:func:`_flash_window`). No softcap: refused.
+The kernels' own masks (FlashAttention-2's, is_causal included) are bottom-right aligned for Sq != Sk (torch's SDPA
+refuses non-square causal flash calls for that reason), so a windowed block is one call whatever its shape; the
+``prefix`` windowed cases of ``tests/gpu/test_kernels_gpu.py`` check that on a GPU (not run yet).
+
 Checked on torch 2.13 (schemas, meta kernels) and against torch's ``sdp_utils.cpp`` (hardware, dtype and head
 size checks, see :func:`cudnn_unavailable` / :func:`flash_unavailable`); the CUDA behaviour is covered by
 ``tests/gpu``.
@@ -36,6 +48,7 @@ from __future__ import annotations
 import torch
 
 from .base import FULL, Window, accum_dtype, check_block, describe, is_windowed
+from .torch_math import TorchKernel
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -90,11 +103,8 @@ _CUDNN_MAX_HEAD_DIM = 128   # 256 needs sm90/sm10x, cuDNN > 9.22 and a cudnn-fro
 
 
 def _no_features(features: frozenset[str], what: str) -> str | None:
-    """These aten ops take no window and no softcap, so these kernels refuse both (``auto`` then falls back to
-    flash-attn or the torch kernel). torch 2.13's lower-level ``aten::_flash_attention_forward/_backward`` (``[B, S,
-    H, D]`` tensors, ``window_size_left/right`` keyword arguments) could apply windows, but its mask alignment for
-    Sq != Sk and its backward with an externally merged lse are unverified without a GPU: left for a GPU session
-    to wire, with a tests/gpu check against the torch kernel."""
+    """These aten ops take no softcap (and cuDNN's and the CPU kernel's no window), so these kernels refuse it
+    (``auto`` then falls back to flash-attn or the torch kernel)."""
     if features:
         return f"{what} applies no {describe(features)}; kernel='torch' or 'flash_attn' (or 'auto') can"
     return None
@@ -138,7 +148,7 @@ def cudnn_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int,
 def flash_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int,
                       features: frozenset[str] = frozenset()) -> str | None:
     what = "torch's flash attention"
-    reason = _no_features(features, what) or _common(device, dtype, head_dim, what, 256)
+    reason = _no_features(features - {"window"}, what) or _common(device, dtype, head_dim, what, 256)
     if reason is None and not torch.backends.cuda.is_flash_attention_available():
         reason = "this torch build has no flash attention kernel; use kernel='sdpa_cudnn' or 'torch'"
     if reason is not None:
@@ -237,8 +247,66 @@ class CudnnKernel(_SdpaKernel):
             causal, scale=scale)
 
 
+def _flash_window(sq: int, sk: int, causal: bool, window: Window) -> tuple[int, int] | None:
+    """``window`` as FlashAttention-2's ``(window_size_left, window_size_right)`` for an ``sq`` × ``sk`` block (-1:
+    unbounded; causal: right 0), or None when it bounds nothing beyond ``causal`` (the plain ops then run).
+    Raises LookupError for the one mask the op cannot express (see the module docstring)."""
+    # A side is unbounded when it reaches past the block for every row: left >= Sk - 1, right >= Sq - 1.
+    left = -1 if window[0] is None or window[0] >= sk - 1 else int(window[0])
+    if causal:
+        right = 0
+    else:
+        right = -1 if window[1] is None or window[1] >= sq - 1 else int(window[1])
+    if left == -1 and (right == 0 if causal else right == -1):
+        return None
+    if right >= sk:
+        # FlashAttention-2 would read it as unbounded, yet some row sees fewer keys (only when sq > sk + 1).
+        raise LookupError(f"window_size_right={right} >= Sk={sk} with Sq={sq}")
+    return left, right
+
+
 class FlashKernel(_SdpaKernel):
+    """torch's FlashAttention-2; windowed blocks through ``aten::_flash_attention_forward/_backward``."""
+
     name = "sdpa_flash"
+
+    def _check(self, q, k, causal: bool, window: Window, softcap: float | None):
+        check_block(q, k, causal, window, softcap)
+        if softcap is not None:
+            raise ValueError(f"kernel {self.name!r} applies no softcap (softcap={softcap}): use kernel='auto', "
+                             f"'torch' or 'flash_attn'")
+        try:
+            return _flash_window(q.shape[1], k.shape[1], causal, window)
+        except LookupError:
+            return "torch"
+
+    def forward(self, q, k, v, *, causal: bool, scale: float, window: Window = FULL, softcap: float | None = None):
+        sides = self._check(q, k, causal, window, softcap)
+        if sides is None:
+            return super().forward(q, k, v, causal=causal, scale=scale)
+        if sides == "torch":
+            return TorchKernel().forward(q, k, v, causal=causal, scale=scale, window=window)
+        g = self._groups(q, k)
+        res = torch.ops.aten._flash_attention_forward(
+            *(_last_dim_unit(t) for t in (q, _expand_kv(k, g), _expand_kv(v, g))), None, None, q.shape[1],
+            k.shape[1], 0.0, causal, False, scale=scale, window_size_left=sides[0], window_size_right=sides[1])
+        return res[0], res[1].to(accum_dtype(q.dtype))            # out [B, S, H, D], lse [B, H, S] fp32
+
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window: Window = FULL,
+                 softcap: float | None = None):
+        sides = self._check(q, k, causal, window, softcap)
+        if sides is None:
+            return super().backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        if sides == "torch":
+            return TorchKernel().backward(dout, q, k, v, out, lse, causal=causal, scale=scale, window=window)
+        g = self._groups(q, k)
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)   # unused: no dropout
+        tensors = (dout.to(q.dtype), q, _expand_kv(k, g), _expand_kv(v, g), out.to(q.dtype))
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            *(_last_dim_unit(t) for t in tensors), lse.to(torch.float32).contiguous(), None, None, q.shape[1],
+            k.shape[1], 0.0, causal, seed, seed, scale=scale, window_size_left=sides[0],
+            window_size_right=sides[1])
+        return dq, _reduce_kv(dk, g), _reduce_kv(dv, g)
 
     def _fwd(self, q, k, v, causal, scale):
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)

@@ -110,3 +110,35 @@ def test_fused_kernels_at_p_ge_2_layouts(kernel, backend, size, kv_heads):
 def test_auto_picks_a_fused_kernel_on_gpu():
     picked = select_kernel(Kernel.AUTO, torch.device("cuda"), torch.bfloat16, 128)
     assert picked.name != Kernel.TORCH.value
+
+
+# (shape, causal, window): left-only, left+right and right-only windows, a diagonal-only one, windows smaller and
+# larger than the block, and the bottom-right alignment of a query chunk against a longer prefix.
+WINDOWED = [("mha", True, (127, 0)), ("gqa", True, (0, 0)), ("mha", False, (64, 31)), ("gqa", False, (None, 100)),
+            ("mha", False, (300, None)), ("prefix", True, (200, 0)), ("prefix", False, (333, 17)),
+            ("mqa-d64", True, (5000, 0))]
+
+
+@pytest.mark.parametrize("shape,causal,window", WINDOWED, ids=str)
+def test_sdpa_flash_applies_windows_like_the_torch_kernel(shape, causal, window):
+    """torch's flash kernel through aten::_flash_attention_forward/_backward (window_size_left/right), bf16."""
+    dtype, features = torch.bfloat16, frozenset({"window"})
+    q, k, v, do = _inputs(SHAPES[shape], dtype, seed=11)
+    reason = kernel_unavailable(Kernel.SDPA_FLASH, torch.device("cuda"), dtype, q.shape[-1], features)
+    if reason is not None:
+        pytest.skip(reason)
+    impl = select_kernel(Kernel.SDPA_FLASH, torch.device("cuda"), dtype, q.shape[-1], features)
+    scale = q.shape[-1] ** -0.5
+    ref = TorchKernel()
+    q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
+    want_out, want_lse = ref.forward(q32, k32, v32, causal=causal, scale=scale, window=window)
+    want = ref.backward(do32, q32, k32, v32, want_out, want_lse, causal=causal, scale=scale, window=window)
+    out, lse = impl.forward(q, k, v, causal=causal, scale=scale, window=window)
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32 and lse.shape == want_lse.shape
+    assert rel_err(out, want_out) < TOL[dtype]
+    assert (lse - want_lse).abs().max().item() < 1e-2
+    grads = impl.backward(do, q, k, v, out, lse, causal=causal, scale=scale, window=window)
+    for name, got, exp in zip(("dq", "dk", "dv"), grads, want):
+        err = (got.float() - exp).abs().max().item() / max(exp.abs().max().item(), 1.0)   # dq ~ 0 at (0, 0)
+        assert got.shape == exp.shape and err < TOL[dtype], f"{name}: {err:.2e}"
+    assert select_kernel(Kernel.AUTO, torch.device("cuda"), dtype, q.shape[-1], features).name != Kernel.TORCH.value

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -159,3 +160,46 @@ def test_cli_bad_input(bad, capsys):
     with pytest.raises(SystemExit):                   # before any timing (the last one would run S = 128k)
         main(["bench", "--device", "cpu", *bad])
     assert "error" in capsys.readouterr().err
+
+
+def test_windowed_ideal_is_the_kernels_full_mask_time_scaled_by_the_kept_flops(monkeypatch):
+    """The windowed ideal: the kernel that applies the window, timed over the mask without it, times the share of
+    FLOPs the window keeps (timing the windowed call would make the torch kernel's full-matrix cost the ideal)."""
+    from ctx_plugin.bench import harness
+    from ctx_plugin.kernels.torch_math import TorchKernel
+
+    seen = []
+
+    class Recording(TorchKernel):
+        def forward(self, q, k, v, *, causal, scale, window=(None, None), softcap=None):
+            seen.append((causal, window))
+            return super().forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+
+    def select(name, device, dtype, head_dim, features):
+        seen.append(features)
+        return Recording()
+
+    def once(fn, device, reps, warmup=1, before=None):
+        fn()
+        return 2.0
+    monkeypatch.setattr(harness, "select_kernel", select)
+    monkeypatch.setattr(harness, "median_time", once)
+    windowed = Shape(seq_len=64, heads=2, kv_heads=2, head_dim=8, window=7, dtype=torch.float32)
+    seconds, name = harness.ideal_time(windowed, ctx_plugin.Kernel.AUTO, False, 1)
+    share = (64 * 8 - 7 * 8 / 2) / (64 * 64 / 2)
+    assert name == "torch" and seconds == pytest.approx(2.0 * share)
+    assert seen == [frozenset({"window"}), (True, (None, None))]
+    seen.clear()
+    assert harness.ideal_time(replace(windowed, window=None), ctx_plugin.Kernel.AUTO, True, 1)[0] == 2.0
+    assert harness.call_time(windowed, ctx_plugin.Kernel.AUTO, False, 1)[0] == 2.0   # compare-kernels: the window
+    assert seen[-1] == (True, (7, None))
+
+
+def test_cli_compare_kernels_with_a_window_skips_the_kernels_that_cannot_apply_it(capsys):
+    assert main(["bench", "--smoke", "--compare-kernels", "--passes", "fwd", "--backends", "ring",
+                 "--window", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "local kernels on 64 tokens (causal, window (16, 0), float32); kernel=auto picks torch" in text
+    rows = {line.split()[0]: line for line in text.splitlines()}
+    assert "skipped: torch's CPU flash attention applies no sliding windows" in rows["sdpa_cpu"]
+    assert "unavailable" in rows["sdpa_cudnn"] and float(rows["torch"].split()[1]) > 0

@@ -76,6 +76,8 @@ CASES = [
     ([*SMOKE, "--distributed", "--compare-kernels"], "--compare-kernels does not apply"),
     ([*SMOKE, "--distributed", "--nproc", "3"], "multiple of 6, got 256"),
     ([*SMOKE, "--distributed", "--nproc", "0"], "--nproc"),
+    ([*SMOKE, "--window", "-1"], "'-1' is not a whole number of tokens ≥ 0 (0: each query sees only itself)"),
+    ([*SMOKE, "--window", "0.5"], "'0.5' is not a whole number of tokens ≥ 0"),
     (["demo", "--nproc", "0"], "--nproc"),
     (["demo", "--nproc", "3"], "--seq-len must be a positive multiple of 6, got 256 (zigzag over --nproc 3)"),
     (["demo", "--seq-len", "63"], "multiple of 8"),
@@ -144,3 +146,12 @@ def test_demo_and_bench_pass_their_own_arguments_to_the_ranks(monkeypatch):
     assert main(["bench", "--smoke", "--distributed", "--nproc=2", "--backends", "zigzag"]) == 0
     assert seen[-1] == ["--standalone", "--nproc-per-node", "2", "-m", "ctx_plugin.bench.distributed", "--smoke",
                         "--backends", "zigzag"]
+
+
+def test_bench_window_zero_is_accepted_as_its_message_says(capsys):
+    """The window's rule and message agree: 0 (each query sees only itself, window=(0, 0)) runs, in any spelling."""
+    from ctx_plugin.bench.report import non_negative_tokens
+
+    assert [non_negative_tokens(t) for t in ("0", " 0 ", "0k", "0.0", "16", "4k")] == [0, 0, 0, 0, 16, 4096]
+    assert main([*SMOKE, "--window", "0"]) == 0
+    assert "window (0, 0)" in capsys.readouterr().out

@@ -186,15 +186,30 @@ def test_explicit_kernel_without_the_feature_names_it_and_the_kernels_that_can()
         select_kernel(Kernel.AUTO, CPU, torch.float32, 64, frozenset({"alibi"}))
 
 
-@pytest.mark.parametrize("features", [WINDOW, SOFTCAP], ids=sorted)
-def test_auto_on_a_gpu_without_flash_attn_falls_back_to_torch_for_features(gpu, features):
-    gpu((9, 0))
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def test_auto_on_a_gpu_without_flash_attn_takes_torchs_flash_kernel_for_windows(gpu, capability):
+    """cuDNN (first for plain masks) applies no window; torch's flash kernel does, before the torch kernel."""
+    gpu(capability)
     assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128).name == Kernel.SDPA_CUDNN.value
+    assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128, WINDOW).name == Kernel.SDPA_FLASH.value
+    assert kernel_unavailable(Kernel.SDPA_FLASH, CUDA, torch.bfloat16, 128, WINDOW) is None
+    assert select_kernel(Kernel.SDPA_FLASH, CUDA, torch.bfloat16, 128, WINDOW).name == Kernel.SDPA_FLASH.value
+    with pytest.raises(ValueError, match="kernels that can: sdpa_flash, torch"):
+        select_kernel(Kernel.SDPA_CUDNN, CUDA, torch.bfloat16, 128, WINDOW)
+    # where torch's flash kernel cannot run (fp32, head size 264), windows fall back to the torch kernel
+    assert select_kernel(Kernel.AUTO, CUDA, torch.float32, 128, WINDOW).name == Kernel.TORCH.value
+    assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 264, WINDOW).name == Kernel.TORCH.value
+
+
+@pytest.mark.parametrize("features", [SOFTCAP, WINDOW | SOFTCAP], ids=sorted)
+def test_auto_on_a_gpu_without_flash_attn_falls_back_to_torch_for_softcap(gpu, features):
+    gpu((9, 0))
     assert select_kernel(Kernel.AUTO, CUDA, torch.bfloat16, 128, features).name == Kernel.TORCH.value
     for name in (Kernel.SDPA_CUDNN, Kernel.SDPA_FLASH):
         assert "applies no" in kernel_unavailable(name, CUDA, torch.bfloat16, 128, features)
         with pytest.raises(ValueError, match="kernels that can: torch"):
             select_kernel(name, CUDA, torch.bfloat16, 128, features)
+    assert "softcap" in kernel_unavailable(Kernel.SDPA_FLASH, CUDA, torch.bfloat16, 128, features)
 
 
 def test_auto_on_a_gpu_prefers_flash_attn_when_it_applies_the_feature(gpu, monkeypatch):

@@ -18,6 +18,7 @@ import ctx_plugin
 import ctx_plugin.api
 from ctx_plugin.bench.harness import simulated_outputs
 from ctx_plugin.kernels import sdpa
+from ctx_plugin.kernels.torch_math import TorchKernel
 from ctx_plugin.names import Backend, Kernel
 from tests.reference import dense_with_grads, rel_err
 
@@ -173,3 +174,141 @@ def test_dense_bshd_copies_only_what_is_not_laid_out_densely():
     copy = sdpa.dense_bshd(two)
     assert copy.data_ptr() != two.data_ptr() and copy.is_contiguous() and torch.equal(copy, two)
     assert _canonical(sdpa.dense_bshd(base[:, 1:, :, :]).transpose(1, 2))
+
+
+# ---------------------------------------------------------------- sliding windows: aten::_flash_attention_*
+def _flash_semantics(sq, sk, is_causal, left, right):
+    """FlashAttention-2's reading of its window arguments (mha_fwd/mha_bwd): causal sets right to 0, a side
+    >= Sk is unbounded, -1 is unbounded; as the torch kernel's (left, right) with None for unbounded."""
+    if is_causal:
+        right = 0
+    left = -1 if left >= sk else left
+    right = -1 if right >= sk else right
+    return (None if left < 0 else left, None if right < 0 else right)
+
+
+class WindowedFlash:
+    """Stand-ins for ``aten::_flash_attention_forward/_backward`` keeping the real contract: fp16/bf16 ``[B, S, H,
+    D]`` tensors with a unit last stride and equal head counts, no cum_seq (a dense batch) with max_q/max_k the
+    sequence lengths, int window sides >= -1, fp32 LSE ``[B, H, S]`` read as raw memory; they compute with the
+    torch reference kernel (bottom-right aligned, like FlashAttention-2)."""
+
+    def __init__(self) -> None:
+        self.windows: list[tuple[int, int, int, int, bool]] = []
+        self.calls = {"fwd": 0, "bwd": 0}
+
+    def _check(self, q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale, left, right):
+        Recorder._half(q, k, v)
+        assert all(t.dim() == 4 and t.stride(-1) == 1 for t in (q, k, v))
+        assert q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] == v.shape[2] and k.shape == v.shape
+        assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[1], k.shape[1])
+        assert dropout_p == 0.0 and isinstance(is_causal, bool) and isinstance(scale, float)
+        for side in (left, right):
+            assert type(side) is int and side >= -1, f"window sides are ints >= -1 (got {left!r}, {right!r})"
+        self.windows.append((q.shape[1], k.shape[1], left, right, is_causal))
+        return _flash_semantics(q.shape[1], k.shape[1], is_causal, left, right)
+
+    def fwd(self, q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale,
+            window_size_left, window_size_right):
+        self.calls["fwd"] += 1
+        assert not return_debug_mask
+        window = self._check(q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale,
+                             window_size_left, window_size_right)
+        out, lse = TorchKernel().forward(q.float(), k.float(), v.float(), causal=is_causal, scale=scale,
+                                         window=window)
+        rng = torch.zeros(2, dtype=torch.uint64)
+        return (_like(q, out.to(q.dtype)), lse.contiguous(), rng, torch.zeros((), dtype=torch.uint64),
+                torch.empty(0, dtype=q.dtype))
+
+    def bwd(self, grad_out, q, k, v, out, logsumexp, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, rng_state,
+            unused, *, scale, window_size_left, window_size_right):
+        self.calls["bwd"] += 1
+        Recorder._half(grad_out, out, q)
+        assert grad_out.shape == out.shape == q.shape and all(t.stride(-1) == 1 for t in (grad_out, out))
+        assert isinstance(rng_state, torch.Tensor) and isinstance(unused, torch.Tensor)
+        window = self._check(q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale,
+                             window_size_left, window_size_right)
+        assert logsumexp.dtype == torch.float32
+        lse = _raw_lse(logsumexp, (q.shape[0], q.shape[2], q.shape[1]))
+        grads = TorchKernel().backward(grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse,
+                                       causal=is_causal, scale=scale, window=window)
+        return tuple(_like(t, g.to(t.dtype)) for t, g in zip((q, k, v), grads))
+
+
+@pytest.fixture
+def windowed(monkeypatch):
+    rec = WindowedFlash()
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", rec.fwd)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", rec.bwd)
+    return rec
+
+
+# (Sq, Sk, causal, window): left-only, left+right, right-only, a diagonal-only window, windows reaching past the
+# block, more keys than queries (bottom-right alignment) and fewer.
+WINDOW_CASES = [
+    (16, 16, True, (3, 0)), (16, 16, True, (0, 0)), (16, 16, False, (2, 5)), (16, 16, False, (None, 1)),
+    (16, 16, False, (4, None)), (8, 24, True, (5, None)), (8, 24, False, (9, 3)), (12, 8, False, (3, 6)),
+    (16, 16, True, (14, 0)), (12, 12, False, (0, 0)), (10, 16, False, (0, 6)),
+]
+
+
+@pytest.mark.parametrize("sq,sk,causal,window", WINDOW_CASES, ids=str)
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_flash_kernel_applies_windows_through_the_flash_ops(windowed, sq, sk, causal, window, kv_heads):
+    g = torch.Generator().manual_seed(sq * 31 + sk)
+    mk = lambda s, h: (torch.randn(2, s, h, 16, generator=g, dtype=torch.float64) * 1.5)   # noqa: E731
+    q, k, v, dout = mk(sq, 4), mk(sk, kv_heads), mk(sk, kv_heads), mk(sq, 4)
+    ref = TorchKernel()
+    want_out, want_lse = ref.forward(q, k, v, causal=causal, scale=0.25, window=window)
+    want = ref.backward(dout, q, k, v, want_out, want_lse, causal=causal, scale=0.25, window=window)
+    kern = sdpa.FlashKernel()
+    h = [t.to(torch.bfloat16) for t in (q, k, v, dout)]
+    out, lse = kern.forward(*h[:3], causal=causal, scale=0.25, window=window)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (2, 4, sq)
+    assert rel_err(out, want_out) < 2e-2 and (lse - want_lse).abs().max() < 2e-2
+    grads = kern.backward(h[3], *h[:3], want_out.to(torch.bfloat16), want_lse.float(), causal=causal, scale=0.25,
+                          window=window)
+    for name, got, ref_grad, t in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
+        err = (got.double() - ref_grad).abs().max().item() / max(ref_grad.abs().max().item(), 1.0)  # dq ~ 0 at (0, 0)
+        assert got.shape == t.shape and err < 3e-2, f"{name}: {err:.2e}"
+    assert windowed.calls == {"fwd": 1, "bwd": 1}
+
+
+def test_flash_kernel_runs_unbounded_windows_on_the_plain_ops_and_refuses_softcap(windowed, recorder):
+    q = torch.randn(1, 16, 2, 16, dtype=torch.float16)
+    kern = sdpa.FlashKernel()
+    for causal, window in ((True, (None, 3)), (True, (15, 0)), (False, (None, None)), (False, (15, 40))):
+        out, lse = kern.forward(q, q, q, causal=causal, scale=0.25, window=window)
+        want, _ = TorchKernel().forward(q.double(), q.double(), q.double(), causal=causal, scale=0.25)
+        assert rel_err(out, want) < 4e-3
+    assert windowed.calls["fwd"] == 0 and recorder.calls["flash"] == 4
+    with pytest.raises(ValueError, match="applies no softcap"):
+        kern.forward(q, q, q, causal=True, scale=0.25, window=(3, 0), softcap=30.0)
+
+
+def test_flash_kernel_takes_the_torch_kernel_where_flash_would_unbound_the_right_side(windowed):
+    """Sq = 24 > Sk + 1 = 9, right = 10 >= Sk: FlashAttention-2 would read the side as unbounded although the first
+    rows see only some keys."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, s, 2, 16, generator=g).to(torch.float16) for s in (24, 8))
+    out, _ = sdpa.FlashKernel().forward(q, k, k, causal=False, scale=0.25, window=(2, 10))
+    want, _ = TorchKernel().forward(q.double(), k.double(), k.double(), causal=False, scale=0.25, window=(2, 10))
+    assert rel_err(out, want) < 4e-3 and windowed.calls["fwd"] == 0
+
+
+@pytest.mark.parametrize("backend,size", [(Backend.RING, 3), (Backend.ZIGZAG, 2), (Backend.ALLGATHER, 2),
+                                          (Backend.STRIPED, 2)], ids=lambda x: getattr(x, "value", x))
+@pytest.mark.parametrize("causal,window", [(True, (5, 0)), (False, (3, 7))], ids=["causal-5", "both-3-7"])
+def test_simulated_ranks_with_windows_on_the_flash_kernel(windowed, recorder, monkeypatch, backend, size, causal,
+                                                          window):
+    def select(name, device, dtype, head_dim, features):
+        assert features == frozenset({"window"})
+        return sdpa.FlashKernel()
+    monkeypatch.setattr(ctx_plugin.api, "select_kernel", select)
+    q, k, v, dout = _inputs(2, 24, 4, 2, torch.float16, seed=7)
+    cfg = ctx_plugin.CPConfig(backend=backend, kernel=Kernel.SDPA_FLASH)
+    got = simulated_outputs(cfg, size, q, k, v, dout, causal=causal, window=window)
+    want = dense_with_grads(*(t.double() for t in (q, k, v, dout)), causal=causal, window=window)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.dtype == torch.float16 and rel_err(g, w) < 5e-3, f"{name}: {rel_err(g, w):.2e}"
+    assert windowed.calls["fwd"] > 0 and windowed.calls["bwd"] > 0
