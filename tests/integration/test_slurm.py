@@ -172,7 +172,9 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
                                  str(tmp_path / "batch-%j.out"), str(ROOT / "launch" / "deepspeed.sbatch"),
                                  "--nproc-per-node", "2", "--run-dir", str(runs["preempt"]), "--ds-config",
                                  str(config), "--", *train, "--report", str(tmp_path / "preempt.json"), cwd=tmp_path)
-        line = ["sbatch", "--parsable", "-N", "2", "-c", "1", "--time", "3", "--signal=B:USR1@10", "-o",
+        # -c 2: the dry run, outside the allocation, takes OMP_NUM_THREADS from this machine's 2 cores (it does not
+        # read -c from the sbatch line)
+        line = ["sbatch", "--parsable", "-N", "2", "-c", "2", "--time", "3", "--signal=B:USR1@10", "-o",
                 str(tmp_path / "batch-%j.out"),
                 str(ROOT / "launch" / "deepspeed.sbatch"), *one_per_node, "--run-dir",
                 str(runs["timeout"]), "--master-port", str(_free_port()), "--ds-config", str(config), "--",
