@@ -180,9 +180,10 @@ PAR = ParallelSpec(cp=8, zero_stage=1)
 
 def test_extra_flops_of_the_issue_case_by_hand():
     """Llama-3-8B, 128k tokens over 8 ranks: per token and layer, projections 2·h·(2·q_w + 2·kv_w), SwiGLU MLP
-    2·h·f·3, causal attention 2·s·q_w (halved: forward 2·2·s·q_w/2); a step is 3× the forward."""
+    2·h·f·3, causal attention 2·(s+1)·q_w (s(s+1)/2 pairs: forward 2·2·q_w·(s+1)/2 per token); a step is 3× the
+    forward."""
     h, f, s, q_w, kv_w = 4096, 14336, 131072, 4096, 1024
-    proj, mlp, attn = 2 * h * (2 * q_w + 2 * kv_w), 2 * h * f * 3, 2 * s * q_w
+    proj, mlp, attn = 2 * h * (2 * q_w + 2 * kv_w), 2 * h * f * 3, 2 * (s + 1) * q_w
     step = 3 * (proj + mlp + attn)
     kw = dict(seq_len=s)
     assert estimate(LLAMA, PAR, "mlp", **kw).recompute_fraction == pytest.approx(mlp / step, rel=1e-12)
