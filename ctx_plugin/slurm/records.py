@@ -108,9 +108,12 @@ def _root_cause(lines: list[str]) -> dict[str, str] | None:
 
 
 def first_failure(attempt_dir: Path) -> dict[str, str] | None:
-    """The failure observed first over the nodes' logs: node index and name, rank, exit code, time, and the last
-    lines of that node's log before torchrun's own report; None when no log names a failure."""
+    """The failure observed first over the nodes' logs: node index and name (SLURM's, from the attempt's
+    ``nodes.txt``; else the host name in the log's name), rank, exit code, time, and the last lines of that node's
+    log before torchrun's own report; None when no log names a failure."""
     found = []
+    listed = attempt_dir / "nodes.txt"          # SLURM's node names, by node index (srun's %N is the host's name)
+    names = listed.read_text().split() if listed.is_file() else []
     for log in sorted((attempt_dir / "logs").glob("node-*.log")):
         m = _NODE_LOG.match(log.name)
         if m is None:
@@ -120,7 +123,8 @@ def first_failure(attempt_dir: Path) -> dict[str, str] | None:
         if cause is None:
             continue
         end = next((i for i, line in enumerate(lines) if _TORCHRUN_LINE.match(line)), len(lines))
-        found.append({"node": m.group(1), "host": m.group(2), "rank": cause.get("rank", "?").split()[0],
+        index = int(m.group(1))
+        found.append({"node": m.group(1), "host": names[index] if index < len(names) else m.group(2), "rank": cause.get("rank", "?").split()[0],
                       "exit_code": cause.get("exitcode", "?").split()[0], "time": cause.get("time", ""),
                       "log": str(log), "tail": "\n".join(lines[max(0, end - TAIL):end])})
     if not found:

@@ -426,3 +426,18 @@ def test_warning_at_preemption_is_not_requeued_by_the_script(job, tmp_path):
     j.proc.send_signal(signal.SIGTERM)
     j.finish(timeout=10)
     assert status_lines(j.attempt)[0] == "preempted"
+
+
+def test_first_failure_names_slurms_node_not_the_host(tmp_path):
+    """srun's %N in the log name is the host's name, the same for nodes that share a host (or whose hostname differs
+    from SLURM's node name): the record names SLURM's node from the attempt's nodes.txt, by node index."""
+    from ctx_plugin.slurm.records import first_failure
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "nodes.txt").write_text("gpu-a\ngpu-b\n")
+    for node in (0, 1):
+        (tmp_path / "logs" / f"node-{node}-vm.log").write_text(
+            ROOT_CAUSE.format(rank=node, words="x", time=f"2026-12-01_08:21:5{1 - node}", host="vm", code=3))
+    assert first_failure(tmp_path)["host"] == "gpu-b" and first_failure(tmp_path)["node"] == "1"
+    (tmp_path / "nodes.txt").unlink()
+    assert first_failure(tmp_path)["host"] == "vm"
