@@ -39,7 +39,7 @@ def _reference() -> dict:
     cfg = ctx_plugin.CPConfig(kernel="torch")
     model = _model(cfg, ctx_plugin.build_cp_groups(cfg, group=dist.new_group([dist.get_rank()])))
     for block in model.blocks:
-        block.attn.core.forward = lambda q, k, v: dense_attention(q, k, v, causal=True)
+        block.attn.core.forward = lambda q, k, v, documents=None: dense_attention(q, k, v, causal=True)
     tokens, labels = _data()
     loss = F.cross_entropy(model(tokens, torch.arange(SEQ)).flatten(0, 1), labels.flatten(), reduction="sum")
     loss.backward()

@@ -232,7 +232,7 @@ def _dense_reference(model, tokens, positions, labels):
     ref, _ = _decoder("none")
     ref.load_state_dict(model.state_dict())
     for block in ref.blocks:
-        block.attn.core.forward = lambda q, k, v: dense_attention(q, k, v, causal=True)
+        block.attn.core.forward = lambda q, k, v, documents=None: dense_attention(q, k, v, causal=True)
     logits = ref(tokens, positions)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
     loss.backward()
