@@ -109,10 +109,11 @@ def _model(world: int, position: str, variant: str, core_spec, **refused):
     return model.double()
 
 
-def _step(model, batch, group) -> dict:
+def loss_and_grads(model, batch, group, **forward) -> tuple[float, dict]:
     """Global loss (float64, from the logits) and gradients summed over ``group`` (what DDP over data×context
-    ranks does); the loss on each rank is its tokens' sum over the global token count."""
-    logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+    ranks does); the loss on each rank is its tokens' sum over the global token count. ``forward``: more keywords
+    of the model's forward (e.g. packed_seq_params)."""
+    logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **forward)
     per_token = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
     mask = batch["loss_mask"]
     stats = torch.stack([(per_token * mask).sum().detach(), mask.sum()])
@@ -124,8 +125,14 @@ def _step(model, batch, group) -> dict:
         g = p.grad.detach().clone()
         if group is not None:
             dist.all_reduce(g, group=group)
-        grads[name] = g.flatten().tolist()
-    return {"loss": (stats[0] / stats[1]).item(), "grads": grads,
+        grads[name] = g
+    return (stats[0] / stats[1]).item(), grads
+
+
+def _step(model, batch, group) -> dict:
+    """:func:`loss_and_grads` as JSON, and the weights' sum."""
+    loss, grads = loss_and_grads(model, batch, group)
+    return {"loss": loss, "grads": {name: g.flatten().tolist() for name, g in grads.items()},
             "weights": sum(p.detach().double().sum().item() for p in model.parameters())}
 
 

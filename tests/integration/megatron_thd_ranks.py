@@ -10,10 +10,8 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from tests.integration.megatron_ranks import SEQ, VOCAB, _cpu_shims, _model
+from tests.integration.megatron_ranks import SEQ, VOCAB, _cpu_shims, _model, loss_and_grads
 
 MIXES = {   # name: (padded document lengths, real lengths or None); SEQ = 32 tokens
     "docs": ((12, 8, 4, 8), None),
@@ -57,20 +55,8 @@ def _packed_params(batch: dict):
 
 
 def _step(model, batch, group, **forward) -> dict:
-    logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **forward)
-    per_token = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
-    mask = batch["loss_mask"]
-    stats = torch.stack([(per_token * mask).sum().detach(), mask.sum()])
-    if group is not None:
-        dist.all_reduce(stats, group=group)
-    ((per_token * mask).sum() / stats[1]).backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        if group is not None:
-            dist.all_reduce(g, group=group)
-        grads[name] = g
-    return {"loss": (stats[0] / stats[1]).item(), "grads": grads}
+    loss, grads = loss_and_grads(model, batch, group, **forward)
+    return {"loss": loss, "grads": grads}
 
 
 def _reference(position: str, mix: str) -> dict:
