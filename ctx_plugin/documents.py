@@ -16,6 +16,7 @@ unit) and says which tokens are real;
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -106,7 +107,12 @@ class Documents:
         return torch.arange(self.seq_len) - torch.repeat_interleave(starts, lengths)
 
     def signature(self) -> str:
-        """16 hex digits naming ``bounds`` and ``valid`` (for the ranks' agreement)."""
+        """16 hex digits naming ``bounds`` and ``valid`` (for the ranks' agreement; computed once per object, which
+        every layer's attention call of a step shares)."""
+        return self._signature
+
+    @functools.cached_property
+    def _signature(self) -> str:
         raw = repr((self.bounds, self.valid)).encode()
         return hashlib.blake2b(raw, digest_size=8).hexdigest()
 
