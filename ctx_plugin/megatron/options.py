@@ -65,24 +65,18 @@ MODEL_OPTIONS: tuple[Refused, ...] = (
 )
 
 DATA_OPTIONS: tuple[Refused, ...] = (
-    Refused("reset_attention_mask", _truthy, "document masks from end-of-document tokens (a block-diagonal "
-            "dataloader mask) do not reach ctx_plugin's attention yet: it would attend across documents",
-            "use --dataloader-inter-document-masking (packed documents as cu_seqlens, megatron-core's THD format, "
-            "which ctx_plugin honours) or drop it"),
-    Refused("reset_position_ids", _truthy, "per-document position ids go with --reset-attention-mask's document "
-            "masks, which do not reach ctx_plugin's attention yet", "use --dataloader-inter-document-masking (its "
-            "position ids restart in each document) or drop it"),
     Refused("hybrid_context_parallel", _truthy, "it picks a context-parallel group per batch (PackedSeqParams."
             "cp_group / local_cp_size), while ctx_plugin's attention runs over the model's group", "drop it"),
 )
 
 
 def check_packed_data(args) -> None:
-    """Packed batches (``--sft``, ``--dataloader-inter-document-masking``: cu_seqlens, megatron-core's THD format)
-    with RoPE/YaRN need a layout whose per-document shards are megatron-core's THD RoPE slices (chunks r and
-    2P-1-r of every document): ``zigzag`` or ``allgather`` (:func:`ctx_plugin.megatron.spec.check_packed_rope`,
-    which the model also checks per batch). ValueError otherwise."""
-    packed = [f for f in ("sft", "dataloader_inter_document_masking") if getattr(args, f, False)]
+    """Packed batches (``--sft``, ``--dataloader-inter-document-masking``: cu_seqlens, megatron-core's THD format; and
+    ``--reset-attention-mask``, whose document masks the batch sharder packs so) with RoPE/YaRN need a layout whose
+    per-document shards are megatron-core's THD RoPE slices (chunks r and 2P-1-r of every document): ``zigzag`` or
+    ``allgather`` (:func:`ctx_plugin.megatron.spec.check_packed_rope`, which the model also checks per batch).
+    ValueError otherwise."""
+    packed = [f for f in ("sft", "dataloader_inter_document_masking", "reset_attention_mask") if getattr(args, f, False)]
     if not packed or getattr(args, "position_embedding_type", None) not in ("rope", "yarn"):
         return
     if getattr(args, "context_parallel_size", 1) > 1 and args.cp_backend not in ("zigzag", "allgather"):
@@ -91,6 +85,41 @@ def check_packed_data(args) -> None:
                          f"{args.position_embedding_type}: megatron-core's attention applies RoPE to each document's "
                          f"zigzag chunks (r and 2P-1-r of 2P), which --cp-backend {args.cp_backend} does not hold; use "
                          f"--cp-backend zigzag or allgather, or --position-embedding-type learned_absolute/none")
+
+
+def check_reset_data(args) -> None:
+    """``--reset-attention-mask``: ctx_plugin's batch sharder reads the documents from the dataloader's block-diagonal
+    mask and packs the batch into megatron-core's THD form (:mod:`ctx_plugin.megatron.mask_documents`). ValueError for
+    what that cannot give exactly. (``--reset-position-ids`` needs nothing: the position ids reach learned absolute
+    embeddings sharded like the tokens, and megatron-core's GPTModel does not read them for RoPE; ``--eod-mask-loss``
+    is the loss mask's.) With ``--sft``/``--dataloader-inter-document-masking`` the dataset's own ``cu_seqlens`` and no
+    mask reach the sharder, as in Megatron, so this flag changes nothing there."""
+    if not getattr(args, "reset_attention_mask", False) or getattr(args, "sft", False) \
+            or getattr(args, "dataloader_inter_document_masking", False):
+        return
+    problems = []
+    if not getattr(args, "create_attention_mask_in_dataloader", True):
+        problems.append("--no-create-attention-mask-in-dataloader: Megatron's dataloader then builds no document mask "
+                        "(Megatron's own attention attends across documents) and ctx_plugin reads the documents from "
+                        "that mask; drop --no-create-attention-mask-in-dataloader, or use "
+                        "--dataloader-inter-document-masking (documents as cu_seqlens, no [seq, seq] mask)")
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        problems.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: Megatron-LM's get_batch "
+                        f"gives middle pipeline stages no batch (and so no documents) without --sft/"
+                        f"--dataloader-inter-document-masking, and its stages exchange [seq/CP, batch, hidden] "
+                        f"activations, not a packed [batch·seq/CP, 1, hidden] sequence; use "
+                        f"--dataloader-inter-document-masking or --pipeline-model-parallel-size 1")
+    if getattr(args, "num_experts", None):
+        problems.append("--num-experts: MoE layers would see the packed [batch·seq/CP, 1, hidden] sequence, which "
+                        "megatron-core re-splits by --seq-length for its per-sequence auxiliary loss; not checked "
+                        "with ctx_plugin")
+    if getattr(args, "mtp_num_layers", None):
+        problems.append("--mtp-num-layers: on a packed batch megatron-core's multi-token prediction rolls tokens "
+                        "within each document, while Megatron's own --reset-attention-mask run rolls them across "
+                        "the sample")
+    if problems:
+        raise ValueError("--reset-attention-mask (ctx_plugin packs its document masks into megatron-core's THD "
+                         "format) cannot be honoured with:\n  " + "\n  ".join(problems))
 
 
 def refused_options(source, table: tuple[Refused, ...] = MODEL_OPTIONS) -> list[str]:
@@ -115,6 +144,7 @@ def check_data_options(args) -> None:
     found = refused_options(args, DATA_OPTIONS)
     if found:
         raise ValueError("ctx_plugin cannot honour these data settings:\n  " + "\n  ".join(found))
+    check_reset_data(args)
     check_packed_data(args)
 
 

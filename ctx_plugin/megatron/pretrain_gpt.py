@@ -11,7 +11,9 @@ the script starts, three seams are set up in memory (all in this process, nothin
 2. ``GPTModel`` becomes a subclass that swaps ctx_plugin's core attention into whatever layer spec the script
    passes (local or Transformer Engine), gives RoPE the positions each rank holds, and applies the recompute
    presets Megatron cannot express (attention pinned).
-3. ``get_batch_on_this_cp_rank`` shards batches in the backend's layout instead of Megatron's zigzag.
+3. ``get_batch_on_this_cp_rank`` shards batches in the backend's layout instead of Megatron's zigzag; a
+   ``--reset-attention-mask`` batch comes back packed (THD: ``cu_seqlens``, :mod:`ctx_plugin.megatron.mask_documents`),
+   and the model refuses to run it without the ``packed_seq_params`` Megatron-LM's ``forward_step`` builds from it.
 
 A script that trains with Megatron-LM's ``pretrain`` (``from megatron.training import pretrain``, in any form)
 needs CUDA; without it the entry point says so before Megatron starts.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import os
 import runpy
 import sys
@@ -115,9 +118,11 @@ def _install_seams() -> None:
     from megatron.core import parallel_state
 
     from .core_attention import GroupsProvider
-    from .spec import gpt_layer_spec, prepare_model, shard_batch
+    from .mask_documents import PackedHandoff
+    from .spec import batch_documents, gpt_layer_spec, prepare_model, shard_batch
 
     run = RunSettings()
+    handoff = PackedHandoff()         # --reset-attention-mask batches the sharder packs must reach the model packed
     providers: dict = {}              # one GroupsProvider per CP config, shared by model and batches
 
     def provider_for(settings):
@@ -146,10 +151,19 @@ def _install_seams() -> None:
             super().__init__(config, spec, *args, **kwargs)
             prepare_model(self, settings, provider, kwargs.get("pg_collection"))
 
+        def forward(self, *args, **kwargs):
+            handoff.receive(forward_signature.bind(self, *args, **kwargs).arguments.get("packed_seq_params"))
+            return super().forward(*args, **kwargs)
+
+    forward_signature = inspect.signature(base.forward)
+
     def get_batch_on_this_cp_rank(batch, *args, cp_group=None, **kwargs):
         settings = run.settings
         group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
-        return shard_batch(batch, config=settings.cp_config, groups=provider_for(settings).get(group))
+        sharded = shard_batch(batch, config=settings.cp_config, groups=provider_for(settings).get(group))
+        if batch.get("cu_seqlens") is None and sharded.get("cu_seqlens") is not None:    # packed from the mask
+            handoff.expect(batch_documents(sharded))
+        return sharded
 
     get_batch_on_this_cp_rank.ctx_plugin_seam = True  # spec.layer_spec: batches and RoPE follow the backend's layout
     get_batch_on_this_cp_rank.ctx_plugin_run = run    # spec.layer_spec: this run's settings

@@ -18,6 +18,8 @@ from ..layouts import Zigzag, shard_layout
 from ..names import Recompute
 from .args import MegatronCPSettings
 from .core_attention import CPCoreAttention, GroupsProvider, context_parallel_group
+from .mask_documents import (METADATA_KEYS, block_causal, check_mask_documents_fit, check_mask_format,
+                             documents_of_mask)
 
 
 def gpt_layer_spec(cp_config: CPConfig, *, base: ModuleSpec | None = None,
@@ -192,10 +194,6 @@ def use_layout_rope(model, cp_config: CPConfig, groups: CPGroups) -> None:
     rope.ctx_plugin_config, rope.ctx_plugin_groups = cp_config, groups
 
 
-_METADATA = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
-"""Keys of Megatron's batch that are not along the sequence (megatron-core 0.19's get_batch_on_this_cp_rank)."""
-
-
 def batch_documents(batch: dict) -> Documents | None:
     """The packed documents of a Megatron batch: ``cu_seqlens`` (and ``cu_seqlens_padded``), ``[1, n]`` after
     ``flatten_batch_for_packed_sequences``, global boundaries of the packed sequence; padded boundaries with the
@@ -219,39 +217,45 @@ def batch_documents(batch: dict) -> Documents | None:
 
 def shard_batch(batch: dict, *, config: CPConfig, groups: CPGroups) -> dict:
     """This rank's part of a Megatron batch (tokens, labels, loss_mask, position_ids, ...) in the backend's layout:
-    the replacement for ``get_batch_on_this_cp_rank``. Labels must be pre-shifted. An ``attention_mask`` (Megatron's
-    dataloader builds one unless ``--no-create-attention-mask-in-dataloader``) must be the standard causal mask of
-    the whole sequence — checked on the full batch, which every context-parallel rank holds, so every rank decides
-    alike — and comes back as None: ctx_plugin's attention applies that mask itself. Any other mask is an error.
+    the replacement for ``get_batch_on_this_cp_rank``. Labels must be pre-shifted. The ``attention_mask`` (Megatron's
+    dataloader builds one unless ``--no-create-attention-mask-in-dataloader``) is checked on the full batch, which
+    every context-parallel rank holds, so every rank decides alike, and comes back as None: the standard causal mask
+    ctx_plugin's attention applies itself; the block-diagonal causal mask of ``--reset-attention-mask`` becomes
+    packed documents (:mod:`ctx_plugin.megatron.mask_documents`: the batch comes back as one packed sequence
+    ``[1, b·s]`` with ``cu_seqlens`` and ``max_seqlen``, from which Megatron-LM's ``forward_step`` builds THD
+    ``PackedSeqParams``). Any other mask is an error.
 
     Packed batches (``cu_seqlens``, ``cu_seqlens_padded``: megatron-core's THD format, one packed sequence) are
     sharded per document (:func:`batch_documents`; zigzag: chunks r and 2P-1-r of every document, as
     Transformer Engine's ``thd_get_partitioned_indices``); the metadata keys come back unchanged, as Megatron's own
     sharder leaves them (the attention reads the global boundaries from ``PackedSeqParams``)."""
+    packed = documents_of_mask(batch)
+    if packed is not None:
+        batch = packed
+        check_mask_documents_fit(config, batch_documents(batch), groups.size, seq_len=_seq_len(batch))
     docs = batch_documents(batch)
     mask = batch.get("attention_mask")
     if mask is not None:
         _check_causal_mask(mask, docs)
-    return {key: value if key in _METADATA else None if value is None or key == "attention_mask" else
+    return {key: value if key in METADATA_KEYS else None if value is None or key == "attention_mask" else
             shard_sequence(value, config=config, groups=groups, dim=1, documents=docs)
             for key, value in batch.items()}
 
 
+def _seq_len(batch: dict) -> int:
+    return next(v.shape[1] for k, v in batch.items() if k not in METADATA_KEYS and isinstance(v, torch.Tensor))
+
+
 def _check_causal_mask(mask, documents: Documents | None = None) -> None:
-    """Megatron's convention: bool ``[b|1, 1, s, s]``, True where a query (row) must not see a key (column); with
-    packed ``documents``, the causal mask inside each of them."""
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 \
-            or mask.shape[2] != mask.shape[3]:
-        raise ValueError(f"attention_mask must be Megatron's bool [batch, 1, seq, seq] mask, got "
-                         f"{getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))}")
+    """Next to packed ``documents`` (``cu_seqlens``): the causal mask, or the causal mask inside each document."""
+    check_mask_format(mask)
     causal = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).triu_(1)
     if documents is not None and documents.seq_len == mask.shape[-1]:
-        doc = torch.repeat_interleave(torch.arange(documents.count), torch.tensor(documents.lengths)).to(mask.device)
-        causal |= doc[:, None] != doc[None, :]
+        causal = block_causal(documents.bounds, mask.device)
     if not torch.equal(mask, causal.expand_as(mask)):
-        raise ValueError("attention_mask is not the standard causal mask (document masks from --reset-attention-mask, "
-                         "or padding?); ctx_plugin's attention applies only the causal mask: drop the extra masking "
-                         "(packed documents reach ctx_plugin as cu_seqlens: megatron-core's THD batches)")
+        raise ValueError("attention_mask is neither the standard causal mask nor the causal mask of the batch's packed "
+                         "documents (cu_seqlens); ctx_plugin's attention applies only causal masks inside documents: "
+                         "drop the extra masking")
 
 
 def prepare_model(model, settings: MegatronCPSettings, groups_provider: GroupsProvider, pg_collection=None):

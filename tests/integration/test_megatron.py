@@ -119,6 +119,13 @@ def test_flags_with_megatrons_parser(monkeypatch):
                   ["--cp-backend", "ring", "--position-embedding-type", "learned_absolute"]):
         settings_from_args(_parse(monkeypatch, "--context-parallel-size", "2", "--dataloader-inter-document-masking",
                                   *flags))
+        settings_from_args(_parse(monkeypatch, "--context-parallel-size", "2", "--reset-attention-mask",
+                                  "--reset-position-ids", "--eod-mask-loss", *flags))   # packed from the mask (THD)
+    for flags in (["--reset-position-ids"],         # causal attention; positions reach learned embeddings sharded
+                  ["--reset-attention-mask", "--dataloader-inter-document-masking"]):   # the dataset's cu_seqlens
+        settings_from_args(_parse(monkeypatch, "--context-parallel-size", "2", "--cp-backend", "ring",
+                                  "--no-create-attention-mask-in-dataloader", "--pipeline-model-parallel-size", "2",
+                                  *flags))
 
 
 BAD = [
@@ -138,8 +145,14 @@ BAD = [
     (["--cp-recompute", "full", "--recompute-granularity", "full"], ValueError, "both set what to recompute"),
     (["--cp-recompute", "full:sideways:2"], ValueError, "method must be one of"),
     (["--attention-dropout", "0.1"], ValueError, "set --attention-dropout 0 (got 0.1)"),
-    (["--reset-attention-mask"], ValueError, "reset_attention_mask=True (--reset-attention-mask): document masks"),
-    (["--reset-position-ids"], ValueError, "reset_position_ids=True (--reset-position-ids)"),
+    (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"], ValueError,
+     "--no-create-attention-mask-in-dataloader: Megatron's dataloader then builds no document mask"),
+    (["--reset-attention-mask", "--pipeline-model-parallel-size", "2"], ValueError,
+     "--pipeline-model-parallel-size 2: Megatron-LM's get_batch gives middle pipeline stages no batch"),
+    (["--reset-attention-mask", "--num-experts", "4"], ValueError, "--num-experts: MoE layers would see the packed"),
+    (["--reset-attention-mask", "--mtp-num-layers", "1"], ValueError, "--mtp-num-layers: on a packed batch"),
+    (["--context-parallel-size", "2", "--cp-backend", "ring", "--reset-attention-mask", "--position-embedding-type",
+      "rope"], ValueError, "--reset-attention-mask (packed documents, THD) with --position-embedding-type rope"),
     (["--hybrid-context-parallel"], ValueError, "hybrid_context_parallel=True (--hybrid-context-parallel)"),
     (["--context-parallel-size", "2", "--cp-backend", "striped", "--dataloader-inter-document-masking",
       "--position-embedding-type", "rope"], ValueError, "--dataloader-inter-document-masking (packed documents, "

@@ -110,11 +110,14 @@ def test_entry_point_rejects_bad_flags(tmp_path):
 def test_flag_errors_print_once_without_traceback():
     """Under torchrun with 2 ranks: one argparse-style message (rank 0), every rank exits 2, no rank traceback."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *ENTRY[1:],
-           "--megatron-lm", str(CHECKOUT), *MODEL, "--reset-attention-mask"]
+           "--megatron-lm", str(CHECKOUT), *MODEL, "--reset-attention-mask",
+           "--no-create-attention-mask-in-dataloader"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and out.count(PREFIX) == 1, out[-4000:]
-    assert "reset_attention_mask=True (--reset-attention-mask): document masks" in out
+    assert "--reset-attention-mask (ctx_plugin packs its document masks into megatron-core's THD format) cannot be " \
+           "honoured with:\n  --no-create-attention-mask-in-dataloader: Megatron's dataloader then builds no " \
+           "document mask" in out
     assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-4000:]
     assert "exitcode  : 2" in out, out[-4000:]
 

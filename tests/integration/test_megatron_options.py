@@ -178,8 +178,18 @@ def test_shard_batch_checks_and_drops_the_dataloader_mask():
     assert batch["attention_mask"].shape == (2, 1, 16, 16)
     sharded = shard_batch(batch, config=CP_CONFIG, groups=groups)
     assert sharded["attention_mask"] is None and torch.equal(sharded["tokens"], batch["tokens"])
-    with pytest.raises(ValueError, match="not the standard causal mask .*--reset-attention-mask"):
-        shard_batch(_megatron_batch(reset_attention_mask=True), config=CP_CONFIG, groups=groups)
+    reset = _megatron_batch(reset_attention_mask=True)          # documents end at tokens 6 and 13
+    with pytest.raises(ValueError, match="the document at token 0 of sample 0 holds 7 tokens, not a multiple of 2"):
+        shard_batch(reset, config=CP_CONFIG, groups=groups)        # zigzag splits every document in two chunks
+    ring = ctx_plugin.CPConfig(backend="ring", kernel="torch")
+    packed = shard_batch(reset, config=ring, groups=ctx_plugin.build_cp_groups(ring))
+    assert packed["attention_mask"] is None and packed["tokens"].shape == (1, 32)
+    assert packed["cu_seqlens"].tolist() == [[0, 7, 14, 16, 23, 30, 32]] and packed["max_seqlen"].tolist() == [7]
+    padding = reset["attention_mask"].clone()
+    padding[1, 0, :, 15] = True                                # the last key hidden from every query: padding
+    with pytest.raises(ValueError, match="attention_mask row 1 is neither Megatron's causal mask nor its "
+                                         "block-diagonal causal mask of documents .*query 15 may not see key 15"):
+        shard_batch({**reset, "attention_mask": padding}, config=ring, groups=ctx_plugin.build_cp_groups(ring))
     with pytest.raises(ValueError, match="must be Megatron's bool"):
         shard_batch({**batch, "attention_mask": batch["attention_mask"].float()}, config=CP_CONFIG, groups=groups)
 

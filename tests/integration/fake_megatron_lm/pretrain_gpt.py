@@ -4,8 +4,10 @@ Megatron's own ``pretrain`` asserts CUDA, so this script keeps the parts of pret
 entry point hooks into — Megatron's own ``parse_and_validate_args`` (parse, validate, set the global arguments
 and tokenizer: data-parallel size, padded vocabulary) with the script's own ``extra_args_provider``, as
 Megatron-LM's script calls it (core 0.19), ``GPTModel`` built from a
-layer spec by name, and ``get_batch_on_this_cp_rank`` imported by name, fed batches with the causal attention
-mask Megatron's dataloader builds by default — and replaces Megatron's training loop with a small CPU one (SGD;
+layer spec by name, and ``get_batch_on_this_cp_rank`` imported by name, fed batches built as Megatron's GPT dataset builds them (its own
+``_get_ltor_masks_and_position_ids``: the causal attention mask by default, document masks and restarted position
+ids with ``--reset-attention-mask``/``--reset-position-ids``, end-of-document tokens out of the loss with
+``--eod-mask-loss``) and turned into PackedSeqParams as Megatron-LM 0.19's ``forward_step`` does — and replaces Megatron's training loop with a small CPU one (SGD;
 gradients all-reduced over data × context ranks, as Megatron's DDP does). Run directly (without ctx_plugin) it
 trains Megatron's own model: the reference; the CUDA calls of Megatron's local attention and RoPE are pointed at
 the CPU (``_cpu_shims``), and so are the device queries of Megatron's argument validation. It does not import
@@ -22,14 +24,21 @@ from megatron.core.tensor_parallel import random
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.utils import flatten_batch_for_packed_sequences, get_batch_on_this_cp_rank
 import megatron.training.arguments as megatron_arguments
+from megatron.training import get_tokenizer
 from megatron.training.arguments import parse_and_validate_args
 
 
 def extra_args(parser):
     parser.add_argument("--fake-report", default=None, help="write rank 0's losses here (JSON)")
     parser.add_argument("--fake-steps", type=int, default=3)
+    parser.add_argument("--fake-eod-at", default=None,
+                        help="end-of-document token positions per sample, e.g. '11,19/3' (samples cycle through them)")
+    parser.add_argument("--fake-ignore-cu-seqlens", action="store_true",
+                        help="call the model without PackedSeqParams even when the batch has cu_seqlens")
     return parser
 
 
@@ -70,13 +79,36 @@ def model_provider(args):
 
 
 def get_batch(step, args):
+    """A micro-batch as Megatron's GPTDataset builds it, then Megatron-LM 0.19's get_batch (flatten, CP sharding)."""
     g = torch.Generator().manual_seed(step)
     tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
-    causal = torch.ones(args.seq_length, args.seq_length, dtype=torch.bool).triu(1)     # True: masked
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(tokens[:, 1:].shape),
-             "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1).contiguous(),
-             "attention_mask": causal.expand(args.micro_batch_size, 1, -1, -1).contiguous(), "cu_seqlens": None}
-    return get_batch_on_this_cp_rank(batch, False)
+    eod = get_tokenizer().eod
+    if args.fake_eod_at:                 # the documents end where asked, and only there
+        ends = args.fake_eod_at.split("/")
+        tokens[tokens == eod] = 0
+        for row in range(args.micro_batch_size):
+            tokens[row, [int(i) for i in ends[row % len(ends)].split(",") if i]] = eod
+    samples = [_get_ltor_masks_and_position_ids(row[:-1], eod, args.reset_position_ids, args.reset_attention_mask,
+                                                args.eod_mask_loss, args.create_attention_mask_in_dataloader)
+               for row in tokens]
+    mask = torch.stack([m for m, _, _ in samples]) if args.create_attention_mask_in_dataloader else None
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.stack([lm for _, lm, _ in samples]),
+             "position_ids": torch.stack([p for _, _, p in samples]), "attention_mask": mask, "cu_seqlens": None,
+             "cu_seqlens_padded": None, "max_seqlen": None, "local_cp_size": None, "hybrid_cp_group": None}
+    return get_batch_on_this_cp_rank(flatten_batch_for_packed_sequences(batch), is_hybrid_cp=False)
+
+
+def packed_seq_params(batch, args):
+    """Megatron-LM 0.19's forward_step: THD PackedSeqParams from the batch's cu_seqlens, None without them."""
+    cu, padded = batch["cu_seqlens"], batch["cu_seqlens_padded"]
+    if cu is None or args.fake_ignore_cu_seqlens:
+        return None
+    cu = cu.squeeze(0)
+    padded = padded.squeeze(0) if padded is not None else None
+    bounds = padded if padded is not None else cu
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=int(batch["max_seqlen"].item()),
+                           max_seqlen_kv=int(batch["max_seqlen"].item()), tokens_per_sample=args.seq_length)
 
 
 if __name__ == "__main__":
@@ -91,7 +123,8 @@ if __name__ == "__main__":
     losses = []
     for step in range(args.fake_steps):
         batch = get_batch(step, args)
-        per_token = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        per_token = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                          packed_seq_params=packed_seq_params(batch, args))
         stats = torch.stack([(per_token * batch["loss_mask"]).sum().detach(), batch["loss_mask"].sum()])
         dist.all_reduce(stats, group=dp_cp)
         opt.zero_grad()
@@ -105,6 +138,7 @@ if __name__ == "__main__":
             json.dump({"losses": losses, "rope_class": type(getattr(model, "rotary_pos_emb", None)).__name__,
                        "model_class": type(model).__name__, "padded_vocab_size": args.padded_vocab_size,
                        "recompute": [model.config.recompute_granularity, model.config.recompute_modules],
+                       "packed": batch["cu_seqlens"] is not None,
                        "core_attention": type(model.decoder.layers[0].self_attention.core_attention).__name__}, f)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -1,0 +1,119 @@
+"""Megatron's ``--reset-attention-mask`` / ``--reset-position-ids`` batches on spawned gloo ranks (see
+test_megatron_reset.py).
+
+Every sample is built by megatron-core's own ``_get_ltor_masks_and_position_ids`` (what its GPT dataset calls) from
+tokens with end-of-document tokens at chosen positions. Every rank first computes the reference — Megatron's own
+GPTModel (local spec: DotProductAttention, its RoPE) at CP 1 on that batch as it is, its block-diagonal mask and
+position ids included — then ctx_plugin's model at CP = world on the batch its sharder makes of it (``shard_batch``:
+packed into THD when the mask holds documents), with ``PackedSeqParams`` built from the sharded batch as Megatron-LM
+0.19's ``forward_step`` does. Float64, biases, GQA, init std 0.1 (tests/integration/megatron_ranks.py).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from tests.integration.megatron_ranks import BATCH, SEQ, VOCAB, _cpu_shims, _model, loss_and_grads
+
+EOD = VOCAB - 1
+MIXES = {   # name: end-of-document positions of each sample (BATCH = 2 samples of SEQ = 32 tokens)
+    "fit": ((11, 19), (3, 27)),          # documents 12, 8, 12 and 4, 24, 4: multiples of 2·CP (zigzag at CP 2)
+    "uneven": ((9, 20), (4,)),           # documents 10, 11, 11 and 5, 27
+}
+
+
+def batch(mix: str, reset_mask: bool, reset_pos: bool, eod_mask_loss: bool = True) -> dict:
+    """A micro-batch as Megatron's GPTDataset builds it (mask, loss mask and position ids by its own function)."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, EOD, (BATCH, SEQ + 1), generator=g)
+    for row, ends in enumerate(MIXES[mix]):
+        tokens[row, list(ends)] = EOD
+    samples = [_get_ltor_masks_and_position_ids(row[:-1], EOD, reset_pos, reset_mask, eod_mask_loss, True)
+               for row in tokens]
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "attention_mask": torch.stack([m for m, _, _ in samples]),
+            "loss_mask": torch.stack([lm for _, lm, _ in samples]).double(),
+            "position_ids": torch.stack([p for _, _, p in samples]), "cu_seqlens": None, "cu_seqlens_padded": None,
+            "max_seqlen": None, "local_cp_size": None, "hybrid_cp_group": None}
+
+
+def packed_seq_params(sharded: dict):
+    """Megatron-LM 0.19's forward_step: THD PackedSeqParams from the batch's cu_seqlens (None without them)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if sharded["cu_seqlens"] is None:
+        return None
+    cu, padded = sharded["cu_seqlens"].squeeze(0), sharded["cu_seqlens_padded"]
+    padded = padded.squeeze(0) if padded is not None else None
+    bounds = padded if padded is not None else cu
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=int(sharded["max_seqlen"].item()),
+                           max_seqlen_kv=int(sharded["max_seqlen"].item()), tokens_per_sample=SEQ)
+
+
+def _full_batch(mix: str, reset_mask: bool, reset_pos: bool, mask: str) -> dict:
+    full = batch(mix, reset_mask, reset_pos)
+    if mask == "padding":         # a padding mask on top of the documents: not one ctx_plugin's attention applies
+        full["attention_mask"][1, 0, :, SEQ - 1] = True
+    return full
+
+
+def reset_step(rank: int, world: int, payload: dict) -> dict:
+    """For each (backend, position embedding, mix, reset_mask, reset_pos, mask): the relative errors of ctx_plugin's
+    loss and gradients at CP = world against Megatron's own model at CP 1 on the same batch, or the error raised."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    import ctx_plugin
+    from ctx_plugin.megatron.args import MegatronCPSettings
+    from ctx_plugin.megatron.core_attention import GroupsProvider
+    from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model, shard_batch
+    from ctx_plugin.recompute import RecomputeConfig
+
+    cases = [tuple(c) for c in payload["cases"]]
+    parallel_state.initialize_model_parallel()
+    want = {}
+    try:
+        with _cpu_shims():
+            for _, position, mix, reset_mask, reset_pos, mask in cases:
+                if mask == "dataset" and (position, mix, reset_mask, reset_pos) not in want:
+                    model = _model(1, position, "base", lambda spec: spec)
+                    want[position, mix, reset_mask, reset_pos] = loss_and_grads(
+                        model, batch(mix, reset_mask, reset_pos), None)
+    finally:
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    cp_group = parallel_state.get_context_parallel_group()
+    out = {}
+    try:
+        for backend, position, mix, reset_mask, reset_pos, mask in cases:
+            key = case_key(backend, position, mix, reset_mask, reset_pos, mask)
+            cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
+            settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse("none"),
+                                          megatron_recompute=None)
+            provider = GroupsProvider(cp_config)
+            model = _model(world, position, "base",
+                           lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider))
+            groups = prepare_model(model, settings, provider)
+            try:
+                sharded = shard_batch(_full_batch(mix, reset_mask, reset_pos, mask), config=cp_config, groups=groups)
+                loss, grads = loss_and_grads(model, sharded, cp_group, packed_seq_params=packed_seq_params(sharded))
+            except ValueError as e:
+                out[key] = {"error": str(e)}
+                continue
+            ref_loss, ref_grads = want[position, mix, reset_mask, reset_pos]
+            floor = 1e-6 * max(g.abs().max().item() for g in ref_grads.values())
+            grad_err = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(floor)).item()
+                           for n, g in ref_grads.items())
+            out[key] = {"loss_err": abs(loss - ref_loss) / abs(ref_loss), "grad_err": grad_err,
+                        "packed": sharded["cu_seqlens"] is not None, "local_tokens": sharded["tokens"].shape[1]}
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def case_key(backend, position, mix, reset_mask, reset_pos, mask) -> str:
+    flags = "+".join(f for f, on in (("mask", reset_mask), ("pos", reset_pos)) if on)
+    return f"{backend}-{position}-{mix}-{flags}-{mask}"

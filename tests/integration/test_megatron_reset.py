@@ -1,0 +1,110 @@
+"""Megatron's ``--reset-attention-mask`` / ``--reset-position-ids`` batches (documents split at end-of-document tokens)
+through ctx_plugin (CPU, gloo).
+
+Parity (tests/integration/megatron_reset_ranks.py, one launch at CP 2): batches built by megatron-core's own
+``_get_ltor_masks_and_position_ids`` (two samples with different documents, ``--eod-mask-loss``), sharded by
+ctx_plugin's sharder (packed into THD from the block-diagonal mask), give the loss and every gradient of Megatron's
+own model at CP 1 fed the same batch with its mask (its local attention applies the mask). RoPE with and without
+restarted position ids (THD RoPE restarts them; scores depend only on distances inside a document), learned
+absolute embeddings (which read the position ids as the dataset made them), zigzag, allgather, ring, ulysses and
+striped; ``--reset-position-ids`` alone (causal attention). Refusals: documents the layout cannot split, RoPE on a
+layout megatron-core's THD RoPE cannot follow, masks that are not the documents' causal mask; every rank raises the
+same message. The entry point carries the flags through Megatron's parser to a CPU stand-in of pretrain_gpt.py
+(fake_megatron_lm/) and trains with the losses of that script run without ctx_plugin; a script that drops
+``cu_seqlens`` is stopped."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'ctx-plugin[megatron]'")
+
+from tests.distributed.harness import run_spawned  # noqa: E402
+from tests.integration.megatron_reset_ranks import case_key  # noqa: E402
+
+# (backend, position embedding, mix, --reset-attention-mask, --reset-position-ids, mask)
+PARITY = [("zigzag", "rope", "fit", True, True, "dataset"), ("zigzag", "rope", "fit", True, False, "dataset"),
+          ("allgather", "rope", "fit", True, True, "dataset"),
+          ("zigzag", "learned_absolute", "fit", True, False, "dataset"),
+          ("ring", "learned_absolute", "uneven", True, True, "dataset"),
+          ("ring", "learned_absolute", "uneven", True, False, "dataset"),
+          ("ulysses", "learned_absolute", "uneven", True, False, "dataset"),
+          ("striped", "learned_absolute", "fit", True, True, "dataset"),
+          ("ring", "learned_absolute", "uneven", False, True, "dataset"),        # --reset-position-ids alone
+          ("zigzag", "learned_absolute", "uneven", False, True, "dataset")]
+REFUSED = [(("zigzag", "learned_absolute", "uneven", True, True, "dataset"),
+            "--reset-attention-mask: the document at token 0 of sample 0 holds 10 tokens, not a multiple of 4"),
+           (("ring", "rope", "uneven", True, True, "dataset"), "need --cp-backend zigzag or allgather"),
+           (("ring", "learned_absolute", "uneven", True, True, "padding"),
+            "attention_mask row 1 is neither Megatron's causal mask nor its block-diagonal causal mask")]
+_results: list = []
+
+
+def results() -> list:
+    if not _results:
+        cases = PARITY + [c for c, _ in REFUSED]
+        _results.extend(run_spawned("tests.integration.megatron_reset_ranks:reset_step", 2, {"cases": cases},
+                                    timeout_s=300))
+    return _results
+
+
+@pytest.mark.parametrize("case", PARITY, ids=[case_key(*c) for c in PARITY])
+def test_reset_batches_match_megatron_with_its_document_mask(case):
+    got = results()[0][case_key(*case)]
+    assert "error" not in got, got.get("error")
+    assert got["packed"] == case[3] and got["local_tokens"] == (32 if case[3] else 16)   # [1, 2·32] / 2, [2, 32] / 2
+    # megatron-core computes RoPE frequencies in float32: THD RoPE restarts positions in each document, the
+    # reference's counts them over the sample, so their cos/sin round differently (the same scores)
+    tol = 1e-6 if case[1] == "rope" else 1e-9
+    assert got["loss_err"] <= tol / 10 and got["grad_err"] <= tol, got
+
+
+@pytest.mark.parametrize("case,message", REFUSED, ids=[case_key(*c) for c, _ in REFUSED])
+def test_reset_refusals_are_the_same_on_every_rank(case, message):
+    errors = [rank[case_key(*case)].get("error", "") for rank in results()]
+    assert message in errors[0], errors[0]
+    assert errors[0] == errors[1]
+
+
+CHECKOUT = Path(__file__).parent / "fake_megatron_lm"
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32", "--max-position-embeddings",
+         "32", "--micro-batch-size", "2", "--vocab-size", "128", "--attention-dropout", "0", "--tokenizer-type",
+         "NullTokenizer", "--add-qkv-bias", "--init-method-std", "0.1", "--position-embedding-type",
+         "learned_absolute", "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+         "--fake-eod-at", "9,20/4"]
+
+
+def _run(tmp_path, nproc: int, *flags: str, ctx_plugin: bool = True, check: bool = True):
+    report = tmp_path / f"report-{nproc}-{ctx_plugin}-{len(flags)}.json"
+    script = (["-m", "ctx_plugin.megatron.pretrain_gpt", "--megatron-lm", str(CHECKOUT), "--cp-kernel", "torch"]
+              if ctx_plugin else [str(CHECKOUT / "pretrain_gpt.py")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *script,
+           *MODEL, "--context-parallel-size", str(nproc), "--fake-report", str(report), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if not check:
+        return proc
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(report.read_text())
+
+
+def test_entry_point_trains_reset_batches_like_megatron(tmp_path):
+    """ring at CP 2 (the documents, 10, 11, 11 and 5, 27 tokens, fall anywhere) against the script without
+    ctx_plugin on one rank (Megatron's local attention with the dataloader's document mask)."""
+    reference = _run(tmp_path, 1, ctx_plugin=False)
+    got = _run(tmp_path, 2, "--cp-backend", "ring")
+    assert reference["core_attention"] == "DotProductAttention" and not reference["packed"]
+    assert got["core_attention"] == "CPCoreAttention" and got["packed"]
+    for a, b in zip(got["losses"], reference["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], reference["losses"])
+
+
+def test_entry_point_stops_a_script_that_drops_cu_seqlens(tmp_path):
+    proc = _run(tmp_path, 1, "--cp-backend", "ring", "--fake-ignore-cu-seqlens", check=False)
+    assert proc.returncode != 0
+    assert "the model was called without packed_seq_params: it would attend across documents and samples" \
+        in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
