@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="recompute preset: none, attn_out, selective, core_attn, mlp, full, full:uniform:N, "
                         "full:block:N, sqrt or budget:<GiB>; replaces --recompute-granularity/-method/-num-layers/"
                         "-modules")
+    g.add_argument("--cp-pad-documents", action="store_true",
+                   help="with --reset-attention-mask: pad every document of a batch at its end (padding out of the "
+                        "loss) to the multiple of tokens --cp-backend splits documents by (2x the CP size for zigzag "
+                        "and allgather, the CP size for striped), wherever end-of-document tokens fall; batches then "
+                        "grow by up to that multiple per document")
     return parser
 
 
@@ -65,6 +70,9 @@ class MegatronCPSettings:
     megatron_recompute: dict | None
     """TransformerConfig recompute fields when Megatron itself can apply the preset; None when ctx_plugin
     applies it to the decoder layers (selective, full, sqrt: the attention stays pinned)."""
+    document_padding: tuple[int, int] | None = None
+    """``--cp-pad-documents``: the (document unit, sequence unit) the batch sharder pads ``--reset-attention-mask``
+    documents to (:func:`ctx_plugin.megatron.mask_documents.document_padding`); None: no padding."""
 
 
 def _value(x) -> str:
@@ -120,7 +128,14 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     if layers.preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN) \
             and not layers.has_modifiers:      # Megatron has no tiling or offload: ctx_plugin applies those
         megatron_fields = to_megatron(layers, args.num_layers)
-    return MegatronCPSettings(cp_config=cp_config, recompute=recompute, megatron_recompute=megatron_fields)
+    padding = None
+    if getattr(args, "cp_pad_documents", False):
+        from .mask_documents import document_padding
+
+        padding = document_padding(cp_config, cp, tp=tp, sequence_parallel=bool(getattr(args, "sequence_parallel",
+                                                                                         False)))
+    return MegatronCPSettings(cp_config=cp_config, recompute=recompute, megatron_recompute=megatron_fields,
+                              document_padding=padding)
 
 
 def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfig:

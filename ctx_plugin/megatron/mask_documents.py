@@ -23,12 +23,14 @@ ignored the returned ``cu_seqlens`` would attend across documents and samples.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import CPConfig
-from ..documents import Documents
+from ..documents import Documents, pad_documents, pad_tokens
 from ..layouts import shard_layout
-from ..rules import document_unit
+from ..rules import document_unit, padding_units
 
 METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
 """Keys of Megatron's batch that are not along the sequence (megatron-core 0.19's get_batch_on_this_cp_rank)."""
@@ -72,10 +74,25 @@ def mask_documents(mask: torch.Tensor) -> list[tuple[int, ...]]:
     return found
 
 
-def packed_batch(batch: dict, rows: list[tuple[int, ...]]) -> dict:
+def document_padding(config: CPConfig, cp: int, *, tp: int = 1, sequence_parallel: bool = False) -> tuple[int, int]:
+    """``(document unit, sequence unit)`` for :func:`packed_batch`'s ``pad``: every document padded to the layout's
+    document unit, the packed sequence to the layout's sequence unit and, with sequence parallelism, to a multiple of
+    CP × TP (each tensor-parallel rank then holds an equal share of every context-parallel rank's tokens)."""
+    unit, total = padding_units(config, cp)
+    return unit, math.lcm(total, cp * tp if sequence_parallel else 1)
+
+
+def packed_batch(batch: dict, rows: list[tuple[int, ...]], pad: tuple[int, int] | None = None) -> dict:
     """The batch (``[b, s]`` tensors along the sequence) as one packed sequence ``[1, b·s]`` with every row's
     documents ``rows`` (one tuple of boundaries per row, or one for all) as global ``cu_seqlens`` and
-    ``max_seqlen``, without ``attention_mask`` (the documents replace it)."""
+    ``max_seqlen``, without ``attention_mask`` (the documents replace it).
+
+    ``pad=(unit, total_unit)`` (:func:`document_padding`; ``--cp-pad-documents``) pads every document at its end to a
+    multiple of ``unit`` and the last one further until the packed sequence is a multiple of ``total_unit``: padding
+    tokens are 0 in every tensor (token 0, label 0, out of the loss, position 0); ``cu_seqlens`` then holds the real
+    lengths' cumulative sums and ``cu_seqlens_padded`` the padded boundaries (Transformer Engine's convention, which
+    :func:`ctx_plugin.megatron.spec.batch_documents` reads). A real token never sees padding (it follows the real
+    tokens of its document), so the real tokens' outputs, and the loss over them, are those without padding."""
     shapes = {key: tuple(v.shape[:2]) for key, v in batch.items()
               if key not in METADATA_KEYS and key != "attention_mask" and isinstance(v, torch.Tensor)}
     if not shapes:
@@ -91,6 +108,7 @@ def packed_batch(batch: dict, rows: list[tuple[int, ...]]) -> dict:
         bounds += [row * s + x for x in (rows[row] if len(rows) > 1 else rows[0])[1:]]
     lengths = [y - x for x, y in zip(bounds, bounds[1:])]
     device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
+    padded, index = pad_documents(lengths, pad[0], total_unit=pad[1]) if pad is not None else (None, None)
     packed = {}
     for key, value in batch.items():
         if key in METADATA_KEYS:
@@ -102,14 +120,19 @@ def packed_batch(batch: dict, rows: list[tuple[int, ...]]) -> dict:
             raise ValueError(f"batch[{key!r}] is a {type(value).__name__}, not a tensor along the sequence")
         else:
             packed[key] = value.reshape(1, b * s, *value.shape[2:])
+            if index is not None:
+                packed[key] = pad_tokens(packed[key], index, dim=1)
     packed.update(cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device)[None], cu_seqlens_padded=None,
                   max_seqlen=torch.tensor([max(lengths)], dtype=torch.int32, device=device))
+    if padded is not None:
+        packed.update(cu_seqlens_padded=torch.tensor(padded.bounds, dtype=torch.int32, device=device)[None],
+                      max_seqlen=torch.tensor([max(padded.lengths)], dtype=torch.int32, device=device))
     for key in ("local_cp_size", "hybrid_cp_group"):
         packed.setdefault(key, None)
     return packed
 
 
-def documents_of_mask(batch: dict) -> dict | None:
+def documents_of_mask(batch: dict, pad: tuple[int, int] | None = None) -> dict | None:
     """``batch`` as a packed batch (:func:`packed_batch`) when its ``attention_mask`` is the block-diagonal causal mask
     of several documents in some row; None when it has no mask, is already packed (``cu_seqlens``), or its mask is
     the plain causal one (which ctx_plugin's attention applies without documents)."""
@@ -119,7 +142,7 @@ def documents_of_mask(batch: dict) -> dict | None:
     rows = mask_documents(mask)
     if all(len(r) == 2 for r in rows):
         return None
-    return packed_batch(batch, rows)
+    return packed_batch(batch, rows, pad)
 
 
 def check_mask_documents_fit(config: CPConfig, documents: Documents, cp: int, *, seq_len: int) -> None:
@@ -134,8 +157,8 @@ def check_mask_documents_fit(config: CPConfig, documents: Documents, cp: int, *,
                 f"{length} tokens, not a multiple of {unit}: --cp-backend {config.backend} over "
                 f"--context-parallel-size {cp} splits every document over the ranks ({shard_layout(config).name} "
                 f"layout), and end-of-document tokens fall anywhere; use --cp-backend ring or ulysses (documents cut "
-                f"anywhere; with --position-embedding-type learned_absolute or none), or documents whose lengths are "
-                f"multiples of {unit} (--dataloader-inter-document-masking with a dataset that pads them)")
+                f"anywhere; with --position-embedding-type learned_absolute or none), or --cp-pad-documents (pads each "
+                f"document at its end to a multiple of {unit}, out of the loss)")
 
 
 class PackedHandoff:

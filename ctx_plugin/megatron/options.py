@@ -93,9 +93,20 @@ def check_reset_data(args) -> None:
     what that cannot give exactly. (``--reset-position-ids`` needs nothing: the position ids reach learned absolute
     embeddings sharded like the tokens, and megatron-core's GPTModel does not read them for RoPE; ``--eod-mask-loss``
     is the loss mask's.) With ``--sft``/``--dataloader-inter-document-masking`` the dataset's own ``cu_seqlens`` and no
-    mask reach the sharder, as in Megatron, so this flag changes nothing there."""
-    if not getattr(args, "reset_attention_mask", False) or getattr(args, "sft", False) \
-            or getattr(args, "dataloader_inter_document_masking", False):
+    mask reach the sharder, as in Megatron, so this flag changes nothing there. ``--cp-pad-documents`` (the sharder
+    pads those documents to the layout's unit) needs ``--reset-attention-mask`` and batches of one length
+    (no CUDA graphs)."""
+    packed = [f"--{f.replace('_', '-')}" for f in ("sft", "dataloader_inter_document_masking") if getattr(args, f, False)]
+    if getattr(args, "cp_pad_documents", False):
+        if not getattr(args, "reset_attention_mask", False) or packed:
+            given = f" ({', '.join(packed)} give the dataset's own cu_seqlens)" if packed else ""
+            raise ValueError(f"--cp-pad-documents pads the documents ctx_plugin reads from --reset-attention-mask's "
+                             f"dataloader mask{given}: drop it (packed datasets pad their own documents, as "
+                             f"Megatron's SFT dataset does)")
+        if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
+            raise ValueError(f"--cp-pad-documents changes the batch's length from batch to batch, which CUDA graphs "
+                             f"(--cuda-graph-impl {args.cuda_graph_impl}) cannot replay; drop one of them")
+    if not getattr(args, "reset_attention_mask", False) or packed:
         return
     problems = []
     if not getattr(args, "create_attention_mask_in_dataloader", True):

@@ -160,7 +160,8 @@ def _install_seams() -> None:
     def get_batch_on_this_cp_rank(batch, *args, cp_group=None, **kwargs):
         settings = run.settings
         group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
-        sharded = shard_batch(batch, config=settings.cp_config, groups=provider_for(settings).get(group))
+        sharded = shard_batch(batch, config=settings.cp_config, groups=provider_for(settings).get(group),
+                              pad_documents=settings.document_padding)
         if batch.get("cu_seqlens") is None and sharded.get("cu_seqlens") is not None:    # packed from the mask
             handoff.expect(batch_documents(sharded))
         return sharded

@@ -215,7 +215,7 @@ def batch_documents(batch: dict) -> Documents | None:
     return Documents(bounds, None if real == bounds else valid)
 
 
-def shard_batch(batch: dict, *, config: CPConfig, groups: CPGroups) -> dict:
+def shard_batch(batch: dict, *, config: CPConfig, groups: CPGroups, pad_documents: tuple[int, int] | None = None) -> dict:
     """This rank's part of a Megatron batch (tokens, labels, loss_mask, position_ids, ...) in the backend's layout:
     the replacement for ``get_batch_on_this_cp_rank``. Labels must be pre-shifted. The ``attention_mask`` (Megatron's
     dataloader builds one unless ``--no-create-attention-mask-in-dataloader``) is checked on the full batch, which
@@ -223,16 +223,18 @@ def shard_batch(batch: dict, *, config: CPConfig, groups: CPGroups) -> dict:
     ctx_plugin's attention applies itself; the block-diagonal causal mask of ``--reset-attention-mask`` becomes
     packed documents (:mod:`ctx_plugin.megatron.mask_documents`: the batch comes back as one packed sequence
     ``[1, b·s]`` with ``cu_seqlens`` and ``max_seqlen``, from which Megatron-LM's ``forward_step`` builds THD
-    ``PackedSeqParams``). Any other mask is an error.
+    ``PackedSeqParams``; ``pad_documents``: :func:`ctx_plugin.megatron.mask_documents.document_padding`, pads each of
+    those documents to the layout's unit). Any other mask is an error.
 
     Packed batches (``cu_seqlens``, ``cu_seqlens_padded``: megatron-core's THD format, one packed sequence) are
     sharded per document (:func:`batch_documents`; zigzag: chunks r and 2P-1-r of every document, as
     Transformer Engine's ``thd_get_partitioned_indices``); the metadata keys come back unchanged, as Megatron's own
     sharder leaves them (the attention reads the global boundaries from ``PackedSeqParams``)."""
-    packed = documents_of_mask(batch)
+    packed = documents_of_mask(batch, pad_documents)
     if packed is not None:
         batch = packed
-        check_mask_documents_fit(config, batch_documents(batch), groups.size, seq_len=_seq_len(batch))
+        if pad_documents is None:
+            check_mask_documents_fit(config, batch_documents(batch), groups.size, seq_len=_seq_len(batch))
     docs = batch_documents(batch)
     mask = batch.get("attention_mask")
     if mask is not None:

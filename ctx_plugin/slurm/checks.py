@@ -72,8 +72,14 @@ def _megatron_parser() -> argparse.ArgumentParser:
                  "--hierarchical-context-parallel-sizes"):
         p.add_argument(flag, nargs="*", default=None)
     for flag in ("--group-query-attention", "--swiglu", "--bf16", "--fp16", "--sequence-parallel",
-                 "--use-distributed-optimizer", "--mock-data", "--exit-signal-handler"):
+                 "--use-distributed-optimizer", "--mock-data", "--exit-signal-handler",
+                 "--reset-attention-mask", "--sft", "--dataloader-inter-document-masking"):     # options.check_reset_data
         p.add_argument(flag, action="store_true")
+    p.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader")
+    for flag, kind, default in (("--num-experts", int, None), ("--mtp-num-layers", int, None),
+                                ("--cuda-graph-impl", str, "none")):
+        p.add_argument(flag, type=kind, default=default)
     return add_arguments(p)
 
 

@@ -61,14 +61,16 @@ def _full_batch(mix: str, reset_mask: bool, reset_pos: bool, mask: str) -> dict:
 
 
 def reset_step(rank: int, world: int, payload: dict) -> dict:
-    """For each (backend, position embedding, mix, reset_mask, reset_pos, mask): the relative errors of ctx_plugin's
-    loss and gradients at CP = world against Megatron's own model at CP 1 on the same batch, or the error raised."""
+    """For each (backend, position embedding, mix, reset_mask, reset_pos, mask, pad): the relative errors of
+    ctx_plugin's loss and gradients at CP = world against Megatron's own model at CP 1 on the same batch, or the error
+    raised; ``pad``: the sharder pads the documents (``--cp-pad-documents``)."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
     import ctx_plugin
     from ctx_plugin.megatron.args import MegatronCPSettings
     from ctx_plugin.megatron.core_attention import GroupsProvider
+    from ctx_plugin.megatron.mask_documents import document_padding
     from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model, shard_batch
     from ctx_plugin.recompute import RecomputeConfig
 
@@ -77,7 +79,7 @@ def reset_step(rank: int, world: int, payload: dict) -> dict:
     want = {}
     try:
         with _cpu_shims():
-            for _, position, mix, reset_mask, reset_pos, mask in cases:
+            for _, position, mix, reset_mask, reset_pos, mask, _ in cases:
                 if mask == "dataset" and (position, mix, reset_mask, reset_pos) not in want:
                     model = _model(1, position, "base", lambda spec: spec)
                     want[position, mix, reset_mask, reset_pos] = loss_and_grads(
@@ -88,8 +90,8 @@ def reset_step(rank: int, world: int, payload: dict) -> dict:
     cp_group = parallel_state.get_context_parallel_group()
     out = {}
     try:
-        for backend, position, mix, reset_mask, reset_pos, mask in cases:
-            key = case_key(backend, position, mix, reset_mask, reset_pos, mask)
+        for backend, position, mix, reset_mask, reset_pos, mask, pad in cases:
+            key = case_key(backend, position, mix, reset_mask, reset_pos, mask, pad)
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
             settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse("none"),
                                           megatron_recompute=None)
@@ -98,7 +100,8 @@ def reset_step(rank: int, world: int, payload: dict) -> dict:
                            lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider))
             groups = prepare_model(model, settings, provider)
             try:
-                sharded = shard_batch(_full_batch(mix, reset_mask, reset_pos, mask), config=cp_config, groups=groups)
+                sharded = shard_batch(_full_batch(mix, reset_mask, reset_pos, mask), config=cp_config, groups=groups,
+                                      pad_documents=document_padding(cp_config, world) if pad else None)
                 loss, grads = loss_and_grads(model, sharded, cp_group, packed_seq_params=packed_seq_params(sharded))
             except ValueError as e:
                 out[key] = {"error": str(e)}
@@ -108,12 +111,15 @@ def reset_step(rank: int, world: int, payload: dict) -> dict:
             grad_err = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(floor)).item()
                            for n, g in ref_grads.items())
             out[key] = {"loss_err": abs(loss - ref_loss) / abs(ref_loss), "grad_err": grad_err,
-                        "packed": sharded["cu_seqlens"] is not None, "local_tokens": sharded["tokens"].shape[1]}
+                        "packed": sharded["cu_seqlens"] is not None, "local_tokens": sharded["tokens"].shape[1],
+                        "cu_seqlens": None if sharded["cu_seqlens"] is None else sharded["cu_seqlens"].tolist(),
+                        "cu_seqlens_padded": None if sharded["cu_seqlens_padded"] is None
+                        else sharded["cu_seqlens_padded"].tolist()}
     finally:
         parallel_state.destroy_model_parallel()
     return out
 
 
-def case_key(backend, position, mix, reset_mask, reset_pos, mask) -> str:
-    flags = "+".join(f for f, on in (("mask", reset_mask), ("pos", reset_pos)) if on)
+def case_key(backend, position, mix, reset_mask, reset_pos, mask, pad) -> str:
+    flags = "+".join(f for f, on in (("mask", reset_mask), ("pos", reset_pos), ("pad", pad)) if on)
     return f"{backend}-{position}-{mix}-{flags}-{mask}"

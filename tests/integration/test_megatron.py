@@ -121,6 +121,10 @@ def test_flags_with_megatrons_parser(monkeypatch):
                                   *flags))
         settings_from_args(_parse(monkeypatch, "--context-parallel-size", "2", "--reset-attention-mask",
                                   "--reset-position-ids", "--eod-mask-loss", *flags))   # packed from the mask (THD)
+    padded = settings_from_args(_parse(monkeypatch, "--context-parallel-size", "2", "--reset-attention-mask",
+                                       "--cp-pad-documents", "--tensor-model-parallel-size", "4", "--sequence-parallel"))
+    assert padded.document_padding == (4, 8)        # zigzag's 2·CP per document; CP·TP tokens with sequence parallel
+    assert default.document_padding is None
     for flags in (["--reset-position-ids"],         # causal attention; positions reach learned embeddings sharded
                   ["--reset-attention-mask", "--dataloader-inter-document-masking"]):   # the dataset's cu_seqlens
         settings_from_args(_parse(monkeypatch, "--context-parallel-size", "2", "--cp-backend", "ring",
@@ -151,6 +155,12 @@ BAD = [
      "--pipeline-model-parallel-size 2: Megatron-LM's get_batch gives middle pipeline stages no batch"),
     (["--reset-attention-mask", "--num-experts", "4"], ValueError, "--num-experts: MoE layers would see the packed"),
     (["--reset-attention-mask", "--mtp-num-layers", "1"], ValueError, "--mtp-num-layers: on a packed batch"),
+    (["--cp-pad-documents"], ValueError, "--cp-pad-documents pads the documents ctx_plugin reads from "
+     "--reset-attention-mask's dataloader mask: drop it"),
+    (["--cp-pad-documents", "--reset-attention-mask", "--dataloader-inter-document-masking"], ValueError,
+     "(--dataloader-inter-document-masking give the dataset's own cu_seqlens)"),
+    (["--cp-pad-documents", "--reset-attention-mask", "--cuda-graph-impl", "local"], ValueError,
+     "which CUDA graphs (--cuda-graph-impl local) cannot replay"),
     (["--context-parallel-size", "2", "--cp-backend", "ring", "--reset-attention-mask", "--position-embedding-type",
       "rope"], ValueError, "--reset-attention-mask (packed documents, THD) with --position-embedding-type rope"),
     (["--hybrid-context-parallel"], ValueError, "hybrid_context_parallel=True (--hybrid-context-parallel)"),

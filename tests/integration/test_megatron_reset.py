@@ -7,7 +7,8 @@ ctx_plugin's sharder (packed into THD from the block-diagonal mask), give the lo
 own model at CP 1 fed the same batch with its mask (its local attention applies the mask). RoPE with and without
 restarted position ids (THD RoPE restarts them; scores depend only on distances inside a document), learned
 absolute embeddings (which read the position ids as the dataset made them), zigzag, allgather, ring, ulysses and
-striped; ``--reset-position-ids`` alone (causal attention). Refusals: documents the layout cannot split, RoPE on a
+striped; ``--reset-position-ids`` alone (causal attention); documents padded to the layout's unit
+(``--cp-pad-documents``). Refusals: documents the layout cannot split, RoPE on a
 layout megatron-core's THD RoPE cannot follow, masks that are not the documents' causal mask; every rank raises the
 same message. The entry point carries the flags through Megatron's parser to a CPU stand-in of pretrain_gpt.py
 (fake_megatron_lm/) and trains with the losses of that script run without ctx_plugin; a script that drops
@@ -26,20 +27,25 @@ pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'c
 from tests.distributed.harness import run_spawned  # noqa: E402
 from tests.integration.megatron_reset_ranks import case_key  # noqa: E402
 
-# (backend, position embedding, mix, --reset-attention-mask, --reset-position-ids, mask)
-PARITY = [("zigzag", "rope", "fit", True, True, "dataset"), ("zigzag", "rope", "fit", True, False, "dataset"),
-          ("allgather", "rope", "fit", True, True, "dataset"),
-          ("zigzag", "learned_absolute", "fit", True, False, "dataset"),
-          ("ring", "learned_absolute", "uneven", True, True, "dataset"),
-          ("ring", "learned_absolute", "uneven", True, False, "dataset"),
-          ("ulysses", "learned_absolute", "uneven", True, False, "dataset"),
-          ("striped", "learned_absolute", "fit", True, True, "dataset"),
-          ("ring", "learned_absolute", "uneven", False, True, "dataset"),        # --reset-position-ids alone
-          ("zigzag", "learned_absolute", "uneven", False, True, "dataset")]
-REFUSED = [(("zigzag", "learned_absolute", "uneven", True, True, "dataset"),
+# (backend, position embedding, mix, --reset-attention-mask, --reset-position-ids, mask, --cp-pad-documents)
+PARITY = [("zigzag", "rope", "fit", True, True, "dataset", False),
+          ("zigzag", "rope", "fit", True, False, "dataset", False),
+          ("allgather", "rope", "fit", True, True, "dataset", False),
+          ("zigzag", "learned_absolute", "fit", True, False, "dataset", False),
+          ("ring", "learned_absolute", "uneven", True, True, "dataset", False),
+          ("ring", "learned_absolute", "uneven", True, False, "dataset", False),
+          ("ulysses", "learned_absolute", "uneven", True, False, "dataset", False),
+          ("striped", "learned_absolute", "fit", True, True, "dataset", False),
+          ("ring", "learned_absolute", "uneven", False, True, "dataset", False),        # --reset-position-ids alone
+          ("zigzag", "learned_absolute", "uneven", False, True, "dataset", False),
+          ("zigzag", "rope", "uneven", True, True, "dataset", True),                   # documents padded to 4
+          ("allgather", "rope", "uneven", True, False, "dataset", True),
+          ("striped", "learned_absolute", "uneven", True, False, "dataset", True)]      # ... to 2
+PADDED = {"zigzag": [0, 12, 24, 36, 44, 72], "allgather": [0, 12, 24, 36, 44, 72], "striped": [0, 10, 22, 34, 40, 68]}
+REFUSED = [(("zigzag", "learned_absolute", "uneven", True, True, "dataset", False),
             "--reset-attention-mask: the document at token 0 of sample 0 holds 10 tokens, not a multiple of 4"),
-           (("ring", "rope", "uneven", True, True, "dataset"), "need --cp-backend zigzag or allgather"),
-           (("ring", "learned_absolute", "uneven", True, True, "padding"),
+           (("ring", "rope", "uneven", True, True, "dataset", False), "need --cp-backend zigzag or allgather"),
+           (("ring", "learned_absolute", "uneven", True, True, "padding", False),
             "attention_mask row 1 is neither Megatron's causal mask nor its block-diagonal causal mask")]
 _results: list = []
 
@@ -56,7 +62,12 @@ def results() -> list:
 def test_reset_batches_match_megatron_with_its_document_mask(case):
     got = results()[0][case_key(*case)]
     assert "error" not in got, got.get("error")
-    assert got["packed"] == case[3] and got["local_tokens"] == (32 if case[3] else 16)   # [1, 2·32] / 2, [2, 32] / 2
+    assert got["packed"] == case[3]
+    if case[6]:     # documents 10, 11, 11, 5, 27 (real lengths in cu_seqlens), each padded at its end
+        assert got["cu_seqlens"] == [[0, 10, 21, 32, 37, 64]] and got["cu_seqlens_padded"] == [PADDED[case[0]]]
+        assert got["local_tokens"] == PADDED[case[0]][-1] // 2
+    else:
+        assert got["cu_seqlens_padded"] is None and got["local_tokens"] == (32 if case[3] else 16)   # [1, 64], [2, 32]
     # megatron-core computes RoPE frequencies in float32: THD RoPE restarts positions in each document, the
     # reference's counts them over the sample, so their cos/sin round differently (the same scores)
     tol = 1e-6 if case[1] == "rope" else 1e-9
@@ -93,10 +104,10 @@ def _run(tmp_path, nproc: int, *flags: str, ctx_plugin: bool = True, check: bool
 
 
 def test_entry_point_trains_reset_batches_like_megatron(tmp_path):
-    """ring at CP 2 (the documents, 10, 11, 11 and 5, 27 tokens, fall anywhere) against the script without
-    ctx_plugin on one rank (Megatron's local attention with the dataloader's document mask)."""
+    """zigzag at CP 2 with --cp-pad-documents (the documents, 10, 11, 11 and 5, 27 tokens, fall anywhere) against the
+    script without ctx_plugin on one rank (Megatron's local attention with the dataloader's document mask)."""
     reference = _run(tmp_path, 1, ctx_plugin=False)
-    got = _run(tmp_path, 2, "--cp-backend", "ring")
+    got = _run(tmp_path, 2, "--cp-backend", "zigzag", "--cp-pad-documents")
     assert reference["core_attention"] == "DotProductAttention" and not reference["packed"]
     assert got["core_attention"] == "CPCoreAttention" and got["packed"]
     for a, b in zip(got["losses"], reference["losses"], strict=True):
@@ -108,3 +119,28 @@ def test_entry_point_stops_a_script_that_drops_cu_seqlens(tmp_path):
     assert proc.returncode != 0
     assert "the model was called without packed_seq_params: it would attend across documents and samples" \
         in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
+
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--attention-dropout", "0", "--context-parallel-size", "2"]
+
+
+def test_launcher_checks_the_reset_flags_as_the_job_does():
+    """ctx-plugin launch's own check reads the flags check_reset_data reads (it used to drop them as unknown, so
+    --cp-pad-documents looked like a flag without --reset-attention-mask)."""
+    from ctx_plugin.slurm.checks import check_megatron
+
+    def check(*flags):
+        return check_megatron([*BASE, *flags], world=2, device="cpu", megatron_lm=str(CHECKOUT))
+
+    check("--reset-attention-mask", "--reset-position-ids", "--cp-pad-documents", "--position-embedding-type", "rope")
+    for flags, message in ((["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"],
+                            "--no-create-attention-mask-in-dataloader: Megatron's dataloader then builds no"),
+                           (["--reset-attention-mask", "--num-experts", "4"], "--num-experts: MoE layers"),
+                           (["--cp-pad-documents"], "--cp-pad-documents pads the documents"),
+                           (["--reset-attention-mask", "--cp-pad-documents", "--cuda-graph-impl", "local"],
+                            "which CUDA graphs"),
+                           (["--reset-attention-mask", "--cp-backend", "ring", "--position-embedding-type", "rope"],
+                            "which --cp-backend ring does not hold")):
+        with pytest.raises(ValueError, match=message):
+            check(*flags)
