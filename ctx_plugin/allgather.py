@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .block_calls import backward_blocks, forward_disjoint
 from .comm import Observers, all_gather, reduce_scatter
 from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
@@ -66,13 +67,8 @@ class AllGatherAttention(torch.autograd.Function):
                                               scale=scale, window=blk.window, softcap=mask.softcap) for blk in chunks))
             out, lse = torch.cat(outs, 1), torch.cat(lses, 2)
         else:                           # padding rows belong to no chunk: output 0, lse −inf
-            b, n, h, _ = q.shape
-            out = torch.zeros_like(q)
-            lse = torch.full((b, h, n), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
-            for blk in chunks:
-                out[:, blk.q], lse[:, :, blk.q] = kernel.forward(
-                    q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], causal=blk.causal, scale=scale, window=blk.window,
-                    softcap=mask.softcap)
+            out, lse = forward_disjoint(kernel, q, kv[0], kv[1], chunks, mask=mask, scale=scale,
+                                        acc_dtype=accum_dtype(q.dtype))
         if sinks is not None:
             out, lse = apply_sinks(out, lse, sinks)
             out = out.to(q.dtype)
@@ -90,13 +86,17 @@ class AllGatherAttention(torch.autograd.Function):
         acc = accum_dtype(q.dtype)
         dq = (torch.empty if mask.documents is None else torch.zeros)(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-        for blk in _query_chunks(group.rank, group.size, q.shape[1], mask):
-            dq_c, dk_c, dv_c = kernel.backward(dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k],
-                                               out[:, blk.q], lse[:, :, blk.q], causal=blk.causal, scale=scale,
-                                               window=blk.window, softcap=mask.softcap)
-            dq[:, blk.q] = dq_c
-            dkv[0, :, blk.k] += dk_c
-            dkv[1, :, blk.k] += dv_c
+        chunks = _query_chunks(group.rank, group.size, q.shape[1], mask)
+        if mask.documents is None:      # the chunks cover every row once: their dq is written, not added
+            for blk in chunks:
+                dq[:, blk.q], dk_c, dv_c = kernel.backward(
+                    dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], out[:, blk.q], lse[:, :, blk.q],
+                    causal=blk.causal, scale=scale, window=blk.window, softcap=mask.softcap)
+                dkv[0, :, blk.k] += dk_c
+                dkv[1, :, blk.k] += dv_c
+        else:
+            backward_blocks(kernel, dout, q, kv[0], kv[1], out, lse, chunks, mask=mask, scale=scale, dq=dq,
+                            dk=dkv[0], dv=dkv[1])
         if group.size > 1:   # back to sharded order, then each rank receives the sum of its own rows
             two, b, s, hkv, d = dkv.shape
             sharded = dkv.index_select(2, _perm(s, group, dkv.device, mask.documents)).reshape(two, b, group.size, s // group.size,

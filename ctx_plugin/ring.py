@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from .block_calls import backward_blocks, forward_blocks
 from .comm import Observers, RingComm
 from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
 from .layouts import RingLayout, ring_schedule
 from .mask import Mask
-from .merge import merge_into
 from .sinks import apply_sinks, sink_grad
 
 KV = "ring_kv"
@@ -46,10 +46,8 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: A
             kv, spare = spare, kv
         for step, offset in enumerate(schedule.offsets):
             exchange = comm.start(kv, spare, KV) if step < schedule.steps - 1 else None
-            for blk in layout.plan(rank, (rank - offset) % size, size, n, mask):
-                o_b, lse_b = kernel.forward(q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], causal=blk.causal,
-                                            scale=scale, window=blk.window, softcap=mask.softcap)
-                merge_into(out[:, blk.q], lse[:, :, blk.q], o_b, lse_b)
+            forward_blocks(kernel, q, kv[0], kv[1], layout.plan(rank, (rank - offset) % size, size, n, mask),
+                           mask=mask, scale=scale, out=out, lse=lse)
             if exchange is not None:
                 exchange.wait()
                 kv, spare = spare, kv
@@ -82,13 +80,9 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             last = step == schedule.steps - 1
             kv_exchange = None if last else comm.start(kv, kv_spare, KV)
             contrib = dkv[0].zero_()
-            for blk in layout.plan(rank, (rank - offset) % size, size, n, mask):
-                dq_b, dk_b, dv_b = kernel.backward(dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k],
-                                                   out[:, blk.q], lse[:, :, blk.q], causal=blk.causal, scale=scale,
-                                                   window=blk.window, softcap=mask.softcap)
-                dq[:, blk.q] += dq_b
-                contrib[0, :, blk.k] += dk_b
-                contrib[1, :, blk.k] += dv_b
+            backward_blocks(kernel, dout, q, kv[0], kv[1], out, lse,
+                            layout.plan(rank, (rank - offset) % size, size, n, mask), mask=mask, scale=scale, dq=dq,
+                            dk=contrib[0], dv=contrib[1])
             if arriving is not None:          # what earlier ranks added to this K/V block
                 arriving.wait()
                 contrib += incoming

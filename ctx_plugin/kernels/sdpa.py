@@ -27,6 +27,10 @@ already sit that way (a slice of a batch-1 tensor: only the batch stride is rewr
 of the slice. torch's flash kernel reads batch/sequence/head strides itself (its backward makes out and
 grad_out contiguous on its own), so it, like the CPU kernel, only needs a unit stride in the last dimension.
 
+**Varlen** (:class:`FlashKernel` only): many blocks of one step in one call (:mod:`.varlen`), through the same
+``aten::_flash_attention_forward/_backward`` with ``cum_seq_q/k`` (int32 cumulative boundaries), ``[T, H, D]``
+tensors and an fp32 LSE ``[H, Tq]`` (torch's meta kernel says so); K/V heads expanded once per call.
+
 **Windows** (:class:`FlashKernel` only): a block whose mask has a bounded side runs on the lower-level
 ``aten::_flash_attention_forward/_backward`` (the ops ``_scaled_dot_product_flash_attention`` wraps: ``[B, S, H,
 D]`` tensors, ``cum_seq_q/k`` None and ``max_q/k`` = Sq/Sk for a dense batch, fp32 LSE ``[B, H, Sq]``, outputs
@@ -49,6 +53,7 @@ import torch
 
 from .base import FULL, Window, accum_dtype, check_block, describe, is_windowed
 from .torch_math import TorchKernel
+from .varlen import Varlen
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -307,6 +312,41 @@ class FlashKernel(_SdpaKernel):
             k.shape[1], 0.0, causal, seed, seed, scale=scale, window_size_left=sides[0],
             window_size_right=sides[1])
         return dq, _reduce_kv(dk, g), _reduce_kv(dv, g)
+
+    def _varlen_args(self, q, k, v, batch: Varlen, softcap: float | None):
+        if softcap is not None:
+            raise ValueError(f"kernel {self.name!r} applies no softcap (softcap={softcap}): use kernel='auto', "
+                             f"'torch' or 'flash_attn'")
+        if batch.window[1] is not None and not batch.causal:
+            raise ValueError(f"varlen calls take windows with an unbounded right side, got {batch.window} "
+                             f"(ctx_plugin.kernels.varlen.chains never builds one)")
+        g = q.shape[1] // k.shape[1]
+        k, v = (_expand_kv(t[None], g)[0] for t in (k, v))           # [T, H, D]: GQA heads expanded per call
+        cu_q, cu_k = batch.cu_seqlens(q.device)
+        left = -1 if batch.window[0] is None else int(batch.window[0])  # >= Sk reads as unbounded: exact (left)
+        sides = {"window_size_left": left, "window_size_right": 0 if batch.causal else -1}
+        args = (cu_q, cu_k, batch.max_q, batch.max_k, 0.0, batch.causal)
+        return g, (_last_dim_unit(k), _last_dim_unit(v)), args, sides
+
+    def forward_varlen(self, q, k, v, batch: Varlen, *, scale: float, softcap: float | None = None):
+        """One ``aten::_flash_attention_forward`` call over every sequence of ``batch`` (``cum_seq_q/k``: the
+        varlen path, ``[T, H, D]`` tensors, LSE ``[H, Tq]`` fp32). FlashAttention-2 gives rows without keys output
+        0 and LSE +inf (its early exit in ``flash_fwd_kernel.h``); the contract wants −inf."""
+        _, kv, args, sides = self._varlen_args(q, k, v, batch, softcap)
+        res = torch.ops.aten._flash_attention_forward(_last_dim_unit(q), *kv, *args, False, scale=scale, **sides)
+        lse = res[1].masked_fill(torch.isposinf(res[1]), float("-inf"))
+        return res[0], lse.to(accum_dtype(q.dtype))
+
+    def backward_varlen(self, dout, q, k, v, out, lse, batch: Varlen, *, scale: float,
+                        softcap: float | None = None):
+        """``aten::_flash_attention_backward`` over ``batch``: dq of rows without keys is 0 (FlashAttention-2
+        accumulates dq into zeros), dk/dv of keys without rows 0 (its backward's early exit writes them)."""
+        g, kv, args, sides = self._varlen_args(q, k, v, batch, softcap)
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)   # unused: no dropout
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            _last_dim_unit(dout.to(q.dtype)), _last_dim_unit(q), *kv, _last_dim_unit(out.to(q.dtype)),
+            lse.to(torch.float32).contiguous(), *args, seed, seed, scale=scale, **sides)
+        return dq, _reduce_kv(dk[None], g)[0], _reduce_kv(dv[None], g)[0]
 
     def _fwd(self, q, k, v, causal, scale):
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)

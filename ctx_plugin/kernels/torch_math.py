@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .base import FULL, Window, accum_dtype, check_block, keep_mask
+from .varlen import LoopedVarlen
 
 
 def _raw_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -29,7 +30,9 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(s - safe.unsqueeze(-1))
 
 
-class TorchKernel:
+class TorchKernel(LoopedVarlen):
+    """Also the varlen pair, one block per sequence (:class:`.varlen.LoopedVarlen`)."""
+
     name = "torch"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
