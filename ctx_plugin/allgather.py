@@ -1,12 +1,14 @@
 """All-gather-KV context parallelism (Llama-3 style).
 
-K/V are all-gathered once (packed ``[2, B, n, Hkv, D]``, one collective) and put back in sequence order. Each
+K/V are all-gathered once (packed ``[2, B, n, Hkv, D]``, one collective) and put back in sequence order by one
+gather (no intermediate reorder). Each
 rank holds zigzag chunks r and 2P−1−r of the queries; each chunk attends to exactly the keys it needs (under a
 causal mask a prefix ending at the chunk; with a sliding window the window's range, the kernel window in the
 block's bottom-right convention: :func:`ctx_plugin.blocks.band_block`) in one kernel call, so there are no
 partial merges. With packed documents every document is split zigzag-wise (chunks r and 2P−1−r of each one) and
 each chunk meets only its own document's keys (:func:`ctx_plugin.blocks.document_blocks`); padding rows stay 0. Attention sinks are applied once to the concatenated result (:mod:`ctx_plugin.sinks`). Backward
-re-gathers K/V, accumulates the full dK/dV in fp32 and reduce-scatters them to their owners.
+re-gathers K/V, accumulates the full dK/dV in fp32, reorders them to sharded order in one copy (sequence-major,
+so the reduce-scatter's input is that copy itself) and reduce-scatters them to their owners.
 Forward saves only q, k, v, out and lse.
 """
 from __future__ import annotations
@@ -49,11 +51,11 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: RankGroup, counter: Obse
     kv = torch.stack((k, v))
     if group.size == 1:
         return kv
-    two, b, n, hkv, d = kv.shape
+    n = kv.shape[2]
     parts = all_gather(torch.empty((group.size, *kv.shape), dtype=kv.dtype, device=kv.device), kv, group, counter,
-                       "allgather_kv")
-    sharded_order = parts.permute(1, 2, 0, 3, 4, 5).reshape(two, b, group.size * n, hkv, d)
-    return sharded_order.index_select(2, torch.argsort(_perm(group.size * n, group, kv.device, documents)))
+                       "allgather_kv")                                  # [P, 2, B, n, Hkv, D]: rank p's shard
+    where = torch.argsort(_perm(group.size * n, group, kv.device, documents))   # sequence position → sharded index
+    return parts.permute(1, 2, 0, 3, 4, 5)[:, :, where // n, where % n]    # one gather, straight into sequence order
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -97,11 +99,12 @@ class AllGatherAttention(torch.autograd.Function):
         else:
             backward_blocks(kernel, dout, q, kv[0], kv[1], out, lse, chunks, mask=mask, scale=scale, dq=dq,
                             dk=dkv[0], dv=dkv[1])
-        if group.size > 1:   # back to sharded order, then each rank receives the sum of its own rows
+        if group.size > 1:   # back to sharded order (one copy), then each rank receives the sum of its own rows
             two, b, s, hkv, d = dkv.shape
-            sharded = dkv.index_select(2, _perm(s, group, dkv.device, mask.documents)).reshape(two, b, group.size, s // group.size,
-                                                                                 hkv, d)
-            dkv = reduce_scatter(torch.empty((two, b, s // group.size, hkv, d), dtype=acc, device=dkv.device),
-                                 sharded.permute(2, 0, 1, 3, 4, 5).contiguous(), group, counter, "reduce_scatter_dkv")
+            n = s // group.size
+            sharded = dkv.permute(2, 0, 1, 3, 4).index_select(0, _perm(s, group, dkv.device, mask.documents))
+            mine = reduce_scatter(torch.empty((n, two, b, hkv, d), dtype=acc, device=dkv.device),
+                                  sharded.view(group.size, n, two, b, hkv, d), group, counter, "reduce_scatter_dkv")
+            dkv = mine.permute(1, 2, 0, 3, 4)                            # [2, B, n, Hkv, D] (a view)
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None, None
