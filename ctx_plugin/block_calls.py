@@ -38,20 +38,75 @@ def _lse_of(lse: torch.Tensor, batch: int) -> torch.Tensor:
     return lse.view(h, batch, t // batch).transpose(0, 1)
 
 
+class Accumulator:
+    """The merged ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` (in the accumulation dtype) of a ring's query
+    rows. A row's first partial result is written, not merged into zeros: the buffers start uninitialised and the
+    rows written so far are tracked as intervals, so no fill and no merge pass over zeros; :meth:`result` gives
+    rows no block reached (padding, or rows of no document in any step) output 0 and lse −inf."""
+
+    def __init__(self, b: int, s: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.out = torch.empty(b, s, h, d, dtype=dtype, device=device)
+        self.lse = torch.empty(b, h, s, dtype=dtype, device=device)
+        self._done: list[tuple[int, int]] = []        # disjoint, sorted row intervals holding a result
+        self._rows = s
+
+    def _gaps(self, start: int, stop: int) -> list[tuple[int, int]]:
+        gaps, at = [], start
+        for a, z in self._done:
+            if z <= at or a >= stop:
+                continue
+            if a > at:
+                gaps.append((at, a))
+            at = max(at, z)
+        if at < stop:
+            gaps.append((at, stop))
+        return gaps
+
+    def _mark(self, start: int, stop: int) -> None:
+        merged = []
+        for a, z in sorted([*self._done, (start, stop)]):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], z))
+            else:
+                merged.append((a, z))
+        self._done = merged
+
+    def _clear(self, gaps) -> None:
+        for a, z in gaps:
+            self.out[:, a:z].zero_()
+            self.lse[:, :, a:z].fill_(float("-inf"))
+
+    def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Folds a partial result of rows ``rows`` (over keys not seen before by these rows) in."""
+        gaps = self._gaps(rows.start, rows.stop)
+        if gaps == [(rows.start, rows.stop)]:             # rows untouched: the result is theirs
+            self.out[:, rows].copy_(out)
+            self.lse[:, :, rows].copy_(lse)
+        else:
+            self._clear(gaps)
+            merge_into(self.out[:, rows], self.lse[:, :, rows], out, lse)
+        self._mark(rows.start, rows.stop)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._clear(self._gaps(0, self._rows))
+        self._done = [(0, self._rows)]
+        return self.out, self.lse
+
+
 def forward_blocks(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks, *,
-                   mask: Mask, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Merges the attention of ``blocks`` into the accumulators ``out`` ``[B, Sq, H, D]`` and ``lse`` ``[B, H, Sq]``."""
+                   mask: Mask, scale: float, acc: Accumulator) -> None:
+    """Folds the attention of ``blocks`` into ``acc``."""
     b, sq = q.shape[:2]
     singles, calls = plan_calls(kernel, blocks, mask, sq, k.shape[1], b)
     for blk in singles:
         o_b, lse_b = kernel.forward(q[:, blk.q], k[:, blk.k], v[:, blk.k], causal=blk.causal, scale=scale,
                                     window=blk.window, softcap=mask.softcap)
-        merge_into(out[:, blk.q], lse[:, :, blk.q], o_b, lse_b)
+        acc.add(blk.q, o_b, lse_b)
     if calls:
         rows_q, rows_k, rows_v = _rows(q), _rows(k), _rows(v)
-        for call in calls:
+        for call in calls:   # every row: those outside the call's blocks come with output 0 and lse −inf
             o_c, lse_c = kernel.forward_varlen(rows_q, rows_k, rows_v, call, scale=scale, softcap=mask.softcap)
-            merge_into(out, lse, o_c.view(q.shape), _lse_of(lse_c, b))
+            acc.add(slice(0, sq), o_c.view(q.shape), _lse_of(lse_c, b))
 
 
 def forward_disjoint(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks, *,

@@ -2,7 +2,8 @@
 
 Forward: rotations of the packed K/V buffer ``[2, B, S, Hkv, D]`` (K/V heads are never expanded). Each
 rotation is posted into a second buffer before the current block is computed, and waited after, so the
-transfer overlaps the kernel. Partial results merge in fp32 (fp64 for fp64 inputs).
+transfer overlaps the kernel. Partial results merge in fp32 (fp64 for fp64 inputs); a row's first one is written, not merged into zeros
+(:class:`~ctx_plugin.block_calls.Accumulator`).
 
 Only the ring steps the mask needs run (:func:`~ctx_plugin.layouts.ring_schedule`: the shortest arc of offsets
 covering every rank's blocks; all P without a window). An arc that starts ahead of a rank (a window with a
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .block_calls import backward_blocks, forward_blocks
+from .block_calls import Accumulator, backward_blocks, forward_blocks
 from .comm import Observers, RingComm
 from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
@@ -36,8 +37,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: A
     size, rank = group.size, group.rank
     schedule = ring_schedule(layout, size, n, mask)
     acc = accum_dtype(q.dtype)
-    out = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
-    lse = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+    merged = Accumulator(b, n, h, d, acc, q.device)
     kv = torch.stack((k, v))
     spare = torch.empty_like(kv) if schedule.kv_transfers else None
     with RingComm(group, counter) as comm:
@@ -47,10 +47,11 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: A
         for step, offset in enumerate(schedule.offsets):
             exchange = comm.start(kv, spare, KV) if step < schedule.steps - 1 else None
             forward_blocks(kernel, q, kv[0], kv[1], layout.plan(rank, (rank - offset) % size, size, n, mask),
-                           mask=mask, scale=scale, out=out, lse=lse)
+                           mask=mask, scale=scale, acc=merged)
             if exchange is not None:
                 exchange.wait()
                 kv, spare = spare, kv
+    out, lse = merged.result()
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
