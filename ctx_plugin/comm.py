@@ -117,20 +117,27 @@ class RingComm:
         self.group, self.counter = group, counter
         self._pending: list[Exchange] = []
 
-    def start(self, send: torch.Tensor, recv: torch.Tensor, kind: str, tag: int = 0, shift: int = 1) -> Exchange:
+    def start(self, send: torch.Tensor | tuple[torch.Tensor, ...], recv: torch.Tensor, kind: str, tag: int = 0,
+              shift: int = 1) -> Exchange:
         """Posts ``send`` → next rank and ``recv`` ← previous rank as one batch; returns without waiting.
 
+        ``send`` may be a tuple of tensors (e.g. a rank's own K and V, not packed into one buffer first): they go
+        as messages of the same batch, in order, into ``recv[0]``, ``recv[1]``, … (``recv``'s first dimension).
         ``tag`` keeps different streams of messages apart on backends that match by tag (gloo). ``shift``
         other than 1 exchanges with ranks further away: ``send`` → rank ``r + shift``, ``recv`` ← ``r − shift``
         (mod the group size; the ring's direct fetches and dK/dV's way home)."""
         pg, size, rank = self.group.group, self.group.size, self.group.rank
         send_to, recv_from = (rank + shift) % size, (rank - shift) % size
+        pairs = list(zip(send, recv)) if isinstance(send, tuple) else [(send, recv)]
+        if len(pairs) != (len(send) if isinstance(send, tuple) else 1):
+            raise ValueError(f"{len(send)} tensors to send, room for {len(recv)}")
         if _torch(self.group):
-            ops = [dist.P2POp(dist.isend, send, group=pg, tag=tag, group_peer=send_to),
-                   dist.P2POp(dist.irecv, recv, group=pg, tag=tag, group_peer=recv_from)]
+            ops = [op for out, into in pairs
+                   for op in (dist.P2POp(dist.isend, out, group=pg, tag=tag, group_peer=send_to),
+                              dist.P2POp(dist.irecv, into, group=pg, tag=tag, group_peer=recv_from))]
             exchange = Exchange(dist.batch_isend_irecv(ops))
         else:
-            exchange = Exchange([pg.exchange(send, recv, send_to, recv_from, tag)])
+            exchange = Exchange([pg.exchange(out, into, send_to, recv_from, tag) for out, into in pairs])
         self.counter.record(kind)
         self._pending.append(exchange)
         return exchange

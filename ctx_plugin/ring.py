@@ -1,6 +1,7 @@
 """Ring attention for every layout: one forward loop, one backward loop, driven by the layout's plan.
 
-Forward: rotations of the packed K/V buffer ``[2, B, S, Hkv, D]`` (K/V heads are never expanded). Each
+Forward: rotations of the packed K/V buffer ``[2, B, S, Hkv, D]`` (K/V heads are never expanded); the rank's own
+K and V are sent as they are (two messages of one batch), so nothing is packed before the first step. Each
 rotation is posted into a second buffer before the current block is computed, and waited after, so the
 transfer overlaps the kernel. Partial results merge in fp32 (fp64 for fp64 inputs); a row's first one is written, not merged into zeros
 (:class:`~ctx_plugin.block_calls.Accumulator`).
@@ -30,6 +31,24 @@ KV = "ring_kv"
 DKV = "ring_dkv"
 
 
+def own_kv(k: torch.Tensor, v: torch.Tensor, transfers: int) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                                        torch.Tensor | None]:
+    """``(this rank's (k, v), the receive buffer)``: the own K/V are computed on and sent as they are (two messages
+    of one batch, no packed copy); what arrives lands in packed ``[2, B, n, Hkv, D]`` buffers."""
+    own = (k.contiguous(), v.contiguous())
+    return own, torch.empty((2, *k.shape), dtype=k.dtype, device=k.device) if transfers else None
+
+
+def _buffer(done) -> torch.Tensor | None:
+    """The buffer the next K/V can arrive in once ``done`` (the K/V just used) is free: ``done`` itself when it is a
+    packed buffer; None when it was the rank's own (k, v) (:func:`_ready` allocates one if another transfer comes)."""
+    return None if isinstance(done, tuple) else done
+
+
+def _ready(spare: torch.Tensor | None, kv) -> torch.Tensor:
+    return spare if spare is not None else torch.empty((2, *kv[0].shape), dtype=kv[0].dtype, device=kv[0].device)
+
+
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: AttentionKernel,
                  layout: RingLayout, group: RankGroup, counter: Observers, mask: Mask, scale: float,
                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,19 +57,18 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: A
     schedule = ring_schedule(layout, size, n, mask)
     acc = accum_dtype(q.dtype)
     merged = Accumulator(b, n, h, d, acc, q.device)
-    kv = torch.stack((k, v))
-    spare = torch.empty_like(kv) if schedule.kv_transfers else None
+    kv, spare = own_kv(k, v, schedule.kv_transfers)
     with RingComm(group, counter) as comm:
         if schedule.start:                    # the arc starts ahead: fetch its first shard directly
-            comm.start(kv, spare, KV, shift=schedule.start).wait()
-            kv, spare = spare, kv
+            comm.start(kv, spare := _ready(spare, kv), KV, shift=schedule.start).wait()
+            kv, spare = spare, _buffer(kv)
         for step, offset in enumerate(schedule.offsets):
-            exchange = comm.start(kv, spare, KV) if step < schedule.steps - 1 else None
+            exchange = comm.start(kv, spare := _ready(spare, kv), KV) if step < schedule.steps - 1 else None
             forward_blocks(kernel, q, kv[0], kv[1], layout.plan(rank, (rank - offset) % size, size, n, mask),
                            mask=mask, scale=scale, acc=merged)
             if exchange is not None:
                 exchange.wait()
-                kv, spare = spare, kv
+                kv, spare = spare, _buffer(kv)
     out, lse = merged.result()
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
@@ -66,8 +84,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     schedule = ring_schedule(layout, size, n, mask)
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
-    kv = torch.stack((k, v))
-    kv_spare = torch.empty_like(kv) if schedule.kv_transfers else None
+    kv, kv_spare = own_kv(k, v, schedule.kv_transfers)
     hops = schedule.steps > 1
     # dkv[0] collects this step's contributions while dkv[1] may still be in flight to the next rank.
     dkv = [torch.empty((2, *k.shape), dtype=acc, device=k.device) for _ in range(2 if hops else 1)]
@@ -75,11 +92,11 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     arriving = None
     with RingComm(group, counter) as comm:
         if schedule.start:
-            comm.start(kv, kv_spare, KV, shift=schedule.start).wait()
-            kv, kv_spare = kv_spare, kv
+            comm.start(kv, kv_spare := _ready(kv_spare, kv), KV, shift=schedule.start).wait()
+            kv, kv_spare = kv_spare, _buffer(kv)
         for step, offset in enumerate(schedule.offsets):
             last = step == schedule.steps - 1
-            kv_exchange = None if last else comm.start(kv, kv_spare, KV)
+            kv_exchange = None if last else comm.start(kv, kv_spare := _ready(kv_spare, kv), KV)
             contrib = dkv[0].zero_()
             backward_blocks(kernel, dout, q, kv[0], kv[1], out, lse,
                             layout.plan(rank, (rank - offset) % size, size, n, mask), mask=mask, scale=scale, dq=dq,
@@ -92,7 +109,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                 dkv.reverse()
             if kv_exchange is not None:
                 kv_exchange.wait()
-                kv, kv_spare = kv_spare, kv
+                kv, kv_spare = kv_spare, _buffer(kv)
         if schedule.last:                     # home to the owner of the shard held at the last step
             own = torch.empty_like(contrib)
             comm.start(contrib, own, DKV, tag=2, shift=-schedule.last).wait()
