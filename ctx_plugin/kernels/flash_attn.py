@@ -1,7 +1,8 @@
 """flash-attn (Dao-AILab) as a local kernel: FlashAttention-2 (2.1 … 2.8; 2.0 is refused) and FlashAttention-3
 (the hopper build, on sm90). Which builds can run which inputs on which GPU: :mod:`.flash_attn_support`.
 
-Every flash-attn version shim lives in this file. We call the low-level ``_flash_attn_forward`` /
+Every dense flash-attn version shim lives in this file, the varlen ones (many blocks in one call) in
+:mod:`.flash_attn_varlen`. We call the low-level ``_flash_attn_forward`` /
 ``_flash_attn_backward`` (not ``flash_attn_func``) because ring attention runs backward with an externally
 merged ``out``/``lse``. Their signatures changed many times, so arguments are bound **by name** from the
 function's signature, and outputs are picked by position 0 (``out``) and by shape (``lse`` is the only
@@ -31,6 +32,9 @@ Signatures verified from source (stored public copies, read with the search tool
   2024 builds (``hopper/`` @ 1feb711f, 2024-12-03: fwd ``(q, k, v, softmax_scale, causal, window_size, descale_q=None,
   …)`` -> 7 outputs, bwd ``(…, softmax_scale, causal, window_size, deterministic=False)``).
 * ``flash_attn.cute`` is not used: its interface changes with nearly every commit.
+* Varlen (:mod:`.flash_attn_varlen`, which lists signatures, LSE layouts and sources): FA2 >= 2.6.0's
+  ``_flash_attn_varlen_forward/_backward`` (LSE ``[H, total_q]`` from v2.6.0, padded before: not bound) and FA3's
+  functions above with ``cu_seqlens_q/k`` (2025 builds on); a build without gets no ``forward_varlen``.
 
 Not run against a real GPU build here: binding and output picking are tested with stand-ins of these signatures.
 """
@@ -136,6 +140,8 @@ class _Found:
     functions: tuple[Callable[..., Any], tuple[str, ...], Callable[..., Any], tuple[str, ...]] | None
     unsupported: str | None
     """Why the adapter cannot bind this build's functions (a TypeError's message), or None."""
+    varlen: Any = None
+    """Its varlen functions (:class:`.flash_attn_varlen.Binding`), or why it has none (a sentence)."""
 
     @property
     def features(self) -> frozenset[str]:
@@ -173,9 +179,11 @@ def _probe(prefer_fa3: bool) -> _Found | str:
         if module is not None:
             info = FlashAttnInfo(generation, module.__name__, _version(generation))
             try:
-                return _Found(info, module, _functions(module, generation), None)
+                functions = _functions(module, generation)
             except TypeError as e:
                 return _Found(info, module, None, str(e))
+            from . import flash_attn_varlen   # imports this module: bound here, not at import time
+            return _Found(info, module, functions, None, flash_attn_varlen.bind(module, info, _legacy_fa3(module)))
         broken = broken or why
     if broken:
         return (f"flash-attn is installed but does not import ({broken}): reinstall it built against "
@@ -327,6 +335,13 @@ class FlashAttnKernel:
         self._fwd, self._fwd_names, self._bwd, self._bwd_names = found.functions
         self.features = found.features
         """The mask features this build applies (see ``unavailable``)."""
+        self.varlen_unavailable = found.varlen if isinstance(found.varlen, str) else None
+        """Why this build has no varlen entry point (then ``forward_varlen``/``backward_varlen`` are not defined,
+        so :func:`.varlen.has_varlen` is False and block calls run one call per block), or None."""
+        if self.varlen_unavailable is None:
+            from .flash_attn_varlen import VarlenCalls
+            calls = VarlenCalls(found.varlen, self.info, self.features)
+            self.forward_varlen, self.backward_varlen = calls.forward, calls.backward
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, causal: bool, window: Window,
                softcap: float | None) -> None:
