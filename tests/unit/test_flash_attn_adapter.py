@@ -8,6 +8,14 @@ they keep the real contract: float16/bfloat16 inputs only (anything else raises,
 dout in q's dtype, a float32 lse returned as ``[b, h, s]``, and the lse handed to backward read from its data
 pointer as raw contiguous float32 ``[b, h, s]`` memory (FlashAttention checks neither its dtype nor its strides),
 so an adapter that passes a half-precision or strided lse gets wrong numbers, as it would on a GPU.
+
+The varlen stand-ins (FlashAttention-2's ``_flash_attn_varlen_*`` of 2.5.9 (never to be bound), 2.6.0 and 2.7.4,
+FA3's functions with ``cu_seqlens_q/k``; used by ``test_flash_attn_varlen.py``) keep the varlen contract of the
+real kernels (``ctx_plugin/kernels/flash_attn_varlen.py`` names the sources): cu_seqlens int32 and in bounds, an
+fp32 lse ``[H, total_q]`` with +inf (FA2) / −inf (FA3) for rows of a sequence without keys, dq 0 there and
+dk = dv = 0 for keys of a sequence without rows, only the first ``max_seqlen_q`` rows (``max_seqlen_k`` keys in
+backward) of each sequence written and everything no sequence covers left as NaN (torch.empty), FA2's
+``seqlenq_ngroups_swapped`` reshape failing as the real one does, and the lse read back as raw ``[H, total_q]``.
 """
 import functools
 import subprocess
@@ -82,16 +90,12 @@ def _fwd_math(q, k, v, scale, causal, window=(-1, -1), softcap=0.0, dropout_p=0.
     return out.to(q.dtype), lse                                               # lse: float32 [B, H, Sq]
 
 
-def _bwd_math(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window=(-1, -1), softcap=0.0):
-    """Writes dq/dk/dv in place from (dout, q, k, v, out, lse) and returns softmax_d, like flash-attn."""
-    _require(q, k, v, dout, out)
-    if dq is None or dk is None or dv is None:
-        raise AssertionError("gradient buffers must be preallocated")
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-    assert dq.dtype == dk.dtype == dv.dtype == q.dtype
+def _grads(dout, q, k, v, out, lse, scale, causal, window, softcap):
+    """float32 (dq, dk, dv, softmax_d) from (dout, q, k, v, out) and the float32 lse ``[B, H, Sq]`` handed over,
+    as flash-attn computes them (no recomputation of the lse)."""
     g = q.shape[2] // k.shape[2]
     s, t = _scores(q, k, scale, causal, tuple(window), softcap)
-    p = torch.exp(s - _raw_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))[..., None])
+    p = torch.exp(s - lse[..., None])
     q, k, v, dout, out = (t_.float() for t_ in (q, k, v, dout, out))
     kx, vx = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     d = (dout * out).sum(-1).transpose(1, 2)                                  # [B, H, Sq]
@@ -99,10 +103,112 @@ def _bwd_math(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window=(-1, -1
     if t is not None:
         ds = ds * (1 - t * t)
     b, sk, hk, hd = k.shape
-    dq.copy_(torch.einsum("bhqk,bkhd->bqhd", ds, kx) * scale)
-    dk.copy_((torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale).reshape(b, sk, hk, g, hd).sum(3))
-    dv.copy_(torch.einsum("bhqk,bqhd->bkhd", p, dout).reshape(b, sk, hk, g, hd).sum(3))
+    return (torch.einsum("bhqk,bkhd->bqhd", ds, kx) * scale,
+            (torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale).reshape(b, sk, hk, g, hd).sum(3),
+            torch.einsum("bhqk,bqhd->bkhd", p, dout).reshape(b, sk, hk, g, hd).sum(3), d)
+
+
+def _check_buffers(q, k, v, dq, dk, dv):
+    if dq is None or dk is None or dv is None:
+        raise AssertionError("gradient buffers must be preallocated")
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.dtype == dk.dtype == dv.dtype == q.dtype
+
+
+def _bwd_math(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window=(-1, -1), softcap=0.0):
+    """Writes dq/dk/dv in place from (dout, q, k, v, out, lse) and returns softmax_d, like flash-attn."""
+    _require(q, k, v, dout, out)
+    _check_buffers(q, k, v, dq, dk, dv)
+    raw = _raw_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
+    gq, gk, gv, d = _grads(dout, q, k, v, out, raw, scale, causal, window, softcap)
+    dq.copy_(gq)
+    dk.copy_(gk)
+    dv.copy_(gv)
     return d
+
+
+# ---------------------------------------------------------------- varlen: many sequences in one call
+def _sequences(cu_q, cu_k, tq, tk):
+    """The sequences a kernel reads from ``cu_seqlens`` (flash_api.cpp checks int32, contiguous, b + 1 entries
+    each; it checks no value: rows or keys outside the tensors would be an illegal memory access)."""
+    for cu in (cu_q, cu_k):
+        if cu.dtype != torch.int32:
+            raise RuntimeError("cu_seqlens_q must have dtype int32")
+        if cu.dim() != 1 or not cu.is_contiguous():
+            raise RuntimeError("cu_seqlens_q must be contiguous")
+    if cu_q.numel() != cu_k.numel() or cu_q.numel() < 2:
+        raise RuntimeError("cu_seqlens_k must have shape (batch_size + 1)")
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    seqs = list(zip(cq, cq[1:], ck, ck[1:]))
+    assert all(0 <= a <= b <= tq and 0 <= c <= d <= tk for a, b, c, d in seqs), f"illegal memory access: {seqs}"
+    return seqs
+
+
+def _raw_varlen_lse(lse: torch.Tensor, heads: int, total: int) -> torch.Tensor:
+    """The varlen lse as the kernels read it: float32 ``[H, total_q]`` from its data pointer."""
+    raw = torch.empty(0, dtype=torch.float32)
+    offset_bytes = lse.storage_offset() * lse.element_size()
+    return raw.set_(lse.untyped_storage(), offset_bytes // 4, (heads, total), (total, 1))
+
+
+def _varlen_fwd_math(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap, *, dropout_p=0.0,
+                     fa2=True):
+    """out ``[Tq, H, D]`` and float32 lse ``[H, Tq]`` as flash-attn's varlen forward writes them: each sequence
+    masked bottom-right on its own; rows of a sequence without keys get out 0 and lse +inf (FlashAttention-2's
+    early exit) or −inf (FA3's store_zero); only the first ``max_seqlen_q`` rows of each sequence are written
+    (the launch grid), the rest of the (torch.empty) outputs stays garbage (NaN here). FlashAttention-2's
+    ``seqlenq_ngroups_swapped`` reshape (max_seqlen_q 1, fewer K/V heads, no window) fails unless every sequence
+    has exactly one row, as torch's reshape does there."""
+    _require(q, k, v)
+    if dropout_p != 0.0:
+        raise AssertionError("the adapter must not ask for dropout")
+    assert all(type(x) is int for x in (max_q, max_k, *window)), "sizes and window sides are ints"
+    tq, h, d = q.shape
+    seqs = _sequences(cu_q, cu_k, tq, k.shape[0])
+    if fa2 and max_q == 1 and h > k.shape[1] and window[0] < 0 and window[1] < 0 and tq != len(seqs):
+        raise RuntimeError(f"shape '[{len(seqs)}, {k.shape[1]}, {h // k.shape[1]}, {d}]' is invalid for input of "
+                           f"size {q.numel()}")
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    lse = torch.full((h, tq), float("nan"), dtype=torch.float32)
+    for q0, q1, k0, k1 in seqs:
+        rows = min(q1 - q0, max_q)
+        if rows <= 0:
+            continue
+        if k1 == k0:
+            out[q0:q0 + rows], lse[:, q0:q0 + rows] = 0, float("inf") if fa2 else float("-inf")
+            continue
+        o, l_ = _fwd_math(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal, window, softcap)
+        out[q0:q0 + rows], lse[:, q0:q0 + rows] = o[0, :rows], l_[0, :, :rows]
+    return out, lse
+
+
+def _varlen_bwd_math(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal, window,
+                     softcap, *, dropout_p=0.0):
+    """Writes dq/dk/dv like flash-attn's varlen backward, from the lse read as raw float32 ``[H, Tq]`` memory:
+    dq 0 for rows of a sequence without keys, dk = dv = 0 for keys of a sequence without rows; rows past
+    ``max_seqlen_q`` / keys past ``max_seqlen_k`` of a sequence are not written (garbage, NaN here)."""
+    _require(q, k, v, dout, out)
+    _check_buffers(q, k, v, dq, dk, dv)
+    if dropout_p != 0.0:
+        raise AssertionError("the adapter must not ask for dropout")
+    assert all(type(x) is int for x in (max_q, max_k, *window)), "sizes and window sides are ints"
+    tq, h, _ = q.shape
+    seqs = _sequences(cu_q, cu_k, tq, k.shape[0])
+    raw = _raw_varlen_lse(lse, h, tq)
+    for buf in (dq, dk, dv):
+        buf.fill_(float("nan"))
+    for q0, q1, k0, k1 in seqs:
+        rows, keys = min(q1 - q0, max_q), min(k1 - k0, max_k)
+        if q1 > q0 and k1 == k0:
+            dq[q0:q0 + rows] = 0
+        elif k1 > k0 and q1 == q0:
+            dk[k0:k0 + keys], dv[k0:k0 + keys] = 0, 0
+        elif q1 > q0:
+            grads = _grads(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+                           raw[None, :, q0:q1], scale, causal, window, softcap)
+            dq[q0:q0 + rows], dk[k0:k0 + keys], dv[k0:k0 + keys] = (g[0, :n] for g, n in zip(grads, (rows, keys,
+                                                                                                    keys)))
+    return torch.zeros(h, tq, dtype=torch.float32)
 
 
 def _empty(like):
@@ -173,6 +279,67 @@ def fa27_ops():
     return fwd, bwd
 
 
+# ---------------------------------------------------------------- FA2 varlen entry points (flash_attn_varlen.py)
+def fa259_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                     causal, window_size, alibi_slopes, return_softmax, block_table):
+    raise AssertionError("2.5's varlen lse is padded [b, h, max_seqlen_q]: the adapter must not bind it")
+
+
+def fa259_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                     rng_state=None):
+    raise AssertionError("2.5's varlen lse is padded [b, h, max_seqlen_q]: the adapter must not bind it")
+
+
+def fa260_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                     causal, window_size, softcap, alibi_slopes, return_softmax, block_table):
+    assert alibi_slopes is None and block_table is None and not return_softmax
+    out, lse = _varlen_fwd_math(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                causal, tuple(window_size), softcap, dropout_p=dropout_p)
+    return out, q, k, v, out, lse, _empty(q), _rng()
+
+
+def fa260_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                     deterministic, rng_state=None):
+    assert alibi_slopes is None and not deterministic
+    d = _varlen_bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, softmax_scale, causal, tuple(window_size), softcap, dropout_p=dropout_p)
+    return dq, dk, dv, d
+
+
+@functools.cache
+def fa27_varlen_ops():
+    """2.7.4-2.8.3 (2.7.0-2.7.3: the same without zero_tensors)."""
+    @torch.library.custom_op("ctx_plugin_test_fa27::varlen_fwd", mutates_args=())
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+            softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
+            softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
+            block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
+            seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert alibi_slopes is None and block_table is None and leftpad_k is None and seqused_k is None
+        out, lse = _varlen_fwd_math(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    softmax_scale, causal, (window_size_left, window_size_right), softcap,
+                                    dropout_p=dropout_p)
+        return out, lse, _empty(q), _rng()
+
+    @torch.library.custom_op("ctx_plugin_test_fa27::varlen_bwd", mutates_args=("dq", "dk", "dv"))
+    def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+            dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+            max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
+            window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+            rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> torch.Tensor:
+        assert alibi_slopes is None and not deterministic
+        return _varlen_bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                (window_size_left, window_size_right), softcap, dropout_p=dropout_p)
+
+    return fwd, bwd
+
+
 # ---------------------------------------------------------------- FA3 beta (flashattn_hopper_cuda): 6 outputs
 def fa3beta_fwd(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, v_descale=None,
                 window_size=(-1, -1), sink_token_length=0, softcap=0.0, num_splits=1, pack_gqa=None):
@@ -200,54 +367,86 @@ def fa3_2024_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, cau
 
 
 # ---------------------------------------------------------------- FA3 @ c082294: many required None arguments
+def _fa3_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
+    """Whether the call is varlen; hopper/flash_api.cpp requires max_seqlen_q/k with cu_seqlens_q/k."""
+    if cu_seqlens_q is None:
+        assert cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None, "dense calls pass None"
+        return False
+    if cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
+        raise RuntimeError("max_seqlen_q must be provided if cu_seqlens_q is provided")
+    return True
+
+
+def _fa3_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window, softcap):
+    if _fa3_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        return _varlen_fwd_math(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                                tuple(window), softcap, fa2=False)
+    return _fwd_math(q, k, v, scale, causal, window, softcap)
+
+
+def _fa3_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+             causal, window, softcap):
+    if _fa3_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        return _varlen_bwd_math(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, scale, causal, tuple(window), softcap)
+    return _bwd_math(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap)
+
+
 def fa3c08_fwd(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q,
                seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
                seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal, window_size=(-1, -1),
                attention_chunk=0, softcap=0.0, rotary_interleaved=True, scheduler_metadata=None, num_splits=1,
                pack_gqa=None, sm_margin=0):
-    unused = (k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
-              max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
-              seqlens_rotary, q_descale, k_descale, v_descale)
-    assert all(x is None for x in unused)
-    o, lse = _fwd_math(q, k, v, softmax_scale, causal, window_size, softcap)
+    unused = (k_new, v_new, qv, out, cu_seqlens_k_new, seqused_q, seqused_k, page_table, kv_batch_idx, leftpad_k,
+              rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale)
+    assert all(x is None for x in unused) and num_splits == 1
+    o, lse = _fa3_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                      window_size, softcap)
     return o, lse, _empty(q), _empty(q)
 
 
 def fa3c08_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q,
                max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
                deterministic=False, sm_margin=0):
-    assert all(x is None for x in (cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q, max_seqlen_k))
-    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, softcap)
+    assert sequed_q is None and sequed_k is None
+    d = _fa3_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, softmax_scale, causal, window_size, softcap)
     return dq, dk, dv, d
 
 
 # ---------------------------------------------------------------- FA3 @ 01afd16d: custom ops, bwd takes is_causal
 @functools.cache
 def fa3new_ops():
+    T, OT = torch.Tensor, Optional[torch.Tensor]
+
     @torch.library.custom_op("ctx_plugin_test_fa3new::fwd", mutates_args=())
-    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: Optional[torch.Tensor] = None,
-            v_new: Optional[torch.Tensor] = None, qv: Optional[torch.Tensor] = None,
-            out_: Optional[torch.Tensor] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
-            cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
-            softmax_scale: Optional[float] = None, causal: bool = False, window_size_left: int = -1,
-            window_size_right: int = -1, attention_chunk: int = 0, softcap: float = 0.0, num_splits: int = 1,
-            pack_gqa: Optional[bool] = None, sm_margin: int = 0
+    def fwd(q: T, k: T, v: T, k_new: OT = None, v_new: OT = None, qv: OT = None, out_: OT = None,
+            cu_seqlens_q: OT = None, cu_seqlens_k: OT = None, cu_seqlens_k_new: OT = None, seqused_q: OT = None,
+            seqused_k: OT = None, max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+            page_table: OT = None, kv_batch_idx: OT = None, leftpad_k: OT = None, rotary_cos: OT = None,
+            rotary_sin: OT = None, seqlens_rotary: OT = None, q_descale: OT = None, k_descale: OT = None,
+            v_descale: OT = None, softmax_scale: Optional[float] = None, causal: bool = False,
+            window_size_left: int = -1, window_size_right: int = -1, attention_chunk: int = 0,
+            softcap: float = 0.0, rotary_interleaved: bool = True, scheduler_metadata: OT = None,
+            num_splits: int = 1, pack_gqa: Optional[bool] = None, sm_margin: int = 0
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        out, lse = _fwd_math(q, k, v, softmax_scale, causal, (window_size_left, window_size_right), softcap)
+        unused = (k_new, v_new, qv, out_, cu_seqlens_k_new, seqused_q, seqused_k, page_table, kv_batch_idx,
+                  leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale)
+        assert all(x is None for x in unused) and num_splits == 1
+        out, lse = _fa3_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                            (window_size_left, window_size_right), softcap)
         return out, lse, _empty(q), _empty(q)
 
     @torch.library.custom_op("ctx_plugin_test_fa3new::bwd", mutates_args=("dq", "dk", "dv"))
-    def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            softmax_lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
-            cu_seqlens_k: Optional[torch.Tensor] = None, sequed_q: Optional[torch.Tensor] = None,
-            sequed_k: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
-            max_seqlen_k: Optional[int] = None, dq: Optional[torch.Tensor] = None,
-            dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
+    def bwd(dout: T, q: T, k: T, v: T, out: T, softmax_lse: T, cu_seqlens_q: OT = None, cu_seqlens_k: OT = None,
+            sequed_q: OT = None, sequed_k: OT = None, max_seqlen_q: Optional[int] = None,
+            max_seqlen_k: Optional[int] = None, dq: OT = None, dk: OT = None, dv: OT = None,
             softmax_scale: Optional[float] = None, is_causal: bool = False, window_size_left: int = -1,
             window_size_right: int = -1, softcap: float = 0.0, deterministic: bool = False,
             sm_margin: int = 0) -> torch.Tensor:
-        return _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, is_causal,
-                         (window_size_left, window_size_right), softcap)
+        assert sequed_q is None and sequed_k is None
+        return _fa3_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, softmax_scale, is_causal, (window_size_left, window_size_right), softcap)
 
     return fwd, bwd
 
@@ -260,13 +459,18 @@ class Version:
     functions: Callable[[], tuple]
     legacy_fa3: bool = False
     """A 2024 FA3 build: its interface module holds the ``flashattn_hopper_cuda`` extension it imported."""
+    varlen: Optional[Callable[[], tuple]] = None
+    """FlashAttention-2's ``_flash_attn_varlen_forward/_backward`` of that version (FA3 takes cu_seqlens in the
+    functions above)."""
 
 
 FA20 = Version("2.0", 2, "2.0.9", lambda: (fa20_fwd, fa20_bwd))
 VERSIONS = [
-    Version("2.5", 2, "2.5.9.post1", lambda: (fa25_fwd, fa25_bwd)),
-    Version("2.6.0", 2, "2.6.0", lambda: (fa260_fwd, fa260_bwd)),
-    Version("2.7-custom-op", 2, "2.7.4", fa27_ops),
+    Version("2.5", 2, "2.5.9.post1", lambda: (fa25_fwd, fa25_bwd), varlen=lambda: (fa259_varlen_fwd,
+                                                                                      fa259_varlen_bwd)),
+    Version("2.6.0", 2, "2.6.0", lambda: (fa260_fwd, fa260_bwd), varlen=lambda: (fa260_varlen_fwd,
+                                                                               fa260_varlen_bwd)),
+    Version("2.7-custom-op", 2, "2.7.4", fa27_ops, varlen=fa27_varlen_ops),
     Version("fa3-beta", 3, "unknown", lambda: (fa3beta_fwd, fa3beta_bwd), legacy_fa3=True),
     Version("fa3-2024", 3, "unknown", lambda: (fa3_2024_fwd, fa3_2024_bwd), legacy_fa3=True),
     Version("fa3-c082294", 3, "unknown", lambda: (fa3c08_fwd, fa3c08_bwd)),
@@ -305,6 +509,8 @@ def _install(monkeypatch, version: Version, fwd=None, bwd=None):
             module.flashattn_hopper_cuda = types.ModuleType("flashattn_hopper_cuda")
     module._flash_attn_forward = fwd or fwd_default
     module._flash_attn_backward = bwd or bwd_default
+    if version.varlen is not None:
+        module._flash_attn_varlen_forward, module._flash_attn_varlen_backward = version.varlen()
 
 
 @pytest.fixture(params=VERSIONS, ids=lambda v: v.label)
