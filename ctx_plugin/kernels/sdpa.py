@@ -321,7 +321,9 @@ class FlashKernel(_SdpaKernel):
             raise ValueError(f"varlen calls take windows with an unbounded right side, got {batch.window} "
                              f"(ctx_plugin.kernels.varlen.chains never builds one)")
         g = q.shape[1] // k.shape[1]
-        k, v = (_expand_kv(t[None], g)[0] for t in (k, v))           # [T, H, D]: GQA heads expanded per call
+        # [T, H, D]: GQA heads expanded per call. Equal head counts also keep FlashAttention-2's max_seqlen_q == 1
+        # decoding shortcut off (it assumes one row per sequence, which fillers break).
+        k, v = (_expand_kv(t[None], g)[0] for t in (k, v))
         cu_q, cu_k = batch.cu_seqlens(q.device)
         left = -1 if batch.window[0] is None else int(batch.window[0])  # >= Sk reads as unbounded: exact (left)
         sides = {"window_size_left": left, "window_size_right": 0 if batch.causal else -1}
