@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import defaultdict
 
 import torch
@@ -26,6 +27,8 @@ from ..rules import SettingNames, check_ulysses_size
 
 TIMEOUT_S = 120.0
 """A simulated rank waiting longer than this for its peers raises instead of hanging (a peer failed)."""
+POLL_S = 0.05
+"""How often a rank waiting for a message checks whether a peer failed (:meth:`ThreadedWorld.abort`)."""
 
 
 class _Done:
@@ -53,11 +56,20 @@ SILENT = Silent()
 
 
 class _Receive:
-    def __init__(self, box: queue.Queue, recv: torch.Tensor) -> None:
-        self.box, self.recv = box, recv
+    def __init__(self, world: ThreadedWorld, box: queue.Queue, recv: torch.Tensor) -> None:
+        self.world, self.box, self.recv = world, box, recv
 
     def wait(self) -> None:
-        self.recv.copy_(self.box.get(timeout=TIMEOUT_S))
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            try:
+                self.recv.copy_(self.box.get(timeout=POLL_S))
+                return
+            except queue.Empty:
+                if self.world.aborted:
+                    raise RuntimeError("a simulated peer rank failed while this rank waited for its data") from None
+                if time.monotonic() > deadline:
+                    raise
 
 
 class ThreadedWorld:
@@ -70,14 +82,20 @@ class ThreadedWorld:
         self._boxes: dict = defaultdict(queue.Queue)      # (members, dst, src, tag) → tensors in send order
         self._barriers: dict = {}                          # members → Barrier
         self._deposits: dict = defaultdict(dict)           # members → {rank: tensor} of the current collective
+        self.aborted = False
 
     def _barrier(self, members: tuple[int, ...]) -> threading.Barrier:
         with self._lock:
-            return self._barriers.setdefault(members, threading.Barrier(len(members), timeout=TIMEOUT_S))
+            barrier = self._barriers.setdefault(members, threading.Barrier(len(members), timeout=TIMEOUT_S))
+            if self.aborted:            # created after a rank failed: broken too
+                barrier.abort()
+            return barrier
 
     def abort(self) -> None:
-        """Breaks every barrier (a rank failed: its peers raise instead of waiting)."""
+        """Breaks every barrier, those created later included, and every wait for a message (a rank failed: its
+        peers raise at once instead of waiting :data:`TIMEOUT_S`)."""
         with self._lock:
+            self.aborted = True
             for barrier in self._barriers.values():
                 barrier.abort()
 
@@ -88,7 +106,7 @@ class ThreadedWorld:
     def exchange(self, group, send, recv, send_to, recv_from, tag):
         members = group.members
         self._box((members, send_to, group.rank, tag)).put(send.clone())
-        return _Receive(self._box((members, group.rank, recv_from, tag)), recv)
+        return _Receive(self, self._box((members, group.rank, recv_from, tag)), recv)
 
     def _collective(self, group, inp: torch.Tensor) -> list[torch.Tensor]:
         """Every member's ``inp``, in group rank order."""

@@ -45,16 +45,24 @@ def test_hybrid_groups_are_laid_out_like_build_cp_groups():
         simulated_groups(cfg, 0, 3, SILENT, "cpu")
 
 
-def test_a_failing_simulated_rank_does_not_hang_the_others():
+@pytest.mark.parametrize("backend", ["allgather", "ring"])          # waits in a collective / for a message
+def test_a_failing_simulated_rank_does_not_hang_the_others(backend):
+    """The peers give up at once, also when they reach their wait after the rank failed (not after TIMEOUT_S)."""
+    import time
+
+    from ctx_plugin.bench.simulated import TIMEOUT_S
+
     def work(rank, world):
-        groups = simulated_groups(ctx_plugin.CPConfig(backend="allgather"), rank, 3, world, "cpu")
+        groups = simulated_groups(ctx_plugin.CPConfig(backend=backend), rank, 3, world, "cpu")
         if rank == 1:
             raise RuntimeError("rank 1 broke")
         q = torch.randn(1, 4, 2, 8)
         return ctx_plugin.cp_attention(q, q, q, config=groups.config, groups=groups)   # waits for rank 1
 
+    start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 broke"):
         run_threaded(3, work)
+    assert time.monotonic() - start < TIMEOUT_S / 4
 
 
 def test_rank_times_one_per_rank():
@@ -65,7 +73,7 @@ def test_rank_times_one_per_rank():
 
 def test_flops_and_efficiency_arithmetic():
     shape = Shape(seq_len=1024, heads=2, kv_heads=1, head_dim=64, batch=3)
-    assert shape.flops(False) == 4 * 3 * 1024 ** 2 * 2 * 64 * 0.5
+    assert shape.flops(False) == 4 * 3 * 2 * 64 * (1024 * 1025 / 2)          # every causal pair, diagonal included
     assert shape.flops(True) == 3.5 * shape.flops(False)
     r = row(shape, "zigzag", 4, "fwd", "torch", [1.0, 2.0, 1.5, 1.5], ideal=4.0)
     assert r["efficiency"] == pytest.approx(0.5)                  # ideal 4 s / 4 ranks = 1 s, slowest 2 s
@@ -120,7 +128,7 @@ def test_cli_window_reports_the_speed_up_against_the_full_ring(tmp_path):
     # FLOPs count the pairs the window keeps: S·(w+1) − w·(w+1)/2 (w = 16, S = 256)
     shape = Shape(seq_len=256, heads=4, kv_heads=2, head_dim=16, window=16)
     assert shape.flops(False) == 4 * 4 * 16 * (256 * 17 - 16 * 17 / 2)
-    assert Shape(seq_len=8, window=100).flops(False) == Shape(seq_len=8).flops(False) * (36 / 32)   # all 36 pairs
+    assert Shape(seq_len=8, window=100).flops(False) == Shape(seq_len=8).flops(False) == 4 * 32 * 128 * 36  # all 36
     with pytest.raises(ValueError, match="window must be None or an int >= 0"):
         Shape(seq_len=8, window=-1)
 
@@ -133,13 +141,16 @@ def test_cli_plot(tmp_path):
 
 
 def test_cli_smoke_distributed():
+    """Real processes, with packed documents (one launch: without them the path is the same, documents=None)."""
     proc = subprocess.run([sys.executable, "-m", "ctx_plugin.cli", "bench", "--smoke", "--distributed", "--nproc",
-                           "2", "--passes", "fwd", "--backends", "zigzag", "ulysses"], capture_output=True, text=True,
-                          timeout=300)
+                           "2", "--passes", "fwd", "--backends", "zigzag", "ulysses", "--doc-len", "20"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stdout and "hidden" in proc.stdout and "check µs" in proc.stdout
+    assert "documents of 20 tokens" in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("zigzag ", "ulysses "))]
-    assert len(rows) == 2 and all(float(r[-1]) > 0 for r in rows), "the rank check's time per call, in µs"
+    assert len(rows) == 2 and all(float(r[-4]) > 0 for r in rows), "the rank check's time per call, in µs"
+    assert [r[-3:] for r in rows] == [["13", "4", "0"], ["13", "1", "0"]]      # docs, unit, pad (S = 256)
 
 
 def test_no_rank_check_flag():
@@ -186,7 +197,7 @@ def test_windowed_ideal_is_the_kernels_full_mask_time_scaled_by_the_kept_flops(m
     monkeypatch.setattr(harness, "median_time", once)
     windowed = Shape(seq_len=64, heads=2, kv_heads=2, head_dim=8, window=7, dtype=torch.float32)
     seconds, name = harness.ideal_time(windowed, ctx_plugin.Kernel.AUTO, False, 1)
-    share = (64 * 8 - 7 * 8 / 2) / (64 * 64 / 2)
+    share = (64 * 8 - 7 * 8 / 2) / (64 * 65 / 2)
     assert name == "torch" and seconds == pytest.approx(2.0 * share)
     assert seen == [frozenset({"window"}), (True, (None, None))]
     seen.clear()
