@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from .. import agreement
+from ..api import _document_code
 from ..attention import run_backend
 from ..groups import build_cp_groups
 from ..kernels import accum_dtype, select_kernel
 from ..mask import Mask
 from ..names import Kernel
-from .harness import Shape, attention_step, ideal_time, median_time
+from .harness import Shape, attention_step, call_time, ideal_share, median_time
 from .report import add_arguments, configs, row, settle, shape_from_args, write_outputs
 from .simulated import SILENT, simulated_groups
 
@@ -52,13 +53,17 @@ class NullKernel:
 
 def comm_step(shape: Shape, config, groups, q, k, v, dout, backward: bool):
     """``cp_attention``'s communication without its compute: the ranks' agreement check and the backend with
-    :class:`NullKernel` (forward, or forward and backward)."""
+    :class:`NullKernel` (forward, or forward and backward; the shape's documents as :func:`attention_step` passes
+    them)."""
     kernel = NullKernel()
+    docs = shape.documents_for(config, groups.size)
+    mask = Mask(shape.causal, shape.mask["window"], documents=docs).within(shape.seq_len)
 
     def go():
-        agreement.check(groups, agreement.attention_signature(q, k, v, groups=groups, causal=shape.causal,
-                                                              softmax_scale=None, kernel=kernel.name, error=None))
-        out = run_backend(q, k, v, config=config, groups=groups, kernel=kernel, mask=Mask(**shape.mask),
+        agreement.check(groups, agreement.attention_signature(
+            q, k, v, groups=groups, causal=shape.causal, softmax_scale=None, kernel=kernel.name, error=None,
+            window=mask.window, documents=_document_code(docs, given=docs is not None)))
+        out = run_backend(q, k, v, config=config, groups=groups, kernel=kernel, mask=mask,
                           scale=shape.head_dim ** -0.5)
         if backward:
             out.backward(dout)
@@ -108,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for pass_ in args.passes:
         backward = pass_ == "fwd+bwd"
-        ideal, kernel = ideal_time(shape, Kernel(args.kernel), backward, args.reps) if rank == 0 else (0.0, "")
-        ideal = max(_gather(ideal, device))
+        full, kernel = call_time(shape, Kernel(args.kernel), backward, args.reps, windowed=False) if rank == 0 \
+            else (0.0, "")                                      # ideal_time's full-mask call, scaled per backend
+        full = max(_gather(full, device))
         for label, config in configs(args, size):
             if isinstance(config, str):
                 rows.append({"backend": label, "ranks": size, "pass": pass_, "skipped": config})
@@ -125,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             extra = {}
             if real_groups.check_group is not None:
                 extra["check_us"] = max(_gather(_check_time(shape, real_groups, tensors), device)) * 1e6
-            rows.append(row(shape, label, size, pass_, kernel, times, ideal, comm_ms=max(comms) * 1e3,
-                            hidden_comm=min(hiddens), **extra))
+            unit = shape.document_unit(config, size)
+            rows.append(row(shape, label, size, pass_, kernel, times, full * ideal_share(shape, unit), unit,
+                            comm_ms=max(comms) * 1e3, hidden_comm=min(hiddens), **extra))
     if rank == 0:
         write_outputs(args, shape, rows, f"{size} processes, {dist.get_backend_config()}")
     dist.destroy_process_group()

@@ -172,7 +172,8 @@ def rank_bytes(shape: Shape, config: CPConfig, size: int, backward: bool) -> lis
 
 
 def single_device_bytes(shape: Shape, kernel: Kernel, backward: bool) -> CallBytes:
-    """One local-kernel call on the whole sequence (the benchmark's ideal), measured like a rank's call."""
+    """One local-kernel call on the whole sequence (the benchmark's ideal), measured like a rank's call; with packed
+    documents the call is the same, one document (kernels see no documents: the plans cut them into blocks)."""
     mask = Mask(shape.causal, shape.mask["window"]).within(shape.seq_len)
     k_obj = select_kernel(kernel, shape.device, shape.dtype, shape.head_dim, mask.features)
     q, k, v, dout = shape.tensors(shape.seq_len, torch.Generator().manual_seed(0), grad=False)

@@ -5,7 +5,9 @@ Simulated mode (default) runs each rank of an N-rank group in turn on one device
 the real distributed path (NCCL on GPUs, gloo on CPU) with its communication (:mod:`ctx_plugin.bench.distributed`).
 ``--smoke`` is a tiny CPU case (CI runs it; its times mean nothing). ``--memory`` (simulated mode) adds what each
 rank's call allocates, copies and holds at its peak (:mod:`ctx_plugin.bench.memory`, the torch profiler's memory
-events) and that peak against ``(1/N) of the one-device peak + two K/V blocks``.
+events) and that peak against ``(1/N) of the one-device peak + two K/V blocks``. ``--doc-len M`` /
+``--doc-lengths FILE`` pack documents into the sequence as ``ctx-plugin plan`` takes them; each row pads them to its
+layout's document unit (:meth:`~ctx_plugin.bench.harness.Shape.documents_for`, columns docs/unit/pad).
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ import torch
 from ..cliargs import output_file, positive_int, tokens
 from ..config import CPConfig
 from ..rules import SettingNames, check_seq_len
-from ..memory.report import need_matplotlib
+from ..memory.flops import describe as describe_documents
+from ..memory.report import doc_lengths_file, need_matplotlib
 from ..kernels import kernel_unavailable, select_kernel
 from ..mask import Mask
 from ..names import Backend, Kernel
-from .harness import PASSES, Shape, call_time, ideal_time, rank_times
+from .harness import PASSES, Shape, call_time, ideal_share, rank_times
 from .memory import memory_columns, rank_bytes, single_device_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -52,6 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=non_negative_tokens, default=None,
                    help="sliding window: each query sees itself and this many tokens before it (window=(w, 0)); "
                         "simulated mode also times the same backends without it (column 'vs full')")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--doc-len", type=tokens, default=None, metavar="MEAN",
+                      help="packed documents, as ctx-plugin plan takes them: documents of this many tokens fill the "
+                           "sequence one after another, the last one cut (e.g. 512 or 4k); each row pads every "
+                           "document at its end to its layout's document unit (pad_documents; columns docs, unit, "
+                           "pad); FLOPs and the ideal count only the pairs inside each document")
+    docs.add_argument("--doc-lengths", type=doc_lengths_file, default=None, metavar="FILE",
+                      help="packed documents: a file of document lengths (a JSON list, or whitespace-separated "
+                           "numbers), taken in order and repeated until the sequence is full, padded like --doc-len")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
     p.add_argument("--reps", type=positive_int, default=None,
                    help="timed repetitions per measurement (median; default 5)")
@@ -139,7 +151,7 @@ def shape_from_args(args: argparse.Namespace, device: torch.device | None = None
         raise ValueError("--device cuda but no GPU is visible")
     return Shape(seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads or args.heads,
                  head_dim=args.head_dim, batch=args.batch, causal=not args.no_causal, window=args.window,
-                 dtype=DTYPES[args.dtype],
+                 documents=args.doc_len if args.doc_lengths is None else args.doc_lengths, dtype=DTYPES[args.dtype],
                  device=device)
 
 
@@ -156,20 +168,26 @@ def configs(args: argparse.Namespace, size: int):
 
 
 def row(shape: Shape, label: str, size: int, pass_: str, kernel: str, times: list[float], ideal: float,
-        **extra) -> dict:
+        unit: int = 1, **extra) -> dict:
+    """One table row; ``ideal``: the one-device seconds (:func:`~ctx_plugin.bench.harness.ideal_time`) for the
+    documents padded to ``unit`` (the row's layout's document unit), whose FLOPs the TFLOP/s count."""
     slowest = max(times)
+    documents = {}
+    if shape.documents is not None:
+        packing = shape.packing(unit)
+        documents = {"documents": packing.documents, "doc_unit": unit, "padding": packing.padding}
     return {"backend": label, "ranks": size, "pass": pass_, "kernel": kernel, "slowest_ms": slowest * 1e3,
             "mean_ms": sum(times) / len(times) * 1e3, "ideal_ms": ideal / size * 1e3,
             "efficiency": ideal / size / slowest,
-            "tflops_per_gpu": shape.flops(pass_ == "fwd+bwd") / size / slowest / 1e12,
-            "rank_ms": [t * 1e3 for t in times], **extra}
+            "tflops_per_gpu": shape.flops(pass_ == "fwd+bwd", unit) / size / slowest / 1e12,
+            "rank_ms": [t * 1e3 for t in times], **documents, **extra}
 
 
 def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
     rows = []
     for pass_ in args.passes:
         backward = pass_ == "fwd+bwd"
-        ideal, kernel = ideal_time(shape, Kernel(args.kernel), backward, args.reps)
+        full, kernel = call_time(shape, Kernel(args.kernel), backward, args.reps, windowed=False)   # ideal_time's
         single = single_device_bytes(shape, Kernel(args.kernel), backward) if args.memory else None
         for size in args.ranks:
             for label, config in configs(args, size):
@@ -177,6 +195,7 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
                     if isinstance(config, str):
                         raise ValueError(config)
                     times = rank_times(shape, config, size, backward, args.reps)
+                    unit = shape.document_unit(config, size)
                 except ValueError as e:       # this backend cannot split this shape: say so, keep going
                     rows.append({"backend": label, "ranks": size, "pass": pass_, "skipped": str(e)})
                     continue
@@ -187,19 +206,23 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
                     extra = {"full_slowest_ms": full * 1e3, "vs_full": full / max(times)}
                 if single is not None:
                     extra.update(memory_columns(shape, size, single, rank_bytes(shape, config, size, backward)))
-                rows.append(row(shape, label, size, pass_, kernel, times, ideal, **extra))
+                rows.append(row(shape, label, size, pass_, kernel, times, full * ideal_share(shape, unit), unit,
+                                **extra))
     return rows
 
 
 def compare_kernels(args: argparse.Namespace, shape: Shape) -> str:
     """A table of every kernel's forward and forward+backward time on one rank's share of the sequence, with the
-    shape's window applied; kernels that cannot apply it (or cannot run here) are listed with the reason."""
-    block = Shape(**{**shape.__dict__, "seq_len": shape.seq_len // max(args.ranks)})
+    shape's window applied; kernels that cannot apply it (or cannot run here) are listed with the reason. Packed
+    documents need no kernel feature (the plans cut them into blocks, each a call like this one), so the block is
+    one document, and the header says so."""
+    block = replace(shape, seq_len=shape.seq_len // max(args.ranks), documents=None)
     features = Mask(block.causal, block.mask["window"]).within(block.seq_len).features
     auto = select_kernel(Kernel.AUTO, block.device, block.dtype, block.head_dim, features).name
     window = "" if block.window is None else f", window ({block.window}, 0)"
+    packed = "" if shape.documents is None else ", one block: packed documents need no kernel feature"
     lines = [f"local kernels on {block.seq_len} tokens ({'causal' if block.causal else 'full'}{window}, "
-             f"{str(block.dtype).removeprefix('torch.')}); kernel=auto picks {auto}",
+             f"{str(block.dtype).removeprefix('torch.')}{packed}); kernel=auto picks {auto}",
              f"{'kernel':<12} {'fwd ms':>9} {'fwd+bwd ms':>11} {'TFLOP/s fwd+bwd':>16}"]
     for name in (k for k in Kernel if k != Kernel.AUTO):
         why = kernel_unavailable(name, block.device, block.dtype, block.head_dim)
@@ -221,9 +244,10 @@ def format_table(rows: list[dict]) -> str:
     check = any("check_us" in r for r in rows)
     window = any("vs_full" in r for r in rows)
     memory = any("peak_mib" in r for r in rows)
+    packed = any("doc_unit" in r for r in rows)
     head = f"{'backend':<17} {'N':>3} {'pass':<8} {'slowest ms':>10} {'mean ms':>9} {'ideal ms':>9} " \
            f"{'eff.':>5} {'TFLOP/s':>8}" + (f" {'comm ms':>8} {'hidden':>6}" if hidden else "") + \
-           (f" {'check µs':>8}" if check else "") + (f" {'full ms':>9} {'vs full':>7}" if window else "") + \
+           (f" {'check µs':>8}" if check else "") + (f" {'docs':>6} {'unit':>4} {'pad':>6}" if packed else "") + (f" {'full ms':>9} {'vs full':>7}" if window else "") + \
            (f" {'alloc MiB':>10} {'copied MiB':>10} {'peak MiB':>9} {'bound MiB':>9} {'peak/bound':>10}"
             if memory else "")
     lines = [head]
@@ -237,6 +261,8 @@ def format_table(rows: list[dict]) -> str:
             line += f" {r['comm_ms']:>8.3f} {r['hidden_comm']:>6.0%}"
         if check:
             line += f" {r.get('check_us', 0.0):>8.1f}"
+        if packed:
+            line += f" {r['documents']:>6} {r['doc_unit']:>4} {r['padding']:>6}"
         if window:
             line += f" {r['full_slowest_ms']:>9.3f} {r['vs_full']:>6.2f}×"
         if memory:
@@ -251,16 +277,27 @@ def describe(shape: Shape, rows: list[dict], mode: str) -> str:
     device = torch.cuda.get_device_name(shape.device) if shape.device.type == "cuda" else "cpu"
     return (f"ctx_plugin bench ({mode}): S={shape.seq_len}, batch {shape.batch}, {shape.heads} heads "
             f"({shape.kv_heads} K/V) × {shape.head_dim}, {'causal' if shape.causal else 'full'}, "
-            f"{_window_text(shape, rows)}"
+            f"{_window_text(shape, rows)}{_documents_text(shape)}"
             f"{str(shape.dtype).removeprefix('torch.')}, {device}, kernel {'/'.join(kernels) or '-'}; "
-            f"efficiency = ideal (one kernel on the whole sequence ÷ N{_ideal_window(shape)}) ÷ slowest rank"
+            f"efficiency = ideal (one kernel on the whole sequence ÷ N{_ideal_masked(shape)}) ÷ slowest rank"
             + ("; memory per rank and call (largest rank): allocated, copied, peak above the inputs; bound = "
-               "one-device peak ÷ N + 2 K/V blocks" if any("peak_mib" in r for r in rows) else ""))
+               "one-device peak ÷ N + 2 K/V blocks" + ("" if shape.documents is None else
+                                                      " (one-device: the whole sequence as one document)")
+               if any("peak_mib" in r for r in rows) else ""))
 
 
-def _ideal_window(shape: Shape) -> str:
-    return "" if shape.window is None else "; with the window: its full-mask time × the FLOP share the window keeps"
+def _ideal_masked(shape: Shape) -> str:
+    what = " and ".join(name for name, given in (("window", shape.window is not None),
+                                                 ("documents", shape.documents is not None)) if given)
+    return "" if not what else f"; with the {what}: its full-mask time × the share of pairs the {what} keep"
 
+
+def _documents_text(shape: Shape) -> str:
+    if shape.documents is None:
+        return ""
+    return (f"{describe_documents(shape.documents)}, each padded at its end to the layout's document unit "
+            f"(pad_documents; columns docs = documents in the sequence, unit, pad = padding tokens), FLOPs counting "
+            f"only the pairs inside each document, ")
 
 def _window_text(shape: Shape, rows: list[dict]) -> str:
     if shape.window is None:
@@ -273,8 +310,8 @@ def write_outputs(args: argparse.Namespace, shape: Shape, rows: list[dict], mode
     print(describe(shape, rows, mode))
     print(format_table(rows))
     if args.json:
-        rates = {r["pass"]: shape.flops(r["pass"] == "fwd+bwd") / (r["ideal_ms"] * r["ranks"] / 1e3) / 1e12
-                 for r in rows if "ideal_ms" in r}
+        rates = {r["pass"]: shape.flops(r["pass"] == "fwd+bwd", r.get("doc_unit", 1))
+                 / (r["ideal_ms"] * r["ranks"] / 1e3) / 1e12 for r in rows if "ideal_ms" in r}
         Path(args.json).write_text(json.dumps({
             "mode": mode, "shape": shape.describe(), "torch": torch.__version__, "setup": describe(shape, rows, mode),
             "kernel_tflops": rates,   # the one-kernel ideal's rate per pass; ctx-plugin plan --bench reads:
