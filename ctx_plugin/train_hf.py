@@ -12,14 +12,15 @@ rank) or ``SIGTERM``, every rank finishes its optimizer step, the ranks agree on
 DeepSpeed checkpoint (``save_checkpoint``: model, optimizer, the step and the losses so far) under
 ``--checkpoint-dir`` and exit 0. ``--resume`` continues from the latest checkpoint there (the same losses as an
 uninterrupted run: the data is not shuffled, the next micro-batch is the one after the last trained), or starts
-afresh when there is none, so a requeued job can pass it on every attempt.
+afresh when there is none, so a requeued job can pass it on every attempt. Under the job scripts each rank records
+the signals its handler got in the attempt's ``signals/rank-<r>.txt``, and a rank stopped on another rank's signal
+waits (after saving, at most 30 s) for its own (:class:`ctx_plugin.slurm.signals.StopRequest`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .cliargs import parse_strict
+from .slurm.signals import StopRequest
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,26 +86,6 @@ def checkpoint_dir(args: argparse.Namespace, env=os.environ) -> Path | None:
         raise ValueError("--resume needs --checkpoint-dir DIR (under launch/deepspeed.sbatch: the run directory's "
                          "checkpoints/)")
     return None
-
-
-class StopRequest:
-    """Set by SIGUSR1/SIGTERM (installed first thing, so a warning during start-up is kept); ``agreed`` makes
-    every rank stop after the same step."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._set)
-
-    def _set(self, signum, frame) -> None:
-        self.signal = signum
-
-    def agreed(self, device) -> bool:
-        import torch.distributed as dist
-
-        flag = torch.tensor([0 if self.signal is None else 1], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def _model_config(args: argparse.Namespace):
@@ -225,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     micro_losses, tokens, start = [], 0, time.perf_counter()
     batches = micro_batches(loader, len(losses) * accumulation)
     while len(losses) < args.steps:
+        stop.step = len(losses)
         batch = {k: v.to(engine.device) if isinstance(v, torch.Tensor) else v for k, v in next(batches).items()}
         loss, report = cpds.lm_loss(engine, batch)       # the section's +tile_loss: head and loss tiled
         engine.backward(loss)
@@ -239,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {len(losses) - 1:>5}  loss {losses[-1]:.6f}", flush=True)
         if len(losses) < args.steps and stop.agreed(engine.device):
             if ckpt is None:
-                print(f"rank {rank}: stopped by signal {stop.signal} after step {len(losses) - 1}; no "
-                      f"--checkpoint-dir, nothing saved", flush=True)
+                saved = "no --checkpoint-dir, nothing saved"
             else:
                 engine.save_checkpoint(str(ckpt), tag=f"step{len(losses)}", client_state={"losses": losses})
-                print(f"rank {rank}: stopped by signal {stop.signal} after step {len(losses) - 1}; saved "
-                      f"{ckpt}/step{len(losses)}", flush=True)
+                saved = f"saved {ckpt}/step{len(losses)}"
+            stop.await_own()
+            print(f"rank {rank}: stopped by {stop.describe()} after step {len(losses) - 1}; {saved}", flush=True)
             break
     elapsed = time.perf_counter() - start
     total = torch.tensor([float(tokens)], device=engine.device)

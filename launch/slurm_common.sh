@@ -13,7 +13,9 @@
 #    (with the first failure found in the logs) / timeout / cancelled / requeued / preempted, exit code and times.
 # SLURM's time-limit warning (#SBATCH --signal=B:USR1@120) reaches this shell only; it passes USR1 on to every
 # rank (an overlapping srun step signals the children of each node's torchrun; torchrun itself ignores USR1), so
-# every rank can finish its step, save and exit. Then, with --requeue (or CTX_REQUEUE=1), the job requeues itself (same job id, next
+# every rank can finish its step, save and exit. Each node records the ranks it signalled in the attempt's
+# signals/node-<n>.txt; ranks of ctx_plugin.train_hf record their own handler's in signals/rank-<r>.txt, and the
+# status gets a summary (signals=). Then, with --requeue (or CTX_REQUEUE=1), the job requeues itself (same job id, next
 # attempt); without, it waits for the time limit, so SLURM records TIMEOUT. A SIGTERM (scancel, the time limit) is
 # classified by asking slurmctld for the job's state.
 # Preemption with a GraceTime (PreemptMode=REQUEUE or CANCEL): slurmctld sends SIGCONT and SIGTERM to the job steps
@@ -33,8 +35,10 @@ ctx_seconds() {   # SLURM time ([D-]HH:MM:SS, MM:SS, SS) → seconds; nothing fo
   else echo $((10#$d * 86400 + 10#$a)); fi
 }
 
+_ctx_common=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/${BASH_SOURCE[0]##*/}   # this file, for the nodes' tasks
+
 ctx_status() {    # ctx_status WORD [EXIT_CODE [KEY=VALUE...]]: the attempt's status, then the run's; each written whole
-  local word=$1 code=${2:-} line n
+  local word=$1 code=${2:-} line
   shift; [ $# -eq 0 ] || shift
   {
     echo "$word"
@@ -43,8 +47,14 @@ ctx_status() {    # ctx_status WORD [EXIT_CODE [KEY=VALUE...]]: the attempt's st
     echo "started=$_ctx_started"
     [ "$word" = running ] || echo "ended=$(date -u +%FT%TZ)"
     for line in "$@"; do echo "$line"; done
+    [ -z "${_ctx_signals:-}" ] || echo "signals=$_ctx_signals"
   } >"$_ctx_attempt/status.tmp"
   mv "$_ctx_attempt/status.tmp" "$_ctx_attempt/status"
+  _ctx_run_status
+}
+
+_ctx_run_status() {   # the run's status: the attempt's, its number, a line per earlier attempt
+  local n
   {
     cat "$_ctx_attempt/status"
     echo "attempt=$_ctx_n"
@@ -88,6 +98,7 @@ ctx_end_reason() {   # how slurmctld sees the job ending: cancelled, timeout, pr
 }
 
 _ctx_on_warning() {   # SLURM's time-limit warning: every rank (torchrun's children, on every node) gets SIGUSR1
+  _ctx_trapped=1
   [ -z "$_ctx_reason" ] || return 0
   _ctx_reason=warned
   ctx_status timeout "" "stopping=the ranks got the time-limit warning (SIGUSR1) to save and stop"
@@ -96,12 +107,31 @@ _ctx_on_warning() {   # SLURM's time-limit warning: every rank (torchrun's child
   # one task per node, beside the running step; only the ranks (not their compilers or data-loader workers)
   # shellcheck disable=SC2016   # expanded by the task's bash
   srun --overlap --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 \
-    bash -c 'pkill -USR1 -P "$(cat "$1/pids/node-$SLURM_NODEID.pid")"' _ "$_ctx_attempt" \
-    || echo "ctx_plugin: signalling the ranks failed (a node had no torchrun running yet?)" >&2
+    bash -c 'source "$1" && ctx_signal_node "$2" USR1' _ "$_ctx_common" "$_ctx_attempt" \
+    || echo "ctx_plugin: signalling the ranks failed on a node (see $_ctx_attempt/signals/)" >&2
+}
+
+ctx_signal_node() {   # ctx_signal_node ATTEMPT_DIR SIGNAL, on each node (an srun task): SIGNAL to the node's ranks
+  # (the children of its torchrun, whose pid is in pids/node-$SLURM_NODEID.pid), a line per rank appended to
+  # signals/node-$SLURM_NODEID.txt (sent, or gone when it had exited; none when no rank ran); fails when none was sent
+  local dir=$1 sig=$2 node=${SLURM_NODEID:-0} host torchrun="" pid rank result sent=0 out
+  host=${SLURMD_NODENAME:-$(hostname -s)}
+  out=$dir/signals/node-$node.txt
+  mkdir -p "$dir/signals" || return 1
+  [ ! -f "$dir/pids/node-$node.pid" ] || torchrun=$(<"$dir/pids/node-$node.pid")
+  for pid in $([ -z "$torchrun" ] || pgrep -P "$torchrun"); do
+    rank=$(tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | sed -n 's/^RANK=//p') || rank=""
+    if kill -s "$sig" "$pid" 2>/dev/null; then result=sent; sent=$((sent + 1)); else result=gone; fi
+    echo "$(date -u +%FT%T.%3NZ) node=$node host=$host pid=$pid rank=${rank:-?} signal=$sig $result" >>"$out"
+  done
+  [ "$sent" -gt 0 ] && return 0
+  echo "$(date -u +%FT%T.%3NZ) node=$node host=$host torchrun=${torchrun:-?} signal=$sig none" >>"$out"
+  return 1
 }
 
 _ctx_on_term() {
   local reason now
+  _ctx_trapped=1
   case $_ctx_reason in   # decided already (the step has ended): stop waiting
     requeued|cancelled|timeout|preempted) _ctx_termed=1; kill -TERM "$_ctx_pid" 2>/dev/null || true; return 0 ;;
   esac
@@ -125,10 +155,16 @@ _ctx_on_term() {
   kill -TERM "$_ctx_pid" 2>/dev/null || true
 }
 
-_ctx_wait() {     # waits for $_ctx_pid (a trapped signal interrupts wait: wait again); its exit code in _ctx_rc
-  while :; do
-    _ctx_rc=0; wait "$_ctx_pid" || _ctx_rc=$?
-    kill -0 "$_ctx_pid" 2>/dev/null || break
+_ctx_wait() {     # waits for $_ctx_pid; its exit code in _ctx_rc. A trapped signal interrupts wait (128+n): wait
+  # again, for the process's own code (kept once it has ended, also when it ended while the trap ran)
+  local rc
+  _ctx_trapped="" _ctx_rc=0
+  wait "$_ctx_pid" || _ctx_rc=$?
+  while [ -n "$_ctx_trapped" ] && [ "$_ctx_rc" -gt 128 ]; do
+    _ctx_trapped="" rc=0
+    wait "$_ctx_pid" || rc=$?
+    [ "$rc" -ne 127 ] || break   # collected already: $_ctx_rc was its own
+    _ctx_rc=$rc
   done
 }
 
@@ -147,6 +183,7 @@ _ctx_after_preemption() {   # the step ended within a preemption's GraceTime: SL
   _ctx_reason=preempted
   ctx_status preempted "$rc" "note=preempted (PreemptTime set): the ranks were signalled to save and stop; SLURM ends \
 the job at the end of the GraceTime and requeues it (PreemptMode=REQUEUE) or cancels it"
+  _ctx_note_signals   # after the status: the GraceTime runs
   end=$(_ctx_epoch "$(_ctx_field EndTime "$(scontrol show job -o "${SLURM_JOB_ID:-0}" 2>/dev/null || true)")")
   # a job that ends before SLURM's end of the GraceTime is not requeued: wait for it (300 s past: SLURM acts
   # on its next scheduling pass)
@@ -176,6 +213,7 @@ _ctx_after_warning() {   # the ranks stopped after the warning: requeue, or wait
     _ctx_after_preemption "$rc"
     return 0
   fi
+  _ctx_note_signals   # before the requeue, which ends this shell
   if [ "$rc" -ne 0 ]; then
     _ctx_reason=timeout
     ctx_status timeout "$rc" "note=the job step failed after the time-limit warning: not requeued"
@@ -197,11 +235,23 @@ _ctx_after_warning() {   # the ranks stopped after the warning: requeue, or wait
   _ctx_wait_for_slurm "$left"
 }
 
+_ctx_note_signals() {   # once the step has ended: the summary of signals/ (which ranks got a stop signal, from the
+  # nodes' and the ranks' records) joins the status now written, and every later one
+  [ -z "$_ctx_signals" ] && [ -d "$_ctx_attempt/signals" ] || return 0
+  # shellcheck disable=SC2086   # CTX_EXEC_PREFIX is a command prefix
+  _ctx_signals=$(${CTX_EXEC_PREFIX:-} "${CTX_PY:-python3}" -m ctx_plugin.slurm.records signals "$_ctx_attempt" \
+    2>/dev/null) || _ctx_signals="(no summary: ctx_plugin.slurm.records failed; see $_ctx_attempt/signals/)"
+  [ -n "$_ctx_signals" ] && [ -f "$_ctx_attempt/status" ] || return 0
+  { grep -v '^signals=' "$_ctx_attempt/status" || true; echo "signals=$_ctx_signals"; } >"$_ctx_attempt/status.tmp"
+  mv "$_ctx_attempt/status.tmp" "$_ctx_attempt/status"
+  _ctx_run_status
+}
+
 ctx_run() {       # ctx_run RUN_DIR ATTEMPT_DIR [REQUEUE]: runs ATTEMPT_DIR/command.sh, records the status
   local left
   _ctx_run=$1 _ctx_attempt=$2 _ctx_requeue=${3:-0}
   _ctx_n=${_ctx_attempt##*/attempt-}
-  _ctx_started=$(date -u +%FT%TZ) _ctx_reason="" _ctx_deadline="" _ctx_pid="" _ctx_rc=0 _ctx_termed=""
+  _ctx_started=$(date -u +%FT%TZ) _ctx_reason="" _ctx_deadline="" _ctx_pid="" _ctx_rc=0 _ctx_termed="" _ctx_signals="" _ctx_trapped=""
   left=$(ctx_seconds "$(squeue -h -j "${SLURM_JOB_ID:-0}" -o %L 2>/dev/null || true)")
   [ -z "$left" ] || _ctx_deadline=$(($(date +%s) + left))
   trap _ctx_on_warning USR1
@@ -229,6 +279,7 @@ ctx_run() {       # ctx_run RUN_DIR ATTEMPT_DIR [REQUEUE]: runs ATTEMPT_DIR/comm
       || failure="(no failure record: ctx_plugin.slurm.records failed)"
     ctx_status failed "$rc" "first_failure=$failure"
   fi
+  _ctx_note_signals
   trap - USR1 TERM INT
   echo "ctx_plugin: $(head -n 1 "$_ctx_attempt/status") (exit code $rc); logs in $_ctx_attempt" >&2
   return "$rc"

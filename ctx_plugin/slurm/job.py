@@ -10,7 +10,8 @@ Each attempt of the job (a requeued job keeps its id; SLURM counts ``SLURM_RESTA
 (:mod:`ctx_plugin.slurm.records`). The ranks (torchrun's children, whose pid each node writes to ``pids/``) get
 SLURM's time-limit warning as ``SIGUSR1`` (torchrun ignores it, and so does a program that installs no handler):
 a program that handles it (``ctx_plugin.train_hf``, Megatron with ``--exit-signal-handler --exit-signal SIGUSR1``)
-saves and stops.
+saves and stops. Which ranks were signalled, and which handled it, is recorded in the attempt's ``signals/``
+(:mod:`ctx_plugin.slurm.signals`).
 """
 from __future__ import annotations
 
@@ -197,6 +198,8 @@ def render(job: Job, env=os.environ) -> str:
     lines += ["export PYTHONUNBUFFERED=1",
               f"export CTX_RUN_DIR={shlex.quote(str(job.run_dir))}   # the programs' checkpoints go under it",
               f"export CTX_ATTEMPT={job.attempt}",
+              f"export CTX_ATTEMPT_DIR={shlex.quote(str(job.attempt_dir))}   # the ranks record their stop signals "
+              "in its signals/",
               'CTX_MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)   # rendezvous host',
               "export CTX_MASTER_ADDR",
               f"mkdir -p {shlex.quote(str(job.attempt_dir / 'logs'))} {shlex.quote(str(job.attempt_dir / 'pids'))}",
@@ -231,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     (job.attempt_dir / "logs").mkdir(parents=True, exist_ok=True)
     (job.attempt_dir / "command.sh").write_text(text)
     write_records(job.attempt_dir, framework=framework, argv=argv, summary=job.summary, program=job.program,
-                  env=os.environ)
+                  ranks=job.nodes * job.nproc_per_node, env=os.environ)
     out = [f"ctx_plugin: {job.summary}", f"ctx_plugin: run directory {job.run_dir}, attempt {job.attempt}",
            *(f"ctx_plugin: {n}" for n in notes)]
     (job.attempt_dir / "batch.log").write_text("".join(line + "\n" for line in out))

@@ -3,16 +3,19 @@ first failure found in its logs when it fails.
 
 In ``<run dir>/attempt-<n>/`` (besides ``command.sh``, ``logs/``, ``status`` and ``batch.log``):
 
-- ``job.txt``: job id, attempt, host, the job script's arguments, the program, the checked layout;
+- ``job.txt``: job id, attempt, host, the number of ranks, the job script's arguments, the program, the checked
+  layout;
 - ``nodes.txt``: the job's nodes, one a line (the first is the rendezvous host);
 - ``versions.txt``: Python, torch, ctx_plugin and the frameworks installed (deepspeed, megatron-core,
   transformers); ``git.txt``: the commit (and uncommitted changes, if any) of ctx_plugin's checkout and of the
   Megatron-LM checkout, where they are git work trees;
 - ``ds_config.json`` (DeepSpeed jobs) and ``site.sh``: copies of the DeepSpeed config and of the site file;
-- ``failure`` (failed attempts): which node and rank failed first, its exit code and the last lines of its log.
+- ``failure`` (failed attempts): which node and rank failed first, its exit code and the last lines of its log;
+- ``signals/`` (attempts stopped by a signal): which ranks the job script signalled, on which node, and which
+  ranks' handlers recorded their signal (:mod:`ctx_plugin.slurm.signals`).
 
 ``python -m ctx_plugin.slurm.records failure ATTEMPT_DIR`` writes ``failure`` (the batch script calls it) and
-prints its first line.
+prints its first line; ``... signals ATTEMPT_DIR`` prints the summary of ``signals/`` the status gets.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import time
 from pathlib import Path
 
 from ..cliargs import option_value
+from . import signals
 
 DISTRIBUTIONS = ("torch", "ctx_plugin", "deepspeed", "megatron-core", "transformers")
 TAIL = 20
@@ -67,7 +71,7 @@ def git_state(path: Path) -> str | None:
 
 
 def write_records(attempt_dir: Path, *, framework: str, argv: list[str], summary: str, program: list[str],
-                  env) -> None:
+                  ranks: int, env) -> None:
     """Writes the attempt's records (see the module docstring) into ``attempt_dir``."""
     attempt_dir.mkdir(parents=True, exist_ok=True)
     nodes = node_list(env)
@@ -75,7 +79,7 @@ def write_records(attempt_dir: Path, *, framework: str, argv: list[str], summary
     (attempt_dir / "job.txt").write_text(
         f"job_id={env.get('SLURM_JOB_ID', '')}\nattempt={int(env.get('SLURM_RESTART_COUNT') or 0) + 1}\n"
         f"started={time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\nbatch_host={socket.gethostname()}\n"
-        f"submit_dir={env.get('SLURM_SUBMIT_DIR', '')}\nnodes={','.join(nodes)}\n"
+        f"submit_dir={env.get('SLURM_SUBMIT_DIR', '')}\nnodes={','.join(nodes)}\nranks={ranks}\n"
         f"job_script=launch/{framework}.sbatch {shlex.join(argv)}\nprogram={shlex.join(program)}\n"
         f"layout={summary}\n")
     (attempt_dir / "versions.txt").write_text(versions())
@@ -146,10 +150,13 @@ def write_failure(attempt_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] != "failure":
-        print("usage: python -m ctx_plugin.slurm.records failure ATTEMPT_DIR", file=sys.stderr)
+    if len(argv) != 2 or argv[0] not in ("failure", "signals"):
+        print("usage: python -m ctx_plugin.slurm.records {failure,signals} ATTEMPT_DIR", file=sys.stderr)
         return 2
-    print(write_failure(Path(argv[1])))
+    if argv[0] == "failure":
+        print(write_failure(Path(argv[1])))
+    else:
+        print(signals.summary(Path(argv[1])) or "")
     return 0
 
 

@@ -139,17 +139,38 @@ def _show_job(cluster: LocalSlurm, job: str, field: str) -> str:
     return next((f.split("=", 1)[1] for f in out.stdout.split() if f.startswith(field + "=")), "")
 
 
+def _each_rank_signalled(attempt: Path, nodes: tuple[str, str]) -> None:
+    """The warning reached each rank itself, not only the step the ranks agreed on: node n's task (on SLURM's node n)
+    sent SIGUSR1 to rank n, rank n's own handler recorded it, and both ranks stopped after the same step."""
+    stops = set()
+    for node in (0, 1):
+        sent = (attempt / "signals" / f"node-{node}.txt").read_text()
+        assert f" node={node} host={nodes[node]} " in sent and f" rank={node} signal=USR1 sent" in sent, sent
+        got = (attempt / "signals" / f"rank-{node}.txt").read_text()
+        assert f" rank={node} " in got and " signal=SIGUSR1 step=" in got and "signal=none" not in got, got
+        log = _node_log(attempt.parent, 1, node)
+        stop = next(line for line in log.splitlines() if line.startswith(f"rank {node}: stopped by "))
+        assert stop.startswith((f"rank {node}: stopped by signal 10 after step ",
+                                f"rank {node}: stopped by another rank's signal (its own, signal 10, came ")), stop
+        stops.add(stop.split(" after step ")[1].split(";")[0])
+    assert len(stops) == 1, stops
+    assert _status(attempt)["signals"] == "sent SIGUSR1 to ranks 0 1 (2 of 2); received: SIGUSR1 by ranks 0 1"
+
+
 def test_warning_preemption_requeue_resume(cluster, tmp_path):
     """Two-node jobs (one rank per node) and a preempted one, at once.
 
     SLURM's warning (B:USR1 to the batch shell, sent here by the test at a known step) reaches both ranks, one on
-    each node; they finish the step and save. With --requeue the job requeues itself and attempt 2 resumes: its
-    losses continue attempt 1's and equal an uninterrupted run's, and both attempts keep their logs. Without, the job
-    waits for its time limit: SLURM says TIMEOUT. That job is submitted by ctx-plugin launch, whose --dry-run printed
-    the command.sh the job wrote. A cancel within a minute of the limit is recorded as cancelled; a failing rank on
-    the second node is named with its exit code. A job in partition ``low`` preempted by one in ``high``
-    (PreemptMode=REQUEUE, GraceTime): SLURM's SIGTERM makes its ranks save, it is recorded preempted, SLURM requeues
-    it at the GraceTime's end and attempt 2 resumes with the uninterrupted run's losses."""
+    each node, each itself: each node's record names the rank it signalled and each rank's handler recorded its own
+    SIGUSR1 (though the ranks stop after the step they agree on, often before the later one's signal has come). They
+    finish the step and save. With --requeue the job requeues itself and attempt 2 resumes: its losses continue
+    attempt 1's and equal an uninterrupted run's, and both attempts keep their logs. Without, the job waits for its
+    time limit (which the test shortens once the ranks have saved): SLURM says TIMEOUT. That job is submitted by
+    ctx-plugin launch, whose --dry-run printed the command.sh the job wrote. A cancel within a minute of the limit is
+    recorded as cancelled; a failing rank on the second node is named with its exit code. A job in partition ``low``
+    preempted by one in ``high`` (PreemptMode=REQUEUE, GraceTime): SLURM's SIGTERM makes its ranks save (each
+    records its own), it is recorded preempted, SLURM requeues it at the GraceTime's end and attempt 2 resumes with
+    the uninterrupted run's losses."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA))
     site = tmp_path / "site.sh"
@@ -165,16 +186,15 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
     one_per_node = ["--nproc-per-node", "1"]
     cluster.env["CTX_SITE"] = str(site)
     try:
-        requeue = _submit(cluster, tmp_path, "deepspeed.sbatch", "--requeue", *one_per_node, "--run-dir",
-                          str(runs["requeue"]), "--ds-config", str(config), "--", *train, "--report",
-                          str(tmp_path / "requeue.json"), nodes=2)
+        # the longest first: the preempted job (GraceTime, requeue, a second attempt)
         preempt = cluster.sbatch("-p", "low", "-N", "1", "-c", "2", "--time", "10", "-o",
                                  str(tmp_path / "batch-%j.out"), str(ROOT / "launch" / "deepspeed.sbatch"),
                                  "--nproc-per-node", "2", "--run-dir", str(runs["preempt"]), "--ds-config",
                                  str(config), "--", *train, "--report", str(tmp_path / "preempt.json"), cwd=tmp_path)
-        # -c 2: the dry run, outside the allocation, takes OMP_NUM_THREADS from this machine's 2 cores (it does not
-        # read -c from the sbatch line)
-        line = ["sbatch", "--parsable", "-N", "2", "-c", "2", "--time", "3", "--signal=B:USR1@10", "-o",
+        # through ctx-plugin launch: the dry run, then the job. --time 10, long enough for a slow start (the test's
+        # warning comes at step 3, SLURM's own never), shortened once the ranks have stopped. -c 2: the dry run,
+        # outside the allocation, takes OMP_NUM_THREADS from this machine's 2 cores (it does not read -c from sbatch)
+        line = ["sbatch", "--parsable", "-N", "2", "-c", "2", "--time", "10", "--signal=B:USR1@10", "-o",
                 str(tmp_path / "batch-%j.out"),
                 str(ROOT / "launch" / "deepspeed.sbatch"), *one_per_node, "--run-dir",
                 str(runs["timeout"]), "--master-port", str(_free_port()), "--ds-config", str(config), "--",
@@ -187,6 +207,9 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
                              timeout=120)
         assert sub.returncode == 0, sub.stderr
         timeout = sub.stdout.strip().splitlines()[-1].split(";")[0]
+        requeue = _submit(cluster, tmp_path, "deepspeed.sbatch", "--requeue", *one_per_node, "--run-dir",
+                          str(runs["requeue"]), "--ds-config", str(config), "--", *train, "--report",
+                          str(tmp_path / "requeue.json"), nodes=2)
         cancel = cluster.sbatch("-N", "2", "-c", "1", "--time", "2", "--signal=B:USR1@10", "-o", str(tmp_path / "batch-%j.out"),
                                 str(ROOT / "launch" / "deepspeed.sbatch"), *one_per_node, "--run-dir",
                                 str(runs["cancel"]), "--ds-config", str(config), "--", str(tmp_path / "sleep.py"),
@@ -205,12 +228,16 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
         _wait_for("the sleeping job to run on both nodes", lambda: all(
             (runs["cancel"] / "attempt-1" / "pids" / f"node-{n}.pid").exists() for n in (0, 1)))
         subprocess.run(["scancel", cancel], env=cluster.env, check=True, timeout=30)
-        # the warning, once each training job has trained a few steps; the preemption likewise (each as soon as it
-        # has: the jobs train 80 steps in about a minute)
+        # one loop, the jobs getting there in any order: the warning once a training job has trained a few steps, the
+        # preemption likewise (the jobs train 80 steps in about a minute); the preempted job's status, its ranks saved
+        # on SLURM's SIGTERM, seen within its GraceTime (still RUNNING: SLURM requeues it at the GraceTime's end); the
+        # TIMEOUT job, stopped and saved, waits for its limit: SLURM ends it there, here at its next time-limit check
+        # (every 30 s) once the limit is made the minutes it has run (SLURM's limits are whole minutes), at least 1
         waiting = {requeue: runs["requeue"], timeout: runs["timeout"], preempt: runs["preempt"]}
-        deadline = time.monotonic() + 300
-        while waiting:
-            assert time.monotonic() < deadline, f"timed out waiting for jobs {sorted(waiting)} to train"
+        preempted, shortened = None, False
+        deadline = time.monotonic() + 420
+        while waiting or preempted is None or not shortened:
+            assert time.monotonic() < deadline, f"timed out: {sorted(waiting)} to train, {preempted=}, {shortened=}"
             for job, run in list(waiting.items()):
                 if not _logged(run, 1, "step     3"):
                     continue
@@ -221,16 +248,22 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
                 else:
                     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster.env, check=True,
                                    timeout=30)
+            if preempt not in waiting and preempted is None:
+                status = _status(runs["preempt"] / "attempt-1")
+                if status["word"] == "preempted" and "exit_code" in status:
+                    preempted = status
+                    assert _job_state(cluster, preempt) == "RUNNING", preempted
+            if timeout not in waiting and not shortened and "exit_code" in _status(runs["timeout"]):
+                ran = _show_job(cluster, timeout, "RunTime").split("-")[-1]
+                hours, minutes, _ = (int(x) for x in ran.split(":"))
+                subprocess.run(["scontrol", "update", f"JobId={timeout}", f"TimeLimit={max(1, hours * 60 + minutes)}"],
+                               env=cluster.env, check=True)
+                shortened = True
             time.sleep(0.2)
         _wait_for("the requeue", lambda: _status(runs["requeue"])["word"] == "requeued")
         _wait_for("the job pending", lambda: _job_state(cluster, requeue) == "PENDING", 60)
         time.sleep(3)
         subprocess.run(["scontrol", "update", f"JobId={requeue}", "StartTime=now"], env=cluster.env, check=True)
-        # preempted: the ranks save on SLURM's SIGTERM; SLURM requeues the job at the end of the GraceTime
-        _wait_for("the preempted job's status", lambda: _status(runs["preempt"])["word"] == "preempted"
-                  and "exit_code" in _status(runs["preempt"]), 120)
-        preempted = _status(runs["preempt"] / "attempt-1")
-        assert _job_state(cluster, preempt) == "RUNNING"      # still there, within the GraceTime
         _wait_for("SLURM's requeue of the preempted job", lambda: _job_state(cluster, preempt) == "PENDING",
                   GRACE_TIME + 120)
         cluster.wait(high, timeout=120)
@@ -254,10 +287,10 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
     assert status["word"] == "completed" and status["attempt"] == "2", status
     assert status["attempt_1"].startswith("requeued exit_code=0 job_id=" + requeue)
     assert _status(runs["requeue"] / "attempt-1")["word"] == "requeued"
-    for node in (0, 1):   # rank n on node n; both stop after the same step (a rank stopped by the other's signal
-        # before its own arrived says "signal None": the ranks agree on the step)
-        assert f"rank {node}: stopped by signal " in _node_log(runs["requeue"], 1, node)
+    _each_rank_signalled(runs["requeue"] / "attempt-1", (host, second))
+    for node in (0, 1):
         assert f"rank {node}: resumed from {runs['requeue']}/checkpoints/step" in _node_log(runs["requeue"], 2, node)
+    assert not (runs["requeue"] / "attempt-2" / "signals").exists() and "signals" not in status
     assert _show_job(cluster, requeue, "NodeList") == f"{host},{second}"
     assert "step     0 " in _node_log(runs["requeue"], 1, 0) and "step     0 " not in _node_log(runs["requeue"], 2, 0)
     got = json.loads((tmp_path / "requeue.json").read_text())["losses"]
@@ -268,17 +301,18 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
     assert status["word"] == "completed" and status["attempt"] == "2", status
     assert status["attempt_1"].startswith("preempted exit_code="), status
     assert _show_job(cluster, preempt, "Restarts") == "1" and _job_state(cluster, high) == "COMPLETED"
-    for rank in (0, 1):
+    for rank in (0, 1):   # SLURM signals the steps itself: each rank's handler recorded its SIGTERM
         assert _logged(runs["preempt"], 1, f"rank {rank}: stopped by signal 15 after step")
+        assert "signal=SIGTERM " in (runs["preempt"] / "attempt-1" / "signals" / f"rank-{rank}.txt").read_text()
         assert _logged(runs["preempt"], 2, f"rank {rank}: resumed from {runs['preempt']}/checkpoints/step")
+    assert _status(runs["preempt"] / "attempt-1")["signals"] == "received: SIGTERM by ranks 0 1"   # added after
     got = json.loads((tmp_path / "preempt.json").read_text())["losses"]
     assert len(got) == 80 and got == want, (got, want)
     # no requeue: saved, and SLURM ended it at its time limit
     status = _status(runs["timeout"])
     assert status["word"] == "timeout" and status["exit_code"] == "0", status
     assert (runs["timeout"] / "checkpoints" / "latest").is_file()
-    for node in (0, 1):
-        assert f"rank {node}: stopped by signal " in _node_log(runs["timeout"], 1, node)
+    _each_rank_signalled(runs["timeout"] / "attempt-1", (host, second))
     assert any("stopped by signal 10 after step" in _node_log(run, 1, node) for run in (runs["requeue"], runs["timeout"])
                for node in (0, 1))
     assert _job_state(cluster, timeout) == "TIMEOUT"

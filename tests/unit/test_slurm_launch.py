@@ -509,7 +509,7 @@ def test_render_cuda_megatron(tmp_path):
                   f"--output={plan.run_dir}/attempt-1/logs/node-%n-%N.log", "scontrol show hostnames",
                   "/opt/ctx/bin/python -m torch.distributed.run", f"mkdir -p {plan.run_dir / 'attempt-1' / 'logs'}",
                   "# no site file (CTX_SITE)", "set -euo pipefail", f"export CTX_RUN_DIR={plan.run_dir}",
-                  "export CTX_ATTEMPT=1", shlex.quote(f"trap '' USR1; echo $$ > {plan.run_dir}/attempt-1/pids/node-")[:-1],
+                  "export CTX_ATTEMPT=1", f"export CTX_ATTEMPT_DIR={plan.run_dir}/attempt-1 ", shlex.quote(f"trap '' USR1; echo $$ > {plan.run_dir}/attempt-1/pids/node-")[:-1],
                   f"mkdir -p {plan.run_dir}/attempt-1/logs {plan.run_dir}/attempt-1/pids"):
         assert piece in text, piece
     assert "DS_ACCELERATOR" not in text and "source " not in text
@@ -639,7 +639,7 @@ def test_main_success_inside_job_hands_off_run_dir(job_environ, capsys):
     assert "ctx_plugin: run directory" in capsys.readouterr().out
     records = {p.name: p.read_text() for p in attempt.iterdir() if p.is_file()}
     assert records["nodes.txt"] == "localhost\nnode2\n"
-    assert "job_id=17\nattempt=1\n" in records["job.txt"] and "nodes=localhost,node2" in records["job.txt"]
+    assert "job_id=17\nattempt=1\n" in records["job.txt"] and "nodes=localhost,node2\nranks=8\n" in records["job.txt"]
     assert f"program=-m ctx_plugin.megatron.pretrain_gpt --megatron-lm {FAKE_MEGATRON}" in records["job.txt"]
     assert re.search(r"^torch \d", records["versions.txt"], re.M) and "ctx_plugin 0." in records["versions.txt"]
     assert re.match(r"ctx_plugin ([0-9a-f]{40}|not a git checkout)", records["git.txt"])

@@ -154,10 +154,10 @@ sys.exit(5)
 
 
 def rank(tmp_path: Path) -> tuple[str, Path]:
-    """A command.sh body running a stand-in rank (exits 0 on SIGUSR1, 5 otherwise); and where it writes."""
+    """A command.sh body running a stand-in rank 0 (exits 0 on SIGUSR1, 5 otherwise); and where it writes."""
     (tmp_path / "rank.py").write_text(RANK)
     out = tmp_path / "rank.out"
-    return f"{sys.executable} {tmp_path}/rank.py {out} &\nwait $!", out
+    return f"RANK=0 {sys.executable} {tmp_path}/rank.py {out} &\nwait $!", out
 
 
 def test_completed(job):
@@ -248,12 +248,47 @@ def test_warning_reaches_the_ranks_then_the_job_waits_for_the_limit(job, tmp_pat
     srun = j.args("srun")
     assert len(srun) == 1 and srun[0].startswith("--overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 bash -c")
     assert not any(a.startswith("requeue") for a in j.args("scontrol"))
+    # the node's record of the rank it signalled; the rank keeps none (a program without ctx_plugin's handler)
+    sent = (j.attempt / "signals" / "node-0.txt").read_text().splitlines()
+    assert len(sent) == 1 and sent[0].endswith(" rank=0 signal=USR1 sent") and " node=0 " in sent[0]
+    assert "signals=sent SIGUSR1 to ranks 0; no rank recorded receiving it (the program keeps no signal record; " \
+           "ctx_plugin.train_hf does)" in lines
     time.sleep(0.5)
     assert j.proc.poll() is None                       # waits for SLURM to end it at the limit (TIMEOUT)
     j.proc.send_signal(signal.SIGTERM)                 # the time limit
     rc, err = j.finish(timeout=10)
-    assert status_lines(j.attempt)[0] == "timeout"
+    assert status_lines(j.attempt)[0] == "timeout" and lines[-1].startswith("signals=sent SIGUSR1")
+    assert status_lines(j.attempt)[-1] == lines[-1]    # every later status keeps it
     assert "ctx_plugin: time-limit warning: SIGUSR1 to every rank" in err
+
+
+STOPPING_RANK = """import sys, time
+from ctx_plugin.slurm.signals import StopRequest
+stop = StopRequest()
+print("ready", flush=True)
+while stop.signal is None:
+    time.sleep(0.05)
+"""
+
+
+def test_each_rank_records_its_own_signal(job, tmp_path):
+    """Two ranks with ctx_plugin's handler (StopRequest, as in train_hf) under CTX_ATTEMPT_DIR, as command.sh exports
+    it: the node's record has both, each rank's record its own signal, and the status says so."""
+    (tmp_path / "stopping.py").write_text(STOPPING_RANK)
+    ready = tmp_path / "ready"
+    j = job(f"for r in 0 1; do RANK=$r CTX_ATTEMPT_DIR={tmp_path}/run/attempt-1 {sys.executable} {tmp_path}/stopping.py"
+            f" >> {ready} & done\nwait", time_left="0:30")
+    j.start()
+    j.started()
+    wait_for(lambda: ready.is_file() and ready.read_text().count("ready") == 2, 30, "the ranks' handlers")
+    j.proc.send_signal(signal.SIGUSR1)
+    wait_for(lambda: "exit_code=0" in status_lines(j.attempt), 30, "the step to end")
+    lines = status_lines(j.attempt)
+    assert "signals=sent SIGUSR1 to ranks 0 1; received: SIGUSR1 by ranks 0 1" in lines, lines
+    for r in (0, 1):
+        assert f" rank={r} " in (j.attempt / "signals" / f"rank-{r}.txt").read_text()
+    j.proc.send_signal(signal.SIGTERM)                 # the time limit
+    j.finish(timeout=10)
 
 
 def test_warning_with_requeue(job, tmp_path):
@@ -421,6 +456,9 @@ def test_warning_at_preemption_is_not_requeued_by_the_script(job, tmp_path):
     j = job(command, time_left="9:00", requeue=True, show_job=in_grace())
     warn_and_wait_for_the_rank(j, out)
     assert status_lines(j.attempt)[0] == "preempted"
+    # the signals' summary joins the status after it is written (the GraceTime runs)
+    wait_for(lambda: status_lines(j.attempt)[-1].startswith("signals=sent SIGUSR1 to ranks 0"), 20, "the summary")
+    assert status_lines(j.attempt)[0] == "preempted" and status_lines(j.run)[-2] == status_lines(j.attempt)[-1]
     time.sleep(0.5)
     assert j.proc.poll() is None and not any(a.startswith("requeue") for a in j.args("scontrol"))
     j.proc.send_signal(signal.SIGTERM)
