@@ -109,6 +109,22 @@ def _model(world: int, position: str, variant: str, core_spec, **refused):
     return model.double()
 
 
+def cp_model(world: int, cp_config, position: str, variant: str = "base", preset: str = "none"):
+    """``(model, groups)``: the tiny GPT of :func:`_model` with ctx_plugin's core attention for ``cp_config``, prepared
+    as the entry point prepares it (layout-aware RoPE, the recompute ``preset``)."""
+    from ctx_plugin.megatron.args import MegatronCPSettings
+    from ctx_plugin.megatron.core_attention import GroupsProvider
+    from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model
+    from ctx_plugin.recompute import RecomputeConfig
+
+    settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse(preset),
+                                  megatron_recompute=None)
+    provider = GroupsProvider(cp_config)
+    model = _model(world, position, variant,
+                   lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider))
+    return model, prepare_model(model, settings, provider)
+
+
 def loss_and_grads(model, batch, group, **forward) -> tuple[float, dict]:
     """Global loss (float64, from the logits) and gradients summed over ``group`` (what DDP over data×context
     ranks does); the loss on each rank is its tokens' sum over the global token count. ``forward``: more keywords
@@ -169,10 +185,7 @@ def gpt_step(rank: int, world: int, payload: dict) -> dict:
     from megatron.core import parallel_state
 
     import ctx_plugin
-    from ctx_plugin.megatron.args import MegatronCPSettings
-    from ctx_plugin.megatron.core_attention import GroupsProvider
-    from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model, shard_batch
-    from ctx_plugin.recompute import RecomputeConfig
+    from ctx_plugin.megatron.spec import gpt_layer_spec, shard_batch
 
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     cp_group = parallel_state.get_context_parallel_group()
@@ -180,12 +193,7 @@ def gpt_step(rank: int, world: int, payload: dict) -> dict:
     try:
         for backend, u, position, preset, variant, with_mask in payload["cases"]:
             cp_config = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
-            settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse(preset),
-                                          megatron_recompute=None)
-            provider = GroupsProvider(cp_config)
-            model = _model(world, position, variant,
-                           lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider))
-            groups = prepare_model(model, settings, provider)
+            model, groups = cp_model(world, cp_config, position, variant, preset)
             batch = shard_batch(_batch(with_mask), config=cp_config, groups=groups)
             assert batch.get("attention_mask") is None          # checked to be causal, then dropped
             with _cpu_shims() if position == "yarn" else contextlib.nullcontext():

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from tests.integration.megatron_ranks import BATCH, SEQ, VOCAB, _cpu_shims, _model, loss_and_grads
+from tests.integration.megatron_ranks import BATCH, SEQ, VOCAB, _cpu_shims, _model, cp_model, loss_and_grads
 
 EOD = VOCAB - 1
 MIXES = {   # name: end-of-document positions of each sample (BATCH = 2 samples of SEQ = 32 tokens)
@@ -68,11 +68,8 @@ def reset_step(rank: int, world: int, payload: dict) -> dict:
     from megatron.core import parallel_state
 
     import ctx_plugin
-    from ctx_plugin.megatron.args import MegatronCPSettings
-    from ctx_plugin.megatron.core_attention import GroupsProvider
     from ctx_plugin.megatron.mask_documents import document_padding
-    from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model, shard_batch
-    from ctx_plugin.recompute import RecomputeConfig
+    from ctx_plugin.megatron.spec import shard_batch
 
     cases = [tuple(c) for c in payload["cases"]]
     parallel_state.initialize_model_parallel()
@@ -93,12 +90,7 @@ def reset_step(rank: int, world: int, payload: dict) -> dict:
         for backend, position, mix, reset_mask, reset_pos, mask, pad in cases:
             key = case_key(backend, position, mix, reset_mask, reset_pos, mask, pad)
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
-            settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse("none"),
-                                          megatron_recompute=None)
-            provider = GroupsProvider(cp_config)
-            model = _model(world, position, "base",
-                           lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider))
-            groups = prepare_model(model, settings, provider)
+            model, groups = cp_model(world, cp_config, position)
             try:
                 sharded = shard_batch(_full_batch(mix, reset_mask, reset_pos, mask), config=cp_config, groups=groups,
                                       pad_documents=document_padding(cp_config, world) if pad else None)

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from tests.integration.megatron_ranks import SEQ, VOCAB, _cpu_shims, _model, loss_and_grads
+from tests.integration.megatron_ranks import SEQ, VOCAB, _cpu_shims, _model, cp_model, loss_and_grads
 
 MIXES = {   # name: (padded document lengths, real lengths or None); SEQ = 32 tokens
     "docs": ((12, 8, 4, 8), None),
@@ -73,10 +73,7 @@ def thd_step(rank: int, world: int, payload: dict) -> dict:
     from megatron.core import parallel_state
 
     import ctx_plugin
-    from ctx_plugin.megatron.args import MegatronCPSettings
-    from ctx_plugin.megatron.core_attention import GroupsProvider
-    from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model, shard_batch
-    from ctx_plugin.recompute import RecomputeConfig
+    from ctx_plugin.megatron.spec import shard_batch
 
     parallel_state.initialize_model_parallel()
     try:
@@ -90,12 +87,7 @@ def thd_step(rank: int, world: int, payload: dict) -> dict:
         for backend, position, mix in payload["cases"]:
             key = f"{backend}-{position}-{mix}"
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
-            settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse("none"),
-                                          megatron_recompute=None)
-            provider = GroupsProvider(cp_config)
-            model = _model(world, position, "base",
-                           lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider))
-            groups = prepare_model(model, settings, provider)
+            model, groups = cp_model(world, cp_config, position)
             full = _batch(mix)
             try:
                 batch = shard_batch(full, config=cp_config, groups=groups)
