@@ -7,14 +7,12 @@ Checked against ``test_varlen.reference`` (float64, dense masked formulas), per-
 softcap, and whole simulated runs with packed documents against ``tests.reference.documents_with_grads``."""
 from __future__ import annotations
 
-import itertools
 import sys
 
 import pytest
 import torch
 
 import ctx_plugin
-from ctx_plugin.bench.harness import simulated_outputs
 from ctx_plugin.block_calls import plan_calls
 from ctx_plugin.blocks import Block
 from ctx_plugin.documents import Documents
@@ -22,9 +20,9 @@ from ctx_plugin.kernels import flash_attn as fa
 from ctx_plugin.kernels.varlen import has_varlen, pack
 from ctx_plugin.mask import Mask
 from ctx_plugin.names import Backend, Kernel
-from tests.reference import dense_scores, dense_with_grads, documents_with_grads, rel_err
+from tests.reference import dense_scores, dense_with_grads, rel_err
 from tests.unit.test_flash_attn_adapter import FA22, VERSIONS, _fresh_probe, _hide_all, _install  # noqa: F401
-from tests.unit.test_varlen import _call, _tensors, reference
+from tests.unit.test_varlen import _call, _tensors, check_packed_run, reference
 
 BY_LABEL = {v.label: v for v in VERSIONS}
 VARLEN = ["2.6.0", "2.7-custom-op", "fa3-c082294", "fa3-custom-op"]
@@ -187,16 +185,5 @@ def test_simulated_runs_with_documents_on_the_flash_attn_kernel(monkeypatch, lab
         assert name == Kernel.FLASH_ATTN and features <= built.features
         return built
     monkeypatch.setattr(ctx_plugin.api, "select_kernel", select)
-    seq = 48
-    lengths = [8, 4, 12, 24] if size == 2 else [12, 6, 6, 24]
-    docs = Documents(tuple(itertools.accumulate([0, *lengths])))
-    g = torch.Generator().manual_seed(size)
-    mk = lambda h: (torch.randn(2, seq, h, 16, generator=g, dtype=torch.float64) * 1.5)   # noqa: E731
-    q, k, v, dout = mk(4), mk(2), mk(2), mk(4)
-    cfg = ctx_plugin.CPConfig(backend=backend, kernel="flash_attn")
-    got = simulated_outputs(cfg, size, *(t.to(torch.float16) for t in (q, k, v, dout)), causal=True, window=window,
-                            documents=docs)
-    want = documents_with_grads(q, k, v, dout, docs, causal=True, **({"window": window} if window else {}))
-    for name, gt, w in zip(("out", "dq", "dk", "dv"), got, want):
-        assert rel_err(gt, w) < 4e-3, f"{name}: {rel_err(gt, w):.2e}"
+    check_packed_run("flash_attn", backend, size, window)
     assert calls and max(calls) >= 2          # the varlen path ran, with calls of several blocks

@@ -233,17 +233,23 @@ def test_the_flash_kernel_runs_a_varlen_call_on_the_flash_op(varlen_flash, causa
 RUNS = [(Backend.ZIGZAG, 2), (Backend.ALLGATHER, 2), (Backend.RING, 3), (Backend.ULYSSES, 2)]
 
 
-@pytest.mark.parametrize("backend,size", RUNS, ids=[f"{b.value}-{n}" for b, n in RUNS])
-def test_simulated_runs_with_documents_on_the_flash_kernel(varlen_flash, recorder, backend, size):  # noqa: F811
-    seq = 48
+def check_packed_run(kernel: str, backend: Backend, size: int, window=None) -> None:
+    """A whole simulated fp16 run of ``size`` ranks with packed documents (4..24 tokens, several per rank; GQA) on
+    ``kernel``, its outputs and gradients against the float64 per-document reference."""
     lengths = [8, 4, 12, 24] if size == 2 else [12, 6, 6, 24]
     docs = Documents(tuple(itertools.accumulate([0, *lengths])))
     g = torch.Generator().manual_seed(size)
-    mk = lambda h: (torch.randn(2, seq, h, 16, generator=g, dtype=torch.float64) * 1.5)   # noqa: E731
+    mk = lambda h: (torch.randn(2, 48, h, 16, generator=g, dtype=torch.float64) * 1.5)   # noqa: E731
     q, k, v, dout = mk(4), mk(2), mk(2), mk(4)
-    cfg = ctx_plugin.CPConfig(backend=backend, kernel="sdpa_flash")
-    got = simulated_outputs(cfg, size, *(t.to(torch.float16) for t in (q, k, v, dout)), causal=True, documents=docs)
-    want = documents_with_grads(q, k, v, dout, docs, causal=True)
+    cfg = ctx_plugin.CPConfig(backend=backend, kernel=kernel)
+    got = simulated_outputs(cfg, size, *(t.to(torch.float16) for t in (q, k, v, dout)), causal=True, window=window,
+                            documents=docs)
+    want = documents_with_grads(q, k, v, dout, docs, causal=True, **({"window": window} if window else {}))
     for name, gt, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert rel_err(gt, w) < 4e-3, f"{name}: {rel_err(gt, w):.2e}"
+
+
+@pytest.mark.parametrize("backend,size", RUNS, ids=[f"{b.value}-{n}" for b, n in RUNS])
+def test_simulated_runs_with_documents_on_the_flash_kernel(varlen_flash, recorder, backend, size):  # noqa: F811
+    check_packed_run("sdpa_flash", backend, size)
     assert varlen_flash.calls["fwd"] > 0 and varlen_flash.calls["bwd"] > 0
