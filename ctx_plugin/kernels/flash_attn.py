@@ -303,14 +303,16 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _pick(result: Any, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` is element 0 in every version; ``lse`` is the only ``[B, H, Sq]`` tensor among the rest."""
+def _pick(result: Any, q: torch.Tensor, lse_shape: tuple[int, ...] | None = None,
+          what: str = "forward") -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` is element 0 in every version (q's shape but for a padded head size); ``lse`` is the only tensor of
+    ``lse_shape`` (default ``[B, H, Sq]``; the varlen functions' ``[H, Tq]``) among the rest."""
     items = tuple(result) if isinstance(result, (tuple, list)) else (result,)
-    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if lse_shape is None else lse_shape
     lse = next((t for t in items[1:] if isinstance(t, torch.Tensor) and tuple(t.shape) == lse_shape), None)
     out = items[0]
-    if lse is None or not isinstance(out, torch.Tensor) or out.shape[:3] != q.shape[:3]:
-        raise RuntimeError(f"unexpected flash-attn forward outputs: {[getattr(t, 'shape', t) for t in items]}")
+    if lse is None or not isinstance(out, torch.Tensor) or out.shape[:-1] != q.shape[:-1]:
+        raise RuntimeError(f"unexpected flash-attn {what} outputs: {[getattr(t, 'shape', t) for t in items]}")
     return out[..., :q.shape[-1]], lse
 
 

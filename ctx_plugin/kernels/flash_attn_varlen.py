@@ -56,7 +56,7 @@ import torch
 from . import flash_attn_support as support
 from .base import accum_dtype, check_block, is_windowed
 from .flash_attn import (_BWD_TENSORS, _FA3_UNUSED, _FWD_TENSORS, FlashAttnInfo, _lacks, _last_dim_contiguous,
-                         _plan, _settings)
+                         _pick, _plan, _settings)
 from .varlen import Varlen
 
 _LENGTHS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
@@ -103,17 +103,6 @@ def bind(module: ModuleType, info: FlashAttnInfo, legacy_fa3: bool) -> Binding |
         return f"{what}'s varlen functions are not supported by this adapter ({e}): one kernel call per block"
 
 
-def _pick(result: Any, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` is element 0; ``lse`` the only ``[H, Tq]`` tensor among the rest."""
-    items = tuple(result) if isinstance(result, (tuple, list)) else (result,)
-    lse_shape = (q.shape[1], q.shape[0])
-    lse = next((t for t in items[1:] if isinstance(t, torch.Tensor) and tuple(t.shape) == lse_shape), None)
-    out = items[0]
-    if lse is None or not isinstance(out, torch.Tensor) or out.shape[:2] != q.shape[:2]:
-        raise RuntimeError(f"unexpected flash-attn varlen forward outputs: {[getattr(t, 'shape', t) for t in items]}")
-    return out[..., :q.shape[-1]], lse
-
-
 class VarlenCalls:
     """``forward_varlen``/``backward_varlen`` of one build (the :mod:`.varlen` interface)."""
 
@@ -146,7 +135,8 @@ class VarlenCalls:
         (FlashAttention-2 writes +inf there)."""
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         values = {**self._values(q, k, batch, scale, softcap), "q": q, "k": k, "v": v}
-        out, lse = _pick(self._b.fwd(**{n: values.get(n) for n in self._b.fwd_names}), q)
+        out, lse = _pick(self._b.fwd(**{n: values.get(n) for n in self._b.fwd_names}), q, (q.shape[1], q.shape[0]),
+                         "varlen forward")
         lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
         return out.to(q.dtype), lse.to(accum_dtype(q.dtype))
 
