@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .block_calls import backward_blocks, forward_disjoint
+from .block_calls import Accumulator, backward_blocks, forward_blocks
 from .comm import Observers, all_gather, reduce_scatter
 from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
@@ -69,8 +69,10 @@ class AllGatherAttention(torch.autograd.Function):
                                               scale=scale, window=blk.window, softcap=mask.softcap) for blk in chunks))
             out, lse = torch.cat(outs, 1), torch.cat(lses, 2)
         else:                           # padding rows belong to no chunk: output 0, lse −inf
-            out, lse = forward_disjoint(kernel, q, kv[0], kv[1], chunks, mask=mask, scale=scale,
-                                        acc_dtype=accum_dtype(q.dtype))
+            b, n, h, d = q.shape
+            rows = Accumulator(b, n, h, d, accum_dtype(q.dtype), q.device, out_dtype=q.dtype)
+            forward_blocks(kernel, q, kv[0], kv[1], chunks, mask=mask, scale=scale, acc=rows)
+            out, lse = rows.result()
         if sinks is not None:
             out, lse = apply_sinks(out, lse, sinks)
             out = out.to(q.dtype)

@@ -39,14 +39,19 @@ def _lse_of(lse: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 class Accumulator:
-    """The merged ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` (in the accumulation dtype) of a ring's query
-    rows. A row's first partial result is written, not merged into zeros: the buffers start uninitialised and the
-    rows written so far are tracked as intervals, so no fill and no merge pass over zeros; :meth:`result` gives
-    rows no block reached (padding, or rows of no document in any step) output 0 and lse −inf."""
+    """The merged ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` (``lse_dtype``, the accumulation dtype) of a ring's
+    query rows. A row's first partial result is written, not merged into zeros: the buffers start uninitialised and
+    the rows written so far are tracked as intervals, so no fill and no merge pass over zeros; :meth:`result` gives
+    rows no block reached (padding, or rows of no document in any step) output 0 and lse −inf.
 
-    def __init__(self, b: int, s: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.out = torch.empty(b, s, h, d, dtype=dtype, device=device)
-        self.lse = torch.empty(b, h, s, dtype=dtype, device=device)
+    ``out_dtype`` is the accumulation dtype where rows take several partial results (the ring); the inputs' own
+    dtype where each row's attention is one block (the all-gather backend: a later call's rows of a varlen call are
+    0 / −inf in every other call, so its "merge" weighs exactly 1 and 0)."""
+
+    def __init__(self, b: int, s: int, h: int, d: int, lse_dtype: torch.dtype, device: torch.device,
+                 out_dtype: torch.dtype | None = None) -> None:
+        self.out = torch.empty(b, s, h, d, dtype=lse_dtype if out_dtype is None else out_dtype, device=device)
+        self.lse = torch.empty(b, h, s, dtype=lse_dtype, device=device)
         self._done: list[tuple[int, int]] = []        # disjoint, sorted row intervals holding a result
         self._rows = s
 
@@ -107,32 +112,6 @@ def forward_blocks(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v:
         for call in calls:   # every row: those outside the call's blocks come with output 0 and lse −inf
             o_c, lse_c = kernel.forward_varlen(rows_q, rows_k, rows_v, call, scale=scale, softcap=mask.softcap)
             acc.add(slice(0, sq), o_c.view(q.shape), _lse_of(lse_c, b))
-
-
-def forward_disjoint(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks, *,
-                     mask: Mask, scale: float, acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of ``blocks`` whose query rows are disjoint (each row's whole attention is one block), in
-    ``q``'s dtype and ``acc_dtype``; rows of no block get 0 and −inf."""
-    b, sq, h, _ = q.shape
-    singles, calls = plan_calls(kernel, blocks, mask, sq, k.shape[1], b)
-    out = lse = None
-    if calls:
-        rows_q, rows_k, rows_v = _rows(q), _rows(k), _rows(v)
-        for call in calls:   # rows outside a call's blocks are 0 / −inf, and no row is in two calls' blocks
-            o_c, lse_c = kernel.forward_varlen(rows_q, rows_k, rows_v, call, scale=scale, softcap=mask.softcap)
-            o_c, lse_c = o_c.view(q.shape), _lse_of(lse_c, b)
-            if out is None:
-                out, lse = o_c, lse_c.contiguous()
-            else:
-                out.add_(o_c)
-                torch.maximum(lse, lse_c, out=lse)
-    if out is None:
-        out = torch.zeros_like(q)
-        lse = torch.full((b, h, sq), float("-inf"), dtype=acc_dtype, device=q.device)
-    for blk in singles:
-        out[:, blk.q], lse[:, :, blk.q] = kernel.forward(q[:, blk.q], k[:, blk.k], v[:, blk.k], causal=blk.causal,
-                                                         scale=scale, window=blk.window, softcap=mask.softcap)
-    return out, lse
 
 
 def backward_blocks(kernel: AttentionKernel, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
