@@ -2,14 +2,17 @@
 through their aten ops
 because ring attention needs the log-sum-exp in forward and a backward that takes the merged out/lse.
 
-All ops take ``[B, H, S, D]`` views of our ``[B, S, H, D]`` tensors. **GQA**: torch's CPU flash kernel takes K/V
-with fewer heads than Q and returns dK/dV with K's heads itself (checked here: identical to the expanded call, its
-CPU decomposition sets ``enable_gqa`` from the head counts), so its GQA K/V are never copied
-(``native_gqa``). For the CUDA ops the K/V heads of each block are still expanded for the call
-(``repeat_interleave``) and their gradients summed back: torch 2.13 documents GQA for its flash kernel (SDPA's
-``enable_gqa`` hands it unexpanded K/V) but not for cuDNN, and neither can be run here; switching
-:class:`FlashKernel` to ``native_gqa`` waits for a GPU run of ``tests/gpu`` (GQA shapes) and for the flash stand-in
-of ``tests/unit/test_sdpa_layouts.py`` to accept K/V heads.
+All ops take ``[B, H, S, D]`` views of our ``[B, S, H, D]`` tensors. **GQA**: every op here takes K/V with fewer
+heads than Q (query head ``h`` reads K/V head ``h // (H / Hkv)``, ``repeat_interleave``'s order) and returns dK/dV
+with K's heads, so GQA K/V are never copied (``native_gqa``): torch's CPU flash kernel (checked here: identical to
+the expanded call, its CPU decomposition sets ``enable_gqa`` from the head counts), its CUDA flash ops
+(FlashAttention-2's ``mha_fwd``/``mha_bwd`` take ``num_heads % num_heads_k == 0``; SDPA's ``enable_gqa`` hands them
+unexpanded K/V since torch 2.5) and, from torch 2.8 on, cuDNN's (SDPA's ``enable_gqa`` routes to it unexpanded
+since pytorch#149976; with older torch the K/V heads of each block are expanded for the call and their gradients
+summed back). torch 2.13's meta kernels give all of them dK/dV with K's heads. One exception: a varlen call whose
+longest query sequence is 1 row gets expanded K/V, because FlashAttention-2 then swaps query heads into the
+sequence dimension, which assumes every sequence has exactly one row (fillers break that). The CUDA behaviour is
+checked by ``tests/gpu`` (GQA and MQA shapes, P >= 2 layouts).
 
 Their ``is_causal`` is aligned top-left, so a causal block with more keys than queries (bottom-right, see base.py;
 the all-gather backend's query chunks against their prefix) runs as a full block over the leading keys plus a
@@ -29,7 +32,7 @@ grad_out contiguous on its own), so it, like the CPU kernel, only needs a unit s
 
 **Varlen** (:class:`FlashKernel` only): many blocks of one step in one call (:mod:`.varlen`), through the same
 ``aten::_flash_attention_forward/_backward`` with ``cum_seq_q/k`` (int32 cumulative boundaries), ``[T, H, D]``
-tensors and an fp32 LSE ``[H, Tq]`` (torch's meta kernel says so); K/V heads expanded once per call.
+tensors and an fp32 LSE ``[H, Tq]`` (torch's meta kernel says so).
 
 **Windows** (:class:`FlashKernel` only): a block whose mask has a bounded side runs on the lower-level
 ``aten::_flash_attention_forward/_backward`` (the ops ``_scaled_dot_product_flash_attention`` wraps: ``[B, S, H,
@@ -184,7 +187,7 @@ class _SdpaKernel:
     """Shared GQA handling and layouts; subclasses call the aten forward/backward ops."""
 
     name = ""
-    native_gqa = False
+    native_gqa = True
     """Whether the ops take K/V with fewer heads than Q (and return dK/dV with K's heads) themselves; else the
     K/V heads of each block are expanded for the call and their gradients summed back."""
     dense = False
@@ -236,9 +239,17 @@ class _SdpaKernel:
         return _bhsd(dq), _reduce_kv(_bhsd(dk), g), _reduce_kv(_bhsd(dv), g)
 
 
+def _torch_at_least(major: int, minor: int) -> bool:
+    return tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (major, minor)
+
+
 class CudnnKernel(_SdpaKernel):
     name = "sdpa_cudnn"
     dense = True
+
+    @property
+    def native_gqa(self) -> bool:       # torch < 2.8 did not route SDPA's GQA to cuDNN (see the module docstring)
+        return _torch_at_least(2, 8)
 
     def _fwd(self, q, k, v, causal, scale):
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
@@ -320,9 +331,9 @@ class FlashKernel(_SdpaKernel):
         if batch.window[1] is not None and not batch.causal:
             raise ValueError(f"varlen calls take windows with an unbounded right side, got {batch.window} "
                              f"(ctx_plugin.kernels.varlen.chains never builds one)")
-        g = q.shape[1] // k.shape[1]
-        # [T, H, D]: GQA heads expanded per call. Equal head counts also keep FlashAttention-2's max_seqlen_q == 1
-        # decoding shortcut off (it assumes one row per sequence, which fillers break).
+        # [T, H, D], GQA K/V as they are, but for max_seqlen_q == 1: equal head counts keep FlashAttention-2's
+        # decoding shortcut off there (it assumes one row per sequence, which fillers break).
+        g = q.shape[1] // k.shape[1] if batch.max_q == 1 else 1
         k, v = (_expand_kv(t[None], g)[0] for t in (k, v))
         cu_q, cu_k = batch.cu_seqlens(q.device)
         left = -1 if batch.window[0] is None else int(batch.window[0])  # >= Sk reads as unbounded: exact (left)
@@ -362,7 +373,6 @@ class FlashKernel(_SdpaKernel):
 
 class CpuFlashKernel(_SdpaKernel):
     name = "sdpa_cpu"
-    native_gqa = True
 
     def _fwd(self, q, k, v, causal, scale):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)

@@ -88,7 +88,8 @@ def test_cp_attention_single_gpu(kernel, backend):
 
 # P >= 2 through simulated ranks (threads exchanging real CUDA tensors): the kernels get the ring's and the
 # all-gather's strided sequence slices (zigzag halves, striped q[1:]/k[:-1], K/V views into the packed buffer);
-# batch 2 makes those slices non-dense, MHA keeps K/V as views (GQA expands them). Reference: float64 dense.
+# batch 2 makes those slices non-dense; K/V stay views (GQA ones too: the ops take them unexpanded, cuDNN from
+# torch 2.8). Reference: float64 dense.
 LAYOUT_CASES = [(b, p, hkv) for b in (Backend.ZIGZAG, Backend.STRIPED, Backend.ALLGATHER, Backend.RING)
                 for p in (2, 4) for hkv in (8, 2)]
 

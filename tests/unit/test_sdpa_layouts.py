@@ -38,7 +38,20 @@ def _raw_lse(lse: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     return raw.set_(lse.untyped_storage(), offset_bytes // 4, shape, (shape[1] * shape[2], shape[2], 1))
 
 
+def _heads(q, t):
+    """GQA K/V (or their gradients' layout) read per query head: query head h reads K/V head h // (H / Hkv)."""
+    assert q.shape[1] % t.shape[1] == 0, f"K/V heads {t.shape[1]} must divide Q's {q.shape[1]}"
+    return t.repeat_interleave(q.shape[1] // t.shape[1], dim=1)
+
+
+def _fold(dt, t):
+    """Per-query-head gradients summed back onto ``t``'s (K/V) heads, as the ops return them."""
+    b, h, s, d = dt.shape
+    return dt.reshape(b, t.shape[1], h // t.shape[1], s, d).sum(2)
+
+
 def _scores(q, k, causal, scale):
+    k = _heads(q, k)
     s = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale
     if causal:      # torch's is_causal is top-left; the kernel only asks for square causal blocks
         assert q.shape[2] == k.shape[2], "a causal call must be square (torch refuses non-square causal)"
@@ -49,7 +62,7 @@ def _scores(q, k, causal, scale):
 def _forward(q, k, v, causal, scale):
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, -1)
-    return torch.einsum("bhqk,bhkd->bhqd", torch.exp(s - lse[..., None]), v.float()), lse
+    return torch.einsum("bhqk,bhkd->bhqd", torch.exp(s - lse[..., None]), _heads(q, v).float()), lse
 
 
 def _backward(do, q, k, v, o, lse, causal, scale):
@@ -57,9 +70,10 @@ def _backward(do, q, k, v, o, lse, causal, scale):
     p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
     do32 = do.float()
     delta = (do32 * o.float()).sum(-1, keepdim=True)
-    ds = p * (torch.einsum("bhqd,bhkd->bhqk", do32, v.float()) - delta)
-    return (torch.einsum("bhqk,bhkd->bhqd", ds, k.float()) * scale,
-            torch.einsum("bhqk,bhqd->bhkd", ds, q.float()) * scale, torch.einsum("bhqk,bhqd->bhkd", p, do32))
+    ds = p * (torch.einsum("bhqd,bhkd->bhqk", do32, _heads(q, v).float()) - delta)
+    return (torch.einsum("bhqk,bhkd->bhqd", ds, _heads(q, k).float()) * scale,
+            _fold(torch.einsum("bhqk,bhqd->bhkd", ds, q.float()) * scale, k),
+            _fold(torch.einsum("bhqk,bhqd->bhkd", p, do32), v))
 
 
 def _like(template: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -72,14 +86,20 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls = {"cudnn": 0, "cudnn_bwd": 0, "flash": 0, "flash_bwd": 0}
+        self.kv_heads: set[int] = set()     # the K/V head counts the ops were handed
 
     @staticmethod
     def _half(*ts):
         assert all(t.dtype in HALF and t.dtype == ts[0].dtype for t in ts), [t.dtype for t in ts]
 
+    def _kv(self, q, k, v):
+        assert k.shape == v.shape and q.shape[1] % k.shape[1] == 0, (q.shape, k.shape, v.shape)
+        self.kv_heads.add(k.shape[1])
+
     def cudnn(self, q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale):
         self.calls["cudnn"] += 1
         self._half(q, k, v)
+        self._kv(q, k, v)
         for name, t in zip("qkv", (q, k, v)):
             assert _canonical(t), f"cuDNN got {name} with strides {t.stride()} for shape {tuple(t.shape)}"
         assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not return_debug_mask
@@ -91,6 +111,7 @@ class Recorder:
                   dropout_p, is_causal, *, scale):
         self.calls["cudnn_bwd"] += 1
         self._half(grad_out, q, k, v, out)
+        self._kv(q, k, v)
         for name, t in zip(("grad_out", "q", "k", "v", "out"), (grad_out, q, k, v, out)):
             assert _canonical(t), f"cuDNN backward got {name} with strides {t.stride()} for {tuple(t.shape)}"
         b, h, s, _ = q.shape
@@ -102,6 +123,7 @@ class Recorder:
     def flash(self, q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
         self.calls["flash"] += 1
         self._half(q, k, v)
+        self._kv(q, k, v)
         assert all(t.stride(-1) == 1 for t in (q, k, v)) and dropout_p == 0.0 and not return_debug_mask
         o, lse = _forward(q, k, v, is_causal, scale)
         seed = torch.zeros((), dtype=torch.int64)
@@ -111,6 +133,7 @@ class Recorder:
                   seed, offset, *, scale):
         self.calls["flash_bwd"] += 1
         self._half(grad_out, q, k, v, out)
+        self._kv(q, k, v)
         assert all(t.stride(-1) == 1 for t in (grad_out, q, k, v, out)) and dropout_p == 0.0
         lse = _raw_lse(logsumexp, tuple(q.shape[:3]))
         grads = _backward(grad_out, q, k, v, out, lse, is_causal, scale)
@@ -142,8 +165,8 @@ def _inputs(batch, seq, heads, kv_heads, dtype, seed):
     return mk(heads), mk(kv_heads), mk(kv_heads), mk(heads)
 
 
-# (batch, kv heads, causal): batch 2 makes every sequence slice non-dense; MHA K/V stay views into the packed
-# buffer (GQA K/V are expanded, hence copied); batch 1 slices are dense apart from their batch stride.
+# (batch, kv heads, causal): batch 2 makes every sequence slice non-dense; K/V stay views into the packed buffer
+# (GQA K/V too: the ops take them unexpanded); batch 1 slices are dense apart from their batch stride.
 SHAPES = [(2, 4, True), (1, 2, True), (2, 2, False)]
 
 
@@ -162,6 +185,7 @@ def test_simulated_ranks_hand_the_ops_their_layouts(recorder, kernel, backend, b
         assert rel_err(g, w) < 4e-3, f"{name}: {rel_err(g, w):.2e}"
     prefix = "cudnn" if kernel == Kernel.SDPA_CUDNN else "flash"
     assert recorder.calls[prefix] > 0 and recorder.calls[prefix + "_bwd"] > 0
+    assert recorder.kv_heads == {kv_heads if KERNELS[kernel]().native_gqa else 4}, "GQA K/V copied for the op"
 
 
 def test_dense_bshd_copies_only_what_is_not_laid_out_densely():
@@ -189,23 +213,25 @@ def _flash_semantics(sq, sk, is_causal, left, right):
 
 class WindowedFlash:
     """Stand-ins for ``aten::_flash_attention_forward/_backward`` keeping the real contract: fp16/bf16 ``[B, S, H,
-    D]`` tensors with a unit last stride and equal head counts, no cum_seq (a dense batch) with max_q/max_k the
+    D]`` tensors with a unit last stride and K/V heads dividing Q's (GQA), no cum_seq (a dense batch) with max_q/max_k the
     sequence lengths, int window sides >= -1, fp32 LSE ``[B, H, S]`` read as raw memory; they compute with the
     torch reference kernel (bottom-right aligned, like FlashAttention-2)."""
 
     def __init__(self) -> None:
         self.windows: list[tuple[int, int, int, int, bool]] = []
+        self.kv_heads: set[int] = set()
         self.calls = {"fwd": 0, "bwd": 0}
 
     def _check(self, q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale, left, right):
         Recorder._half(q, k, v)
         assert all(t.dim() == 4 and t.stride(-1) == 1 for t in (q, k, v))
-        assert q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] == v.shape[2] and k.shape == v.shape
+        assert q.shape[0] == k.shape[0] and q.shape[2] % k.shape[2] == 0 and k.shape == v.shape
         assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[1], k.shape[1])
         assert dropout_p == 0.0 and isinstance(is_causal, bool) and isinstance(scale, float)
         for side in (left, right):
             assert type(side) is int and side >= -1, f"window sides are ints >= -1 (got {left!r}, {right!r})"
         self.windows.append((q.shape[1], k.shape[1], left, right, is_causal))
+        self.kv_heads.add(k.shape[2])
         return _flash_semantics(q.shape[1], k.shape[1], is_causal, left, right)
 
     def fwd(self, q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale,
@@ -271,7 +297,7 @@ def test_flash_kernel_applies_windows_through_the_flash_ops(windowed, sq, sk, ca
     for name, got, ref_grad, t in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         err = (got.double() - ref_grad).abs().max().item() / max(ref_grad.abs().max().item(), 1.0)  # dq ~ 0 at (0, 0)
         assert got.shape == t.shape and err < 3e-2, f"{name}: {err:.2e}"
-    assert windowed.calls == {"fwd": 1, "bwd": 1}
+    assert windowed.calls == {"fwd": 1, "bwd": 1} and windowed.kv_heads == {kv_heads}, "GQA K/V copied for the op"
 
 
 def test_flash_kernel_runs_unbounded_windows_on_the_plain_ops_and_refuses_softcap(windowed, recorder):

@@ -152,17 +152,22 @@ def _raw_varlen_lse(lse: torch.Tensor, heads: int, total: int) -> torch.Tensor:
 
 class VarlenFlash:
     """Stand-ins for ``aten::_flash_attention_forward/_backward`` on their varlen path, keeping the real contract:
-    fp16/bf16 ``[T, H, D]`` tensors with a unit last stride and equal head counts, int32 ``cum_seq_q/k`` with
+    fp16/bf16 ``[T, H, D]`` tensors with a unit last stride, K/V heads dividing Q's (GQA: query head ``h`` reads K/V
+    head ``h // (H / Hkv)``, dK/dV returned with K's heads), but equal head counts when ``max_q == 1`` (the real op
+    then swaps query heads into the sequence dimension, assuming one row per sequence), int32 ``cum_seq_q/k`` with
     ``max_q/max_k`` their longest sequences, window sides ints >= -1 (causal: right 0), an fp32 LSE ``[H, Tq]``
     returned with **+inf** for rows without keys and output 0 there (FlashAttention-2's early exit), and the LSE
     handed to backward read as raw contiguous fp32 ``[H, Tq]`` memory."""
 
     def __init__(self) -> None:
         self.calls = {"fwd": 0, "bwd": 0}
+        self.kv_heads: list[int] = []
 
     def _batch(self, q, k, v, cum_q, cum_k, max_q, max_k, is_causal, left, right) -> Varlen:
         assert q.dtype in HALF and k.dtype == q.dtype == v.dtype
-        assert all(t.dim() == 3 and t.stride(-1) == 1 for t in (q, k, v)) and q.shape[1] == k.shape[1] == v.shape[1]
+        assert all(t.dim() == 3 and t.stride(-1) == 1 for t in (q, k, v)) and k.shape == v.shape
+        assert q.shape[1] % k.shape[1] == 0 and (max_q > 1 or q.shape[1] == k.shape[1])
+        self.kv_heads.append(k.shape[1])
         assert cum_q.dtype == cum_k.dtype == torch.int32 and cum_q.numel() == cum_k.numel()
         cq, ck = cum_q.tolist(), cum_k.tolist()
         assert cq[0] == ck[0] == 0 and cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
@@ -189,13 +194,16 @@ class VarlenFlash:
         raw = _raw_varlen_lse(lse, q.shape[1], q.shape[0]).double()
         # gradients from the LSE and out it is handed (as the kernel does), with the reference's mask
         keep = _keep(batch, q.shape[0], k.shape[0])
-        qd, kd, vd, dod, od = (t.double() for t in (q, k, v, dout, out))
+        g = q.shape[1] // k.shape[1]
+        qd, dod, od = (t.double() for t in (q, dout, out))
+        kd, vd = (t.double().repeat_interleave(g, dim=1) for t in (k, v))
         s = torch.einsum("qhd,khd->hqk", qd, kd) * scale
         p = torch.exp(s - raw.masked_fill(torch.isinf(raw), 0)[..., None]).masked_fill(~keep, 0)
         dv = torch.einsum("hqk,qhd->khd", p, dod)
         ds = p * (torch.einsum("qhd,khd->hqk", dod, vd) - (dod * od).sum(-1).T[..., None])
+        fold = lambda t: t.reshape(t.shape[0], -1, g, t.shape[-1]).sum(2)     # noqa: E731  dK/dV with K's heads
         return (torch.einsum("hqk,khd->qhd", ds, kd) * scale).to(q.dtype), \
-            (torch.einsum("hqk,qhd->khd", ds, qd) * scale).to(q.dtype), dv.to(q.dtype)
+            fold(torch.einsum("hqk,qhd->khd", ds, qd) * scale).to(q.dtype), fold(dv).to(q.dtype)
 
 
 @pytest.fixture
@@ -224,8 +232,24 @@ def test_the_flash_kernel_runs_a_varlen_call_on_the_flash_op(varlen_flash, causa
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want[2:]):
         assert got.shape == ref.shape and rel_err(got, ref) < 2e-2, f"{name}: {rel_err(got, ref):.2e}"
     assert varlen_flash.calls == {"fwd": 1, "bwd": 1}
+    assert varlen_flash.kv_heads == [kv_heads, kv_heads], "GQA K/V reach the op unexpanded"
     with pytest.raises(ValueError, match="applies no softcap"):
         kern.forward_varlen(*h[:3], call, scale=0.3, softcap=5.0)
+
+
+def test_the_flash_kernel_expands_gqa_kv_for_one_row_sequences(varlen_flash):
+    """max_seqlen_q == 1 with GQA: FlashAttention-2 would swap query heads into rows, assuming every sequence has
+    one (the filler here has none), so the K/V reach the op expanded; the results are the reference's."""
+    call = Varlen(((0, 1, 0, 5), (1, 2, 5, 9), (2, 2, 9, 12)), True, (None, None), 2)   # the last one: a filler
+    h = _tensors(2, 12, 4, 2, torch.bfloat16, seed=3)
+    want = reference(*h, call, 0.3)
+    kern = sdpa.FlashKernel()
+    out, lse = kern.forward_varlen(*h[:3], call, scale=0.3)
+    grads = kern.backward_varlen(h[3], *h[:3], want[0].to(torch.bfloat16), want[1].float(), call, scale=0.3)
+    assert varlen_flash.kv_heads == [4, 4]
+    assert rel_err(out, want[0]) < 1e-2 and (lse - want[1]).abs().max() < 1e-5
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want[2:]):
+        assert got.shape == ref.shape and rel_err(got, ref) < 2e-2, f"{name}: {rel_err(got, ref):.2e}"
 
 
 # (backend, ranks): packed documents through whole simulated runs on torch's flash kernel, its dense ops and its
