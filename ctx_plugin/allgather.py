@@ -13,6 +13,8 @@ Forward saves only q, k, v, out and lse.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .block_calls import Accumulator, backward_blocks, forward_blocks
@@ -27,18 +29,20 @@ from .ring import refuse_double_backward
 from .sinks import apply_sinks, sink_grad
 
 
-def _query_chunks(rank: int, size: int, local_len: int, mask: Mask) -> list[Block]:
+@functools.lru_cache(maxsize=64)
+def _query_chunks(rank: int, size: int, local_len: int, mask: Mask) -> tuple[Block, ...]:
     """Per query chunk this rank holds: its local rows, the global key range it needs and its kernel mask (rows
-    of no chunk, padding, see no key). Chunks never share rows."""
+    of no chunk, padding, see no key). Chunks never share rows. Cached: every layer asks again, forward and
+    backward (with packed documents, a chunk per document)."""
     if mask.documents is not None:
         docs, seq_len = mask.documents, local_len * size
-        return list(document_blocks(Zigzag().segments(rank, size, local_len, docs),
-                                    Contiguous().segments(0, 1, seq_len, docs), mask))
+        return document_blocks(Zigzag().segments(rank, size, local_len, docs),
+                               Contiguous().segments(0, 1, seq_len, docs), mask)
     if not mask.causal and not mask.windowed:
-        return [Block(slice(0, local_len), slice(0, local_len * size), False)]
+        return (Block(slice(0, local_len), slice(0, local_len * size), False),)
     c = local_len // 2
     chunks = ((slice(0, c), rank * c), (slice(c, local_len), (2 * size - 1 - rank) * c))
-    return [band_block(mask, start, 0, 1, rows, slice(0, local_len * size)) for rows, start in chunks]
+    return tuple(band_block(mask, start, 0, 1, rows, slice(0, local_len * size)) for rows, start in chunks)
 
 
 def _perm(seq_len: int, group: RankGroup, device: torch.device, documents: Documents | None) -> torch.Tensor:

@@ -9,6 +9,8 @@ blocks' and the results the same (the varlen contract keeps rows and keys outsid
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .blocks import Block
@@ -18,13 +20,40 @@ from .mask import Mask
 from .merge import merge_into
 
 
+class _Same:
+    """A key that is equal only to a key of the same object (hashed by identity): a plan's tuple of blocks is
+    immutable, and the cache entry holding the key keeps it alive, so its id cannot be reused meanwhile."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+@functools.lru_cache(maxsize=512)
+def _varlen_plan(blocks: _Same, sq: int, sk: int, batch: int) -> tuple[tuple[Block, ...], tuple[Varlen, ...]]:
+    singles, groups = chains(blocks.obj)
+    return singles, tuple(pack(c, sq, sk, batch) for c in groups)
+
+
 def plan_calls(kernel: AttentionKernel, blocks, mask: Mask, sq: int, sk: int,
                batch: int) -> tuple[tuple[Block, ...], tuple[Varlen, ...]]:
-    """``(blocks run one call each, varlen calls)`` for ``blocks`` of ``sq`` local rows meeting ``sk`` keys."""
+    """``(blocks run one call each, varlen calls)`` for ``blocks`` of ``sq`` local rows meeting ``sk`` keys.
+
+    Memoised per plan object: the layouts' plans (and the all-gather's query chunks) are cached tuples, handed here
+    again by every layer, in forward and in backward, so a step's chains and varlen calls (Python work linear in
+    its documents) are built once per batch of documents, not once per layer and pass."""
     if mask.documents is None or not has_varlen(kernel):
         return tuple(blocks), ()
-    singles, groups = chains(blocks)
-    return singles, tuple(pack(c, sq, sk, batch) for c in groups)
+    if not isinstance(blocks, tuple):
+        blocks = tuple(blocks)
+    return _varlen_plan(_Same(blocks), sq, sk, batch)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -102,7 +102,7 @@ class RingLayout(Layout):
         ``(rows, first global position, stride, document index)``."""
         if documents is None:
             documents = Documents((0, local_len * size))
-        return segments_of(self.pieces(rank, size, local_len, documents))
+        return _segments(type(self), rank, size, local_len, documents)
 
     def local_indices(self, seq_len: int, rank: int, size: int, documents: Documents | None = None) -> torch.Tensor:
         return _indices(self.pieces(rank, size, seq_len // size, documents or Documents((0, seq_len))))
@@ -117,6 +117,12 @@ class RingLayout(Layout):
                   for q_rows, q0, stride, _ in self.segments(rank, size, local_len)
                   for k_rows, k0, _, _ in self.segments(source, size, local_len))
         return tuple(b for b in blocks if b is not None)
+
+
+@functools.lru_cache(maxsize=256)
+def _segments(kind: type[RingLayout], rank: int, size: int, local_len: int, documents: Documents) -> tuple:
+    """A rank's segments (cached: a step's plans read the same ranks' segments ``size`` times each)."""
+    return segments_of(kind().pieces(rank, size, local_len, documents))
 
 
 @functools.lru_cache(maxsize=1024)

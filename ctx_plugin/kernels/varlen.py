@@ -26,6 +26,7 @@ of a sequence without rows gets gradient 0.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,13 +56,23 @@ class Varlen:
     def max_k(self) -> int:
         return max(k1 - k0 for _, _, k0, k1 in self.seqs)
 
-    def cu_seqlens(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cu_q, cu_k)``: int32 ``[n + 1]`` cumulative boundaries on ``device``, as flash-attn takes them."""
+    @functools.cached_property
+    def _boundaries(self) -> torch.Tensor:
+        """``[2, n + 1]`` int32 on the CPU (built once per call plan: plans are cached, every layer reuses them)."""
         cu_q = [0, *(q1 for _, q1, _, _ in self.seqs)]
         cu_k = [0, *(k1 for _, _, _, k1 in self.seqs)]
-        both = torch.tensor([cu_q, cu_k], dtype=torch.int32)
-        both = both.pin_memory() if device.type == "cuda" else both
-        both = both.to(device, non_blocking=True)
+        return torch.tensor([cu_q, cu_k], dtype=torch.int32)
+
+    @functools.cached_property
+    def _pinned(self) -> torch.Tensor:
+        return self._boundaries.pin_memory()     # never written: safe to copy from asynchronously, again and again
+
+    def cu_seqlens(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cu_q, cu_k)``: int32 ``[n + 1]`` cumulative boundaries on ``device``, as flash-attn takes them."""
+        if device.type == "cuda":
+            both = self._pinned.to(device, non_blocking=True)
+        else:
+            both = self._boundaries.to(device)
         return both[0], both[1]
 
 

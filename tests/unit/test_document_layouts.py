@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ctx_plugin.block_calls import plan_calls
+from ctx_plugin.blocks import Block, merge_blocks
 from ctx_plugin.documents import Documents, check_documents, pad_documents
+from ctx_plugin.kernels.torch_math import TorchKernel
 from ctx_plugin.layouts import RING_LAYOUTS, Contiguous, Striped, UlyssesRing, Zigzag, rank_work, ring_schedule
 from ctx_plugin.mask import Mask
 
@@ -123,3 +126,57 @@ def test_bad_documents_are_refused():
         Documents((0, 4, 8), (4, 5))
     assert check_documents(torch.tensor([0, 3, 8], dtype=torch.int32), 8) == Documents((0, 3, 8))
     assert Documents((0, 4, 8), (4, 4)) == Documents((0, 4, 8))
+
+
+# ---------------------------------------------------------------- a step's blocks, merged and planned once
+def _scan_merge(blocks):
+    """Reference: scan the kept blocks in order, join the first full one that shares keys (adjacent rows) or rows
+    (adjacent keys), take the joined block again; what merge_blocks promises, written the slow way."""
+    full = lambda b: not b.causal and b.window == (None, None)   # noqa: E731
+    kept = []
+    for blk in blocks:
+        i = 0
+        while full(blk) and i < len(kept):
+            a = kept[i]
+            rows = (a.q.stop == blk.q.start or blk.q.stop == a.q.start) and a.k == blk.k
+            keys = (a.k.stop == blk.k.start or blk.k.stop == a.k.start) and a.q == blk.q
+            if full(a) and (rows or keys):
+                del kept[i]
+                blk = (Block(slice(min(a.q.start, blk.q.start), max(a.q.stop, blk.q.stop)), a.k, False) if rows
+                       else Block(a.q, slice(min(a.k.start, blk.k.start), max(a.k.stop, blk.k.stop)), False))
+                i = 0
+            else:
+                i += 1
+        kept.append(blk)
+    return kept
+
+
+def test_merge_blocks_joins_as_a_scan_of_the_kept_blocks():
+    import random
+    rng = random.Random(5)
+    for _ in range(3000):
+        if rng.random() < 0.5:     # a shuffled grid of full tiles (joins cascade both ways) and some causal ones
+            tiles = [Block(slice(i, i + 1), slice(j, j + 1), rng.random() < 0.1)
+                     for i in range(rng.randrange(1, 6)) for j in range(rng.randrange(1, 6))]
+            rng.shuffle(tiles)
+        else:                      # arbitrary blocks, overlapping ones included, windowed ones never join
+            tiles = [Block(slice(a, a + rng.randrange(1, 4)), slice(c, c + rng.randrange(1, 4)), rng.random() < 0.2,
+                           (None, None) if rng.random() < 0.8 else (rng.randrange(3), None))
+                     for a, c in ((rng.randrange(10), rng.randrange(10)) for _ in range(rng.randrange(12)))]
+        assert list(merge_blocks(tiles)) == _scan_merge(tiles), tiles
+
+
+def test_a_plan_is_chained_and_packed_once():
+    """Every layer hands the same cached plan again, forward and backward: its varlen calls are built once."""
+    docs = Documents((0, 16, 40, 64))
+    mask = Mask(True, documents=docs).within(64)
+    blocks = Zigzag().plan(0, 1, 2, 32, mask)
+    assert blocks is Zigzag().plan(0, 1, 2, 32, mask)                       # the layouts' cache
+    first = plan_calls(TorchKernel(), blocks, mask, 32, 32, 2)
+    assert first[1] and plan_calls(TorchKernel(), blocks, mask, 32, 32, 2) is first
+    again = plan_calls(TorchKernel(), tuple(list(blocks)), mask, 32, 32, 2)   # an equal plan, another object
+    assert again == first and again is not first
+    call = first[1][0]
+    assert call.cu_seqlens(torch.device("cpu"))[0] is not None and call._boundaries is call._boundaries
+    cu_q, cu_k = call.cu_seqlens(torch.device("cpu"))
+    assert cu_q.tolist() == [0, *(s[1] for s in call.seqs)] and cu_k.tolist() == [0, *(s[3] for s in call.seqs)]
