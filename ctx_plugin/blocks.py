@@ -80,14 +80,15 @@ def document_blocks(q_segments, k_segments, mask: Mask) -> tuple[Block, ...]:
     by_document: dict[int, list[tuple[slice, int, int]]] = {}
     for seg in k_segments:
         by_document.setdefault(seg[3], []).append((real_rows(seg, documents), seg[1], seg[2]))
-    blocks = []
+    per_document: dict[int, list[Block]] = {}
     for seg in q_segments:
         q_rows = real_rows(seg, documents)
         for k_rows, k_first, stride in by_document.get(seg[3], ()):
             blk = band_block(mask, seg[1], k_first, stride, q_rows, k_rows)
             if blk is not None:
-                blocks.append(blk)
-    return merge_blocks(blocks)
+                per_document.setdefault(seg[3], []).append(blk)
+    # Blocks of two documents never share their rows nor their keys: merged document by document (small lists).
+    return tuple(blk for blocks in per_document.values() for blk in merge_blocks(blocks))
 
 
 def _full(blk: Block) -> bool:

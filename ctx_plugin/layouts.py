@@ -235,17 +235,19 @@ class RingSchedule:
         return (self.start != 0) + self.steps - 1
 
 
-def ring_schedule(layout: RingLayout, size: int, local_len: int, mask: Mask) -> RingSchedule:
+def ring_schedule(layout: RingLayout, size: int, local_len: int, mask: Mask, rank: int = 0) -> RingSchedule:
     """The shortest arc of ring offsets that covers every offset at which some rank has a block (the same on
-    every rank; a rank with nothing at a step just passes the K/V on)."""
-    return _schedule(type(layout), size, local_len, mask)
+    every rank; a rank with nothing at a step just passes the K/V on). ``rank``: whose plans are looked at first —
+    the caller's own, which it computes anyway (the result does not depend on it)."""
+    return _schedule(type(layout), size, local_len, mask, rank)
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(kind: type[RingLayout], size: int, local_len: int, mask: Mask) -> RingSchedule:
+def _schedule(kind: type[RingLayout], size: int, local_len: int, mask: Mask, rank: int) -> RingSchedule:
     layout = kind()
+    order = [(rank + i) % size for i in range(size)]
     needed = [o for o in range(size)
-              if any(layout.plan(r, (r - o) % size, size, local_len, mask) for r in range(size))]
+              if any(layout.plan(r, (r - o) % size, size, local_len, mask) for r in order)]
     # Each needed offset may start the arc; it then ends at the needed offset just before it (cyclically).
     arcs = [((needed[i - 1] - start) % size + 1, start != 0, start) for i, start in enumerate(needed)]
     steps, _, start = min(arcs)

@@ -54,7 +54,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: A
                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     b, n, h, d = q.shape
     size, rank = group.size, group.rank
-    schedule = ring_schedule(layout, size, n, mask)
+    schedule = ring_schedule(layout, size, n, mask, rank)
     acc = accum_dtype(q.dtype)
     merged = Accumulator(b, n, h, d, acc, q.device)
     kv, spare = own_kv(k, v, schedule.kv_transfers)
@@ -81,7 +81,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """dq, dk, dv given the final (sink-adjusted) ``out`` and ``lse``."""
     b, n, h, d = q.shape
     size, rank = group.size, group.rank
-    schedule = ring_schedule(layout, size, n, mask)
+    schedule = ring_schedule(layout, size, n, mask, rank)
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
     kv, kv_spare = own_kv(k, v, schedule.kv_transfers)

@@ -31,6 +31,7 @@ from ..kernels import accum_dtype, select_kernel
 from ..mask import Mask
 from ..names import Kernel
 from .harness import Shape, attention_step, call_time, ideal_share, median_time
+from .planning import plan_ms
 from .report import add_arguments, configs, row, settle, shape_from_args, write_outputs
 from .simulated import SILENT, simulated_groups
 
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             extra = {}
             if real_groups.check_group is not None:
                 extra["check_us"] = max(_gather(_check_time(shape, real_groups, tensors), device)) * 1e6
+            if shape.documents is not None:   # each process its own ring rank's plans, the slowest reported
+                mine = plan_ms(shape, config, size, ring_ranks=(real_groups.ring.rank,))
+                extra["plan_ms"] = max(_gather(mine, device))
             unit = shape.document_unit(config, size)
             rows.append(row(shape, label, size, pass_, kernel, times, full * ideal_share(shape, unit), unit,
                             comm_ms=max(comms) * 1e3, hidden_comm=min(hiddens), **extra))

@@ -28,6 +28,7 @@ from ..kernels import kernel_unavailable, select_kernel
 from ..mask import Mask
 from ..names import Backend, Kernel
 from .harness import PASSES, Shape, call_time, ideal_share, rank_times
+from .planning import plan_ms
 from .memory import memory_columns, rank_bytes, single_device_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -206,6 +207,8 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
                     extra = {"full_slowest_ms": full * 1e3, "vs_full": full / max(times)}
                 if single is not None:
                     extra.update(memory_columns(shape, size, single, rank_bytes(shape, config, size, backward)))
+                if shape.documents is not None:   # the host work of a new batch's plans (cached afterwards)
+                    extra["plan_ms"] = plan_ms(shape, config, size)
                 rows.append(row(shape, label, size, pass_, kernel, times, full * ideal_share(shape, unit), unit,
                                 **extra))
     return rows
@@ -247,7 +250,7 @@ def format_table(rows: list[dict]) -> str:
     packed = any("doc_unit" in r for r in rows)
     head = f"{'backend':<17} {'N':>3} {'pass':<8} {'slowest ms':>10} {'mean ms':>9} {'ideal ms':>9} " \
            f"{'eff.':>5} {'TFLOP/s':>8}" + (f" {'comm ms':>8} {'hidden':>6}" if hidden else "") + \
-           (f" {'check µs':>8}" if check else "") + (f" {'docs':>6} {'unit':>4} {'pad':>6}" if packed else "") + (f" {'full ms':>9} {'vs full':>7}" if window else "") + \
+           (f" {'check µs':>8}" if check else "") + (f" {'docs':>6} {'unit':>4} {'pad':>6} {'plan ms':>8}" if packed else "") + (f" {'full ms':>9} {'vs full':>7}" if window else "") + \
            (f" {'alloc MiB':>10} {'copied MiB':>10} {'peak MiB':>9} {'bound MiB':>9} {'peak/bound':>10}"
             if memory else "")
     lines = [head]
@@ -262,7 +265,7 @@ def format_table(rows: list[dict]) -> str:
         if check:
             line += f" {r.get('check_us', 0.0):>8.1f}"
         if packed:
-            line += f" {r['documents']:>6} {r['doc_unit']:>4} {r['padding']:>6}"
+            line += f" {r['documents']:>6} {r['doc_unit']:>4} {r['padding']:>6} {r['plan_ms']:>8.3f}"
         if window:
             line += f" {r['full_slowest_ms']:>9.3f} {r['vs_full']:>6.2f}×"
         if memory:
@@ -296,8 +299,9 @@ def _documents_text(shape: Shape) -> str:
     if shape.documents is None:
         return ""
     return (f"{describe_documents(shape.documents)}, each padded at its end to the layout's document unit "
-            f"(pad_documents; columns docs = documents in the sequence, unit, pad = padding tokens), FLOPs counting "
-            f"only the pairs inside each document, ")
+            f"(pad_documents; columns docs = documents in the sequence, unit, pad = padding tokens; plan ms = the "
+            f"slowest rank's host time to plan a new batch of them, once per batch: later layers and the backward "
+            f"reuse it), FLOPs counting only the pairs inside each document, ")
 
 def _window_text(shape: Shape, rows: list[dict]) -> str:
     if shape.window is None:

@@ -149,8 +149,9 @@ def test_cli_smoke_distributed():
     assert "2 processes" in proc.stdout and "hidden" in proc.stdout and "check µs" in proc.stdout
     assert "documents of 20 tokens" in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("zigzag ", "ulysses "))]
-    assert len(rows) == 2 and all(float(r[-4]) > 0 for r in rows), "the rank check's time per call, in µs"
-    assert [r[-3:] for r in rows] == [["13", "4", "0"], ["13", "1", "0"]]      # docs, unit, pad (S = 256)
+    assert len(rows) == 2 and all(float(r[-5]) > 0 for r in rows), "the rank check's time per call, in µs"
+    assert [r[-4:-1] for r in rows] == [["13", "4", "0"], ["13", "1", "0"]]    # docs, unit, pad (S = 256)
+    assert all(float(r[-1]) > 0 for r in rows), "plan ms: the slowest process's host time to plan the batch"
 
 
 def test_no_rank_check_flag():

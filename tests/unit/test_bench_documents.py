@@ -131,7 +131,7 @@ def test_cli_packed_table(tmp_path, capsys):
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "documents of 20 tokens filling the sequence" in text and "padded at its end to the layout's" in text
-    assert text.splitlines()[1].split()[-3:] == ["docs", "unit", "pad"]
+    assert text.splitlines()[1].split()[-5:] == ["docs", "unit", "pad", "plan", "ms"]
     report = json.loads(out.read_text())
     assert report["shape"]["documents"] == [20]
     rows = {(r["backend"], r["ranks"]): r for r in report["rows"]}
@@ -148,6 +148,35 @@ def test_cli_packed_table(tmp_path, capsys):
         assert r["efficiency"] == pytest.approx(r["ideal_ms"] / r["slowest_ms"])
         full_rate.add(round(flops / (r["ideal_ms"] * n / 1e3) / 1e12, 12))   # the one kernel's full-mask rate
     assert len(full_rate) == 1 and report["attention_tflops"] == pytest.approx(full_rate.pop())
+    assert all(r["plan_ms"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("backend,calls,sq,sk", [(Backend.ZIGZAG, 4, 64, 64), (Backend.ALLGATHER, 1, 64, 256),
+                                                 (Backend.ULYSSES, 1, 256, 256)])
+def test_plan_ms_plans_what_each_ring_rank_plans_with_fresh_caches(monkeypatch, backend, calls, sq, sk):
+    """The backends' own planning functions, for every rank of the ring (Ulysses': one rank, the whole sequence),
+    each rank starting from empty caches (a new batch): its first plan misses as many times as every other's."""
+    from ctx_plugin import block_calls, layouts
+    from ctx_plugin.bench.planning import plan_ms
+    seen, real = [], block_calls.plan_calls
+
+    def spy(kernel, blocks, mask, q_rows, k_rows, batch):
+        seen.append((q_rows, k_rows, batch, mask.documents is not None, layouts._document_plan.cache_info().misses))
+        return real(kernel, blocks, mask, q_rows, k_rows, batch)
+    monkeypatch.setattr(block_calls, "plan_calls", spy)
+    shape = Shape(seq_len=256, heads=4, kv_heads=2, head_dim=16, documents=20, batch=2)
+    config = ctx_plugin.CPConfig(backend=backend)
+    assert plan_ms(shape, config, 4) > 0
+    ring = 1 if backend == Backend.ULYSSES else 4
+    assert len(seen) == ring * calls and {s[:4] for s in seen} == {(sq, sk, 2, True)}
+    if backend == Backend.ZIGZAG:
+        firsts = [seen[r * calls][4] for r in range(ring)]
+        assert firsts[0] > 0 and len(set(firsts)) == 1, firsts
+    seen.clear()
+    plan_ms(shape, config, 4, ring_ranks=(0,))
+    assert len(seen) == calls
+    with pytest.raises(ValueError, match="has none"):
+        plan_ms(Shape(seq_len=256, heads=4, kv_heads=2, head_dim=16), config, 4)
 
 
 def test_cli_packed_with_a_window_memory_and_lengths_from_a_file(tmp_path, capsys):

@@ -180,3 +180,13 @@ def test_a_plan_is_chained_and_packed_once():
     assert call.cu_seqlens(torch.device("cpu"))[0] is not None and call._boundaries is call._boundaries
     cu_q, cu_k = call.cu_seqlens(torch.device("cpu"))
     assert cu_q.tolist() == [0, *(s[1] for s in call.seqs)] and cu_k.tolist() == [0, *(s[3] for s in call.seqs)]
+
+
+@pytest.mark.parametrize("layout", RING_LAYOUTS, ids=lambda lay: lay.name)
+def test_the_schedule_is_the_same_whichever_rank_looks_first(layout):
+    """Each rank checks its own plans first (it needs them anyway); the arc must not depend on who asks."""
+    for size, mask in ((4, Mask(True, (3, 0))), (8, Mask(True, (5, 0))), (4, Mask(False, (2, 6))),
+                       (4, Mask(True, documents=Documents((0, 8, 64, 128))).within(128))):
+        n = 128 // size
+        arcs = {ring_schedule(layout, size, n, mask, rank) for rank in range(size)}
+        assert len(arcs) == 1, arcs

@@ -1,0 +1,59 @@
+"""Host time to plan a new batch of packed documents (the bench's ``plan ms`` column).
+
+With packed documents every attention call runs blocks cut per document: a rank builds its ring schedule, each
+step's blocks (:meth:`ctx_plugin.layouts.RingLayout.plan`, or the all-gather's query chunks) and their varlen
+calls (:func:`ctx_plugin.block_calls.plan_calls`) in Python. That happens once per batch of documents, before
+the first layer's attention launches: the plans are cached, so the other layers, the backward and recomputation
+reuse them. This module times that work for each rank with the caches emptied first (a new batch), in the same
+functions the backends call, and reports the slowest rank. It is host time, not device time: on a GPU it is
+hidden only when the host runs ahead of the device, which at the first layer of a step it does not.
+"""
+from __future__ import annotations
+
+import time
+
+from .. import allgather, block_calls, layouts
+from ..config import CPConfig
+from ..kernels import select_kernel
+from ..mask import Mask
+from ..names import Backend
+
+_CACHES = (layouts._document_plan, layouts._segments, layouts._schedule, block_calls._varlen_plan,
+           allgather._query_chunks)
+
+
+def _ring_axis(config: CPConfig, size: int, seq_len: int) -> tuple[int, int]:
+    """(ring ranks, local length on the ring) of ``config`` over ``size`` ranks: Ulysses' ring has one rank over
+    the whole sequence, the hybrid's ``size / ulysses_size``."""
+    ring = {Backend.ULYSSES: 1, Backend.ULYSSES_RING: size // config.ulysses_size}.get(config.backend, size)
+    return ring, seq_len // ring
+
+
+def _plan_rank(config: CPConfig, kernel, rank: int, ring: int, local: int, mask: Mask, batch: int) -> None:
+    if config.backend == Backend.ALLGATHER:
+        chunks = allgather._query_chunks(rank, ring, local, mask)
+        block_calls.plan_calls(kernel, chunks, mask, local, local * ring, batch)
+        return
+    layout = layouts.ring_layout(config)
+    for offset in layouts.ring_schedule(layout, ring, local, mask, rank).offsets:
+        blocks = layout.plan(rank, (rank - offset) % ring, ring, local, mask)
+        block_calls.plan_calls(kernel, blocks, mask, local, local, batch)
+
+
+def plan_ms(shape, config: CPConfig, size: int, ring_ranks=None) -> float:
+    """The slowest rank's host milliseconds to plan one new batch of ``shape``'s documents for ``config`` over
+    ``size`` ranks: every rank of the ring (or those of ``ring_ranks``) timed in turn, caches emptied before each."""
+    docs = shape.documents_for(config, size)
+    if docs is None:
+        raise ValueError("plan_ms times packed documents: the shape has none")
+    mask = Mask(shape.causal, shape.mask["window"], None, docs).within(shape.seq_len)
+    kernel = select_kernel(config.kernel, shape.device, shape.dtype, shape.head_dim, mask.features)
+    ring, local = _ring_axis(config, size, shape.seq_len)
+    slowest = 0.0
+    for rank in range(ring) if ring_ranks is None else ring_ranks:
+        for cache in _CACHES:
+            cache.cache_clear()
+        start = time.perf_counter()
+        _plan_rank(config, kernel, rank, ring, local, mask, shape.batch)
+        slowest = max(slowest, time.perf_counter() - start)
+    return slowest * 1e3
