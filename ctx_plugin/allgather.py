@@ -1,7 +1,10 @@
 """All-gather-KV context parallelism (Llama-3 style).
 
 K/V are all-gathered once (packed ``[2, B, n, Hkv, D]``, one collective) and put back in sequence order by one
-gather (no intermediate reorder). Each
+gather (no intermediate reorder). The collective's input is one ``torch.stack((k, v))`` of the rank's own K/V, on
+purpose: ``all_gather_into_tensor`` takes one contiguous input, K/V that are views (Megatron's V is a split of
+its fused QKV projection; ``[s, b]``-major tensors transposed to batch-major) would need that copy anyway, and
+otherwise it is 1/P of the gathered buffer, against a second collective per gather. Each
 rank holds zigzag chunks r and 2P−1−r of the queries; each chunk attends to exactly the keys it needs (under a
 causal mask a prefix ending at the chunk; with a sliding window the window's range, the kernel window in the
 block's bottom-right convention: :func:`ctx_plugin.blocks.band_block`) in one kernel call, so there are no
