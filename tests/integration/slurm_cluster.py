@@ -10,16 +10,32 @@ has the node named after this host and ``<host>-2`` (two-node jobs: the host's n
 ``localhost``, where a ``high`` job that needs all its CPUs preempts the ``low`` job there (``preempt/partition_prio``).
 The nodes declare more CPUs than the machine has and ``debug`` shares them (``OverSubscribe=FORCE``), so the tests'
 jobs run at once.
+
+``stop()`` leaves nothing of the cluster running, also after a failed or interrupted test (``running()`` calls it in a
+``finally`` and turns a SIGTERM into KeyboardInterrupt; ``start()`` registers it with ``atexit`` too, and stops what
+it started when it fails): it cancels the cluster's jobs while slurmctld runs (``scancel``, then waits for their
+processes while a slurmd is up to end them), stops the daemons it started (by pid, checked to still be that daemon
+with this config), then kills what is left of the cluster: the processes with its ``SLURM_CONF`` in their
+environment (every slurmd passes its own on to the ``slurmstepd`` it starts, ``sbatch`` the submitter's on to the
+job) that are a SLURM daemon, a ``slurmstepd`` or a job's process (``SLURM_JOB_ID`` set), and all their descendants.
+A ``slurmstepd`` is not a child of its slurmd (it is reparented to init), so a slurmd that died leaves its jobs
+running: only this sweep ends them. Processes of another cluster (another ``SLURM_CONF``), or a user's that merely
+have this one exported, are never touched.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
 
@@ -32,6 +48,15 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "starting slurmd and munged needs root"
     return None
+
+
+def require() -> None:
+    """Skips the test without SLURM (or root); fails it instead when CTX_REQUIRE_SLURM=1 (CI, which installs it)."""
+    why = missing()
+    if why:
+        if os.environ.get("CTX_REQUIRE_SLURM") == "1":
+            pytest.fail(f"CTX_REQUIRE_SLURM=1 but {why}")
+        pytest.skip(why)
 
 
 CPUS = 8
@@ -48,6 +73,83 @@ def _free_port() -> int:
 
 def _sbin(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+SLURM_PROCESSES = ("slurmctld", "slurmd", "slurmstepd", "slurmscriptd")
+"""Names (``/proc/<pid>/comm``) of SLURM's daemons: those started here and those they start."""
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """Every live process, zombies left out: pid -> (parent pid, name)."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry.name, "stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            found[int(entry.name)] = (int(fields[1]), name)
+    return found
+
+
+def _environ(pid: int) -> list[bytes]:
+    try:
+        return Path("/proc", str(pid), "environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def _runs(pid: int, name: str, marker: bytes | None) -> bool:
+    """Whether ``pid`` is a live process named ``name`` (with ``marker`` in its environment, when given)."""
+    try:
+        stat = Path("/proc", str(pid), "stat").read_text()
+    except OSError:
+        return False
+    if stat[stat.index("(") + 1:stat.rindex(")")] != name or stat[stat.rindex(")") + 2:].startswith("Z"):
+        return False
+    return marker is None or marker in _environ(pid)
+
+
+def _kill(pids, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:                          # ended meanwhile
+            pass
+
+
+def _leftovers(marker: bytes, daemons: bool = True) -> set[int]:
+    """The processes of one cluster, by ``marker`` (its ``SLURM_CONF=...``) in their environment: SLURM's daemons
+    (slurmctld and slurmd only if ``daemons``), every ``slurmstepd``, jobs' processes (``SLURM_JOB_ID`` set), and all
+    their descendants, whatever their environment. Never this process or one of its ancestors."""
+    procs = _processes()
+    roots = []
+    for pid, (_, name) in procs.items():
+        env = _environ(pid)
+        if marker in env and (name == "slurmstepd" or any(e.startswith(b"SLURM_JOB_ID=") for e in env)
+                              or (daemons and name in SLURM_PROCESSES)):
+            roots.append(pid)
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in procs.items():
+        children.setdefault(parent, []).append(pid)
+    found: set[int] = set()
+    while roots:
+        pid = roots.pop()
+        if pid not in found:
+            found.add(pid)
+            roots.extend(children.get(pid, ()))
+    pid = os.getpid()
+    while pid in procs:                                     # this process and its ancestors stay
+        found.discard(pid)
+        pid = procs[pid][0]
+    return found
 
 
 class LocalSlurm:
@@ -94,6 +196,32 @@ class LocalSlurm:
         self.pids.append(("munged", int((run / "munged.pid").read_text())))
 
     def start(self) -> LocalSlurm:
+        """Writes the config and starts the daemons; when that fails, stops what it started and raises."""
+        atexit.register(self.stop)                          # a run that ends without the fixture's teardown
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    @contextlib.contextmanager
+    def running(self):
+        """``start()`` ... ``stop()``, stopped also when the body fails or is interrupted: a SIGTERM meanwhile (a test
+        run killed by a time limit) raises KeyboardInterrupt, so pytest's teardown (and this ``finally``) runs."""
+        interrupt = threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        if interrupt:
+            signal.signal(signal.SIGTERM, _interrupted)
+        try:
+            yield self.start()
+        finally:
+            try:
+                self.stop()
+            finally:
+                if interrupt:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def _start(self) -> LocalSlurm:
         (self.root / "state").mkdir(parents=True, exist_ok=True)
         for node in self.nodes:
             (self.root / f"spool-{node}").mkdir(parents=True, exist_ok=True)
@@ -117,22 +245,51 @@ class LocalSlurm:
         raise RuntimeError(f"the SLURM nodes never became idle: {out.stdout}{out.stderr}\n"
                            + (self.root / "slurmctld.log").read_text()[-2000:])
 
-    def stop(self) -> None:
-        for _, pid in reversed(self.pids):
+    @property
+    def marker(self) -> bytes:
+        """``SLURM_CONF=<this config>``: in the environment of every process of this cluster (see the module doc)."""
+        return b"SLURM_CONF=" + str(self.conf).encode()
+
+    def _alive(self, daemon: str) -> list[int]:
+        """The pids of the ``daemon`` processes this cluster started that still run (checked by name, and for SLURM's
+        by this config in their environment: a pid since reused by another process is not one)."""
+        marker = None if daemon == "munged" else self.marker
+        return [pid for name, pid in self.pids if name == daemon and _runs(pid, daemon, marker)]
+
+    def stop(self, timeout: float = 15) -> None:
+        """Cancels the jobs, stops the daemons, kills what is left of the cluster (see the module docstring); raises
+        when a process of it survives that. Safe to call again, and on a cluster that did not fully start."""
+        atexit.unregister(self.stop)
+        if self._alive("slurmctld"):
             try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                continue
-        for _, pid in self.pids:
-            for _ in range(100):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-            else:
-                os.kill(pid, signal.SIGKILL)
+                jobs = subprocess.run(["squeue", "-h", "-o", "%A"], env=self.env, capture_output=True, text=True,
+                                      timeout=30).stdout.split()
+                if jobs:
+                    subprocess.run(["scancel", *jobs], env=self.env, capture_output=True, timeout=30)
+            except subprocess.TimeoutExpired:
+                jobs = []                                   # a hung slurmctld: the sweep below ends the jobs
+            deadline = time.monotonic() + timeout           # KillWait=5: SIGTERM, SIGKILL 5 s later, by slurmstepd
+            while jobs and self._alive("slurmd") and _leftovers(self.marker, daemons=False) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
+        daemons = ("slurmd", "slurmctld", "munged")
+        for daemon in daemons:
+            _kill(self._alive(daemon), signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(self._alive(d) for d in daemons) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _kill(self._alive("munged"), signal.SIGKILL)      # SLURM's own daemons: swept below
         self.pids.clear()
+        for _ in range(5):                                  # what the daemons left: jobs, steps, a daemon hung
+            left = _leftovers(self.marker)
+            if not left:
+                return
+            _kill(left, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while _leftovers(self.marker) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if left := _leftovers(self.marker):
+            raise RuntimeError(f"processes of the SLURM test cluster {self.root} survive SIGKILL: {sorted(left)}")
 
     def sbatch(self, *args: str, cwd: Path) -> str:
         out = subprocess.run(["sbatch", "--parsable", *args], env=self.env, cwd=cwd, capture_output=True, text=True,

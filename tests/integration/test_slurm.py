@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .slurm_cluster import GRACE_TIME, LocalSlurm, _free_port, missing
+from .slurm_cluster import GRACE_TIME, LocalSlurm, _free_port, require
 from .test_megatron_entry import CHECKOUT, MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,14 +31,11 @@ RTOL = 1e-5   # fp32; CP changes only the order of the attention's reductions (t
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    why = missing()
-    if why:
-        if os.environ.get("CTX_REQUIRE_SLURM") == "1":
-            pytest.fail(f"CTX_REQUIRE_SLURM=1 but {why}")
-        pytest.skip(why)
-    slurm = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
-    yield slurm
-    slurm.stop()
+    """The module's cluster, stopped (its jobs cancelled, nothing of it left running) also when a test fails or the run
+    is interrupted."""
+    require()
+    with LocalSlurm(tmp_path_factory.mktemp("slurm")).running() as slurm:
+        yield slurm
 
 
 def _ds_config(path: Path, size: int) -> Path:
