@@ -14,8 +14,9 @@
 # SLURM's time-limit warning (#SBATCH --signal=B:USR1@120) reaches this shell only; it passes USR1 on to every
 # rank (an overlapping srun step signals the children of each node's torchrun; torchrun itself ignores USR1), so
 # every rank can finish its step, save and exit. Each node records the ranks it signalled in the attempt's
-# signals/node-<n>.txt; ranks of ctx_plugin.train_hf record their own handler's in signals/rank-<r>.txt, and the
-# status gets a summary (signals=). Then, with --requeue (or CTX_REQUEUE=1), the job requeues itself (same job id, next
+# signals/node-<n>.txt; ranks of ctx_plugin.train_hf, and of Megatron with --exit-signal-handler (through
+# ctx_plugin's entry point), record their own handler's in signals/rank-<r>.txt, and the status gets a summary
+# (signals=). Then, with --requeue (or CTX_REQUEUE=1), the job requeues itself (same job id, next
 # attempt); without, it waits for the time limit, so SLURM records TIMEOUT. A SIGTERM (scancel, the time limit) is
 # classified by asking slurmctld for the job's state.
 # Preemption with a GraceTime (PreemptMode=REQUEUE or CANCEL): slurmctld sends SIGCONT and SIGTERM to the job steps

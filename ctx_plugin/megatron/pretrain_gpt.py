@@ -1,7 +1,7 @@
 """``python -m ctx_plugin.megatron.pretrain_gpt --megatron-lm PATH <Megatron args> <--cp-* args>``
 
 Runs ``PATH/pretrain_gpt.py`` — the user's Megatron-LM checkout, unedited — with ctx_plugin switched on. Before
-the script starts, three seams are set up in memory (all in this process, nothing on disk):
+the script starts, four seams are set up in memory (all in this process, nothing on disk):
 
 1. Megatron's ``parse_args`` gets the ``--cp-*`` flags, chained after the script's own ``extra_args_provider``.
    Once Megatron has validated and completed its arguments (``set_global_variables``: data-parallel size,
@@ -14,6 +14,8 @@ the script starts, three seams are set up in memory (all in this process, nothin
 3. ``get_batch_on_this_cp_rank`` shards batches in the backend's layout instead of Megatron's zigzag; a
    ``--reset-attention-mask`` batch comes back packed (THD: ``cu_seqlens``, :mod:`ctx_plugin.megatron.mask_documents`),
    and the model refuses to run it without the ``packed_seq_params`` Megatron-LM's ``forward_step`` builds from it.
+4. Under the job scripts (``$CTX_ATTEMPT_DIR`` set), every signal Megatron's ``--exit-signal-handler`` takes is also
+   recorded by the rank that got it, in front of Megatron's own handler (:mod:`ctx_plugin.megatron.stop_signal`).
 
 A script that trains with Megatron-LM's ``pretrain`` (``from megatron.training import pretrain``, in any form)
 needs CUDA; without it the entry point says so before Megatron starts.
@@ -114,12 +116,15 @@ def _install_seams() -> None:
     import megatron.core.models.gpt.gpt_model as gpt_model_mod
     import megatron.core.utils as core_utils
     import megatron.training.arguments as arguments
+    import megatron.training.dist_signal_handler as dist_signal_handler
     import megatron.training.global_vars as global_vars
     from megatron.core import parallel_state
 
+    from ..slurm.signals import OwnSignalRecord
     from .core_attention import GroupsProvider
     from .mask_documents import PackedHandoff
     from .spec import batch_documents, gpt_layer_spec, prepare_model, shard_batch
+    from .stop_signal import recording
 
     run = RunSettings()
     handoff = PackedHandoff()         # --reset-attention-mask batches the sharder packs must reach the model packed
@@ -166,6 +171,14 @@ def _install_seams() -> None:
             handoff.expect(batch_documents(sharded))
         return sharded
 
+    def iteration():
+        try:
+            return getattr(global_vars.get_args(), "curr_iteration", None)    # set by Megatron's training loop
+        except AssertionError:
+            return None
+
+    signal_handler = dist_signal_handler.DistributedSignalHandler
+
     get_batch_on_this_cp_rank.ctx_plugin_seam = True  # spec.layer_spec: batches and RoPE follow the backend's layout
     get_batch_on_this_cp_rank.ctx_plugin_run = run    # spec.layer_spec: this run's settings
 
@@ -178,7 +191,9 @@ def _install_seams() -> None:
                            ("set_global_variables", original_set_globals, set_global_variables),
                            ("GPTModel", base, CPGPTModel),
                            ("get_batch_on_this_cp_rank", core_utils.get_batch_on_this_cp_rank,
-                            get_batch_on_this_cp_rank)):
+                            get_batch_on_this_cp_rank),
+                           ("DistributedSignalHandler", signal_handler,
+                            recording(signal_handler, OwnSignalRecord(step=iteration)))):
         _rebind(name, old, new)
 
 

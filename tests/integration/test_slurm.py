@@ -136,22 +136,29 @@ def _show_job(cluster: LocalSlurm, job: str, field: str) -> str:
     return next((f.split("=", 1)[1] for f in out.stdout.split() if f.startswith(field + "=")), "")
 
 
-def _each_rank_signalled(attempt: Path, nodes: tuple[str, str]) -> None:
-    """The warning reached each rank itself, not only the step the ranks agreed on: node n's task (on SLURM's node n)
-    sent SIGUSR1 to rank n, rank n's own handler recorded it, and both ranks stopped after the same step."""
-    stops = set()
+def _each_rank_recorded(attempt: Path, nodes: tuple[str, str]) -> None:
+    """Node n's task (on SLURM's node n) sent SIGUSR1 to rank n, rank n's own handler recorded it (none waited for in
+    vain), and the status says so."""
     for node in (0, 1):
         sent = (attempt / "signals" / f"node-{node}.txt").read_text()
         assert f" node={node} host={nodes[node]} " in sent and f" rank={node} signal=USR1 sent" in sent, sent
         got = (attempt / "signals" / f"rank-{node}.txt").read_text()
         assert f" rank={node} " in got and " signal=SIGUSR1 step=" in got and "signal=none" not in got, got
+    assert _status(attempt)["signals"] == "sent SIGUSR1 to ranks 0 1 (2 of 2); received: SIGUSR1 by ranks 0 1"
+
+
+def _each_rank_signalled(attempt: Path, nodes: tuple[str, str]) -> None:
+    """The warning reached each rank itself, not only the step the ranks agreed on (:func:`_each_rank_recorded`), and
+    both ranks stopped after the same step."""
+    _each_rank_recorded(attempt, nodes)
+    stops = set()
+    for node in (0, 1):
         log = _node_log(attempt.parent, 1, node)
         stop = next(line for line in log.splitlines() if line.startswith(f"rank {node}: stopped by "))
         assert stop.startswith((f"rank {node}: stopped by signal 10 after step ",
                                 f"rank {node}: stopped by another rank's signal (its own, signal 10, came ")), stop
         stops.add(stop.split(" after step ")[1].split(";")[0])
     assert len(stops) == 1, stops
-    assert _status(attempt)["signals"] == "sent SIGUSR1 to ranks 0 1 (2 of 2); received: SIGUSR1 by ranks 0 1"
 
 
 def test_warning_preemption_requeue_resume(cluster, tmp_path):
@@ -167,7 +174,9 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
     recorded as cancelled; a failing rank on the second node is named with its exit code. A job in partition ``low``
     preempted by one in ``high`` (PreemptMode=REQUEUE, GraceTime): SLURM's SIGTERM makes its ranks save (each
     records its own), it is recorded preempted, SLURM requeues it at the GraceTime's end and attempt 2 resumes with
-    the uninterrupted run's losses."""
+    the uninterrupted run's losses. A two-node Megatron job (the CPU stand-in of pretrain_gpt.py through ctx_plugin's
+    entry point, --exit-signal-handler --exit-signal SIGUSR1) gets the warning too: Megatron's handler stops both ranks
+    and each rank records its own SIGUSR1 in front of it (cancelled once it has stopped, not left to its limit)."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA))
     site = tmp_path / "site.sh"
@@ -178,7 +187,7 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
     (tmp_path / "sleep.py").write_text("import time\ntime.sleep(300)\n")
     (tmp_path / "exit3.py").write_text("import os, sys, time\nprint('rank', os.environ['RANK'], 'starts', "
                                        "flush=True)\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")
-    runs = {name: tmp_path / name for name in ("requeue", "timeout", "cancel", "exit3", "preempt")}
+    runs = {name: tmp_path / name for name in ("requeue", "timeout", "cancel", "exit3", "preempt", "megatron")}
     host, second, _ = cluster.nodes
     one_per_node = ["--nproc-per-node", "1"]
     cluster.env["CTX_SITE"] = str(site)
@@ -213,6 +222,11 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
                                 cwd=tmp_path)
         exit3 = _submit(cluster, tmp_path, "deepspeed.sbatch", *one_per_node, "--run-dir",
                         str(runs["exit3"]), "--ds-config", str(config), "--", str(tmp_path / "exit3.py"), nodes=2)
+        megatron = _submit(cluster, tmp_path, "megatron.sbatch", *one_per_node, "--run-dir", str(runs["megatron"]),
+                           "--megatron-lm", str(CHECKOUT), "--", *MODEL, "--context-parallel-size", "2",
+                           "--cp-kernel", "torch", "--exit-signal-handler", "--exit-signal", "SIGUSR1", "--save",
+                           str(tmp_path / "megatron-ckpt"), "--save-interval", "1000000", "--fake-steps", "100000",
+                           nodes=2)
     finally:
         del cluster.env["CTX_SITE"]
     reference = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -229,14 +243,17 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
         # preemption likewise (the jobs train 80 steps in about a minute); the preempted job's status, its ranks saved
         # on SLURM's SIGTERM, seen within its GraceTime (still RUNNING: SLURM requeues it at the GraceTime's end); the
         # TIMEOUT job, stopped and saved, waits for its limit: SLURM ends it there, here at its next time-limit check
-        # (every 30 s) once the limit is made the minutes it has run (SLURM's limits are whole minutes), at least 1
-        waiting = {requeue: runs["requeue"], timeout: runs["timeout"], preempt: runs["preempt"]}
-        preempted, shortened = None, False
+        # (every 30 s) once the limit is made the minutes it has run (SLURM's limits are whole minutes), at least 1;
+        # the Megatron job, stopped, is cancelled
+        waiting = {requeue: (runs["requeue"], "step     3"), timeout: (runs["timeout"], "step     3"),
+                   preempt: (runs["preempt"], "step     3"), megatron: (runs["megatron"], "rank 0: iteration 3 ")}
+        preempted, shortened, megatron_stopped = None, False, None
         deadline = time.monotonic() + 420
-        while waiting or preempted is None or not shortened:
-            assert time.monotonic() < deadline, f"timed out: {sorted(waiting)} to train, {preempted=}, {shortened=}"
-            for job, run in list(waiting.items()):
-                if not _logged(run, 1, "step     3"):
+        while waiting or preempted is None or not shortened or megatron_stopped is None:
+            assert time.monotonic() < deadline, (f"timed out: {sorted(waiting)} to train, {preempted=}, {shortened=}, "
+                                                 f"{megatron_stopped=}")
+            for job, (run, trained) in list(waiting.items()):
+                if not _logged(run, 1, trained):
                     continue
                 del waiting[job]
                 if job == preempt:
@@ -256,6 +273,9 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
                 subprocess.run(["scontrol", "update", f"JobId={timeout}", f"TimeLimit={max(1, hours * 60 + minutes)}"],
                                env=cluster.env, check=True)
                 shortened = True
+            if megatron not in waiting and megatron_stopped is None and "exit_code" in _status(runs["megatron"]):
+                megatron_stopped = _status(runs["megatron"] / "attempt-1")
+                subprocess.run(["scancel", megatron], env=cluster.env, check=True, timeout=30)
             time.sleep(0.2)
         _wait_for("the requeue", lambda: _status(runs["requeue"])["word"] == "requeued")
         _wait_for("the job pending", lambda: _job_state(cluster, requeue) == "PENDING", 60)
@@ -273,6 +293,7 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
         cluster.wait(preempt)
         cluster.wait(exit3)
         cluster.wait(cancel)
+        cluster.wait(megatron)
         cluster.wait(timeout, timeout=300)
     finally:
         if reference.poll() is None:
@@ -322,6 +343,12 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
     assert "deepspeed " in (records / "versions.txt").read_text()
     assert (records / "nodes.txt").read_text().split() == [host, second]
     assert "ctx_plugin: time-limit warning" in (records / "batch.log").read_text()
+    # Megatron: its handler stopped both ranks (and saved), each rank recorded its own signal in front of it
+    assert megatron_stopped["word"] == "timeout" and megatron_stopped["exit_code"] == "0", megatron_stopped
+    _each_rank_recorded(runs["megatron"] / "attempt-1", (host, second))
+    for node in (0, 1):
+        assert f"rank {node}: exiting program after receiving SIGTERM." in _node_log(runs["megatron"], 1, node)
+    assert (tmp_path / "megatron-ckpt" / "latest_checkpointed_iteration.txt").is_file()
     # cancelled near the limit; the failing rank named (rank 1, on the second node)
     assert _status(runs["cancel"])["word"] == "cancelled"
     status = _status(runs["exit3"])

@@ -1,7 +1,9 @@
 """The stop-signal records (ctx_plugin.slurm.signals): a rank's handler recording its own signal, the bounded wait for
-it after an agreed stop, the per-node record of launch/slurm_common.sh's ctx_signal_node, and the status summary."""
+it after an agreed stop, the record put in front of a framework's own handler (OwnSignalRecord), the per-node record of
+launch/slurm_common.sh's ctx_signal_node, and the status summary."""
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ctx_plugin.slurm import signals
-from ctx_plugin.slurm.signals import StopRequest, summary
+from ctx_plugin.slurm.signals import OwnSignalRecord, StopRequest, summary
 
 COMMON = Path(__file__).resolve().parents[2] / "launch" / "slurm_common.sh"
 
@@ -86,6 +88,81 @@ def test_a_signal_that_never_comes_is_recorded(tmp_path, handlers, monkeypatch):
     assert summary(tmp_path) == f"no signal of its own reached ranks 3 within {signals.OWN_SIGNAL_WAIT:.0f} s"
 
 
+class Framework:
+    """A framework's own handler (as Megatron's DistributedSignalHandler's: sets a flag, calls nothing before it)."""
+
+    def __init__(self, sig=signal.SIGUSR1):
+        self.got = []
+        signal.signal(sig, lambda signum, frame: self.got.append(signum))
+
+
+def test_own_record_in_front_of_the_frameworks_handler(tmp_path, handlers):
+    record = OwnSignalRecord(env=rank_env(tmp_path), step=lambda: 41)
+    framework = Framework()
+    record.chain(signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert framework.got == [signal.SIGUSR1] and record.came == [signal.SIGUSR1]     # both ran
+    line = (tmp_path / "signals" / "rank-3.txt").read_text()
+    assert line.endswith(f" rank=3 pid={os.getpid()} host=gpu-b signal=SIGUSR1 step=41\n") and line.count("\n") == 1
+    again = Framework()                                       # the framework installs its handler again: chained again
+    record.chain(signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert again.got == [signal.SIGUSR1] and len(record.came) == 2
+    assert summary(tmp_path) == "received: SIGUSR1 by ranks 3"
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)             # no framework handler there: nothing put in front
+    record.chain(signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_own_record_only_in_the_job_scripts_and_the_rank(tmp_path, handlers):
+    """Outside the job scripts the framework's handler stays as it is; a forked process (a data-loader worker that
+    inherits the handler or chains its own) records nothing."""
+    outside = OwnSignalRecord(env={"RANK": "0"})
+    framework = Framework()
+    handler = signal.getsignal(signal.SIGUSR1)
+    outside.chain(signal.SIGUSR1)
+    assert signal.getsignal(signal.SIGUSR1) is handler
+    record = OwnSignalRecord(env=rank_env(tmp_path))
+    record.chain(signal.SIGUSR1)
+    child = os.fork()
+    if child == 0:                                            # the worker: inherited handler, then its own chained
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            Framework()
+            record.chain(signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os._exit(0 if len(framework.got) == 1 and not record.came else 1)
+        finally:
+            os._exit(2)
+    assert os.waitpid(child, 0)[1] == 0
+    assert not (tmp_path / "signals").exists()
+
+
+def test_own_record_waits_at_exit_when_stopped_by_another(tmp_path, handlers, monkeypatch):
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    record = OwnSignalRecord(env=rank_env(tmp_path))
+    Framework()
+    record.chain(signal.SIGUSR1)
+    record.stopping(False)                                    # no rank got one: nothing to wait for
+    assert registered == []
+    record.stopping(True)                                     # another rank's signal: wait for its own at exit, once
+    record.stopping(True)
+    assert registered == [record.await_own]
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    start = time.monotonic()
+    assert registered[0]() is True and 0.2 < time.monotonic() - start < 5
+    assert "signal=SIGUSR1" in (tmp_path / "signals" / "rank-3.txt").read_text()
+    own = OwnSignalRecord(env=rank_env(tmp_path, rank=4))    # its own came first: no wait registered
+    own.chain(signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    own.stopping(True)
+    assert registered == [record.await_own]
+    late = OwnSignalRecord(env=rank_env(tmp_path, rank=5))
+    assert late.await_own(timeout=0.3) is False
+    assert "signal=none waited=0.3" in (tmp_path / "signals" / "rank-5.txt").read_text()
+
+
 def node_line(node: int, rank: str, result: str = "sent") -> str:
     return f"2026-12-01T08:00:00.000Z node={node} host=n{node} pid=10{rank} rank={rank} signal=USR1 {result}\n"
 
@@ -109,13 +186,14 @@ def test_summary(tmp_path):
     (where / "rank-1.txt").unlink()
     (where / "rank-0.txt").write_text(rank_line(0) + rank_line(0, "SIGTERM"))
     assert summary(tmp_path) == ("sent SIGUSR1 to ranks 0 1 (2 of 4); no rank running on node 1; received: SIGTERM "
-                                 "by ranks 0, SIGUSR1 by ranks 0 2 3")
+                                 "by ranks 0, SIGUSR1 by ranks 0 2 3; no record from ranks 1")
     # a program that keeps no record (Megatron's own handler); a rank that had exited
     for rank in (0, 2, 3):
         (where / f"rank-{rank}.txt").unlink()
     (where / "node-1.txt").write_text(node_line(1, "2", "gone") + node_line(1, "3"))
     assert summary(tmp_path) == ("sent SIGUSR1 to ranks 0 1 3 (3 of 4); ranks 2 had exited; no rank recorded "
-                                 "receiving it (the program keeps no signal record; ctx_plugin.train_hf does)")
+                                 "receiving it (the program keeps no signal record; ctx_plugin.train_hf and Megatron "
+                                 "through ctx_plugin's entry point with --exit-signal-handler do)")
 
 
 RANK = """import os, signal, sys, time

@@ -252,7 +252,7 @@ def test_warning_reaches_the_ranks_then_the_job_waits_for_the_limit(job, tmp_pat
     sent = (j.attempt / "signals" / "node-0.txt").read_text().splitlines()
     assert len(sent) == 1 and sent[0].endswith(" rank=0 signal=USR1 sent") and " node=0 " in sent[0]
     assert "signals=sent SIGUSR1 to ranks 0; no rank recorded receiving it (the program keeps no signal record; " \
-           "ctx_plugin.train_hf does)" in lines
+           "ctx_plugin.train_hf and Megatron through ctx_plugin's entry point with --exit-signal-handler do)" in lines
     time.sleep(0.5)
     assert j.proc.poll() is None                       # waits for SLURM to end it at the limit (TIMEOUT)
     j.proc.send_signal(signal.SIGTERM)                 # the time limit
@@ -457,8 +457,9 @@ def test_warning_at_preemption_is_not_requeued_by_the_script(job, tmp_path):
     warn_and_wait_for_the_rank(j, out)
     assert status_lines(j.attempt)[0] == "preempted"
     # the signals' summary joins the status after it is written (the GraceTime runs)
-    wait_for(lambda: status_lines(j.attempt)[-1].startswith("signals=sent SIGUSR1 to ranks 0"), 20, "the summary")
-    assert status_lines(j.attempt)[0] == "preempted" and status_lines(j.run)[-2] == status_lines(j.attempt)[-1]
+    wait_for(lambda: status_lines(j.attempt)[-1].startswith("signals=sent SIGUSR1 to ranks 0")
+             and status_lines(j.run)[-2] == status_lines(j.attempt)[-1], 20, "the summary (the run's status after)")
+    assert status_lines(j.attempt)[0] == "preempted"
     time.sleep(0.5)
     assert j.proc.poll() is None and not any(a.startswith("requeue") for a in j.args("scontrol"))
     j.proc.send_signal(signal.SIGTERM)

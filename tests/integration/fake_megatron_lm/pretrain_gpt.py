@@ -11,7 +11,10 @@ ids with ``--reset-attention-mask``/``--reset-position-ids``, end-of-document to
 gradients all-reduced over data × context ranks, as Megatron's DDP does). Run directly (without ctx_plugin) it
 trains Megatron's own model: the reference; the CUDA calls of Megatron's local attention and RoPE are pointed at
 the CPU (``_cpu_shims``), and so are the device queries of Megatron's argument validation. It does not import
-``megatron.training.pretrain``, so the entry point does not ask for CUDA.
+``megatron.training.pretrain``, so the entry point does not ask for CUDA. With ``--exit-signal-handler`` it stops as
+Megatron-LM's loop does (``checkpoint_and_decide_exit``): each iteration (``args.curr_iteration``) it asks Megatron's
+signal handler, which Megatron's ``set_global_variables`` installed, whether any rank got the signal, and if so
+"saves" (Megatron's ``latest_checkpointed_iteration.txt`` in ``--save``) and exits.
 """
 import contextlib
 import json
@@ -28,7 +31,7 @@ from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import flatten_batch_for_packed_sequences, get_batch_on_this_cp_rank
 import megatron.training.arguments as megatron_arguments
-from megatron.training import get_tokenizer
+from megatron.training import get_signal_handler, get_tokenizer
 from megatron.training.arguments import parse_and_validate_args
 
 
@@ -122,6 +125,7 @@ if __name__ == "__main__":
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     losses = []
     for step in range(args.fake_steps):
+        args.curr_iteration = step
         batch = get_batch(step, args)
         per_token = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
                           packed_seq_params=packed_seq_params(batch, args))
@@ -133,6 +137,14 @@ if __name__ == "__main__":
             dist.all_reduce(p.grad, group=dp_cp)
         opt.step()
         losses.append((stats[0] / stats[1]).item())
+        print(f"rank {dist.get_rank()}: iteration {step + 1} loss {losses[-1]:.6f}", flush=True)
+        if args.exit_signal_handler and any(get_signal_handler().signals_received()):
+            if args.save and dist.get_rank() == 0:
+                os.makedirs(args.save, exist_ok=True)
+                with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(step + 1))
+            print(f"rank {dist.get_rank()}: exiting program after receiving SIGTERM.", flush=True)   # Megatron's words
+            break
     if dist.get_rank() == 0 and args.fake_report:
         with open(args.fake_report, "w") as f:
             json.dump({"losses": losses, "rope_class": type(getattr(model, "rotary_pos_emb", None)).__name__,
