@@ -88,7 +88,8 @@ def document_blocks(q_segments, k_segments, mask: Mask) -> tuple[Block, ...]:
             if blk is not None:
                 per_document.setdefault(seg[3], []).append(blk)
     # Blocks of two documents never share their rows nor their keys: merged document by document (small lists).
-    return tuple(blk for blocks in per_document.values() for blk in merge_blocks(blocks))
+    return tuple(blk for blocks in per_document.values()
+                 for blk in (blocks if len(blocks) == 1 else merge_blocks(blocks)))
 
 
 def _full(blk: Block) -> bool:
