@@ -145,14 +145,18 @@ class LayoutRotaryEmbedding(RotaryEmbedding):
 class LayoutYarnRotaryEmbedding(YarnRotaryEmbedding):
     """Megatron's YarnRotaryEmbedding returning ``(frequencies, mscale)`` like the original, with the rows of its
     own full-sequence embedding (``get_emb``) at the global positions this rank holds. The YaRN attention
-    factor (mscale) is applied by Megatron's attention from the config, as without ctx_plugin."""
+    factor (mscale) is applied by Megatron's attention from the config, as without ctx_plugin (GPTModel drops the
+    returned one); packed sequences (THD) keep Megatron's per-document YaRN (:func:`check_packed_yarn`)."""
 
     ctx_plugin_config: CPConfig
     ctx_plugin_groups: CPGroups
+    ctx_plugin_model_config: object
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
-        positions = _layout_positions(self, max_seq_len, packed_seq)
         emb, mscale = self.get_emb(max_seq_len, offset)
+        if packed_seq:
+            check_packed_yarn(self.ctx_plugin_model_config, mscale)
+        positions = _layout_positions(self, max_seq_len, packed_seq)
         return emb.index_select(0, positions.to(emb.device)), mscale
 
 
@@ -177,6 +181,20 @@ def check_packed_rope(cp_config: CPConfig, cp: int) -> None:
                          f"of those, or --position-embedding-type learned_absolute/none")
 
 
+def check_packed_yarn(model_config, mscale: float) -> None:
+    """With packed sequences (THD) megatron-core applies YaRN's attention factor (mscale) in its unfused THD RoPE
+    (``_apply_rotary_pos_emb_thd``), but its fused one (``apply_rope_fusion``: Transformer Engine's
+    ``fused_apply_rotary_pos_emb_thd``) takes no mscale and drops it, while the BSHD path falls back to the unfused
+    RoPE for it: a ``--reset-attention-mask`` batch (which ctx_plugin packs into THD) or a packed dataset would train
+    a model without the factor. ValueError then, the same on every rank (config only), before the attention runs."""
+    if mscale != 1.0 and getattr(model_config, "apply_rope_fusion", False):
+        raise ValueError(f"YaRN (--position-embedding-type yarn, attention factor {mscale:.6g}) with packed sequences "
+                         f"(THD, cu_seqlens; also --reset-attention-mask batches, which ctx_plugin packs so) and "
+                         f"apply_rope_fusion: megatron-core's fused THD RoPE (Transformer Engine) drops YaRN's "
+                         f"attention factor, which its unfused RoPE applies; set apply_rope_fusion=False "
+                         f"(Megatron-LM's arguments turn it off for yarn)")
+
+
 def use_layout_rope(model, cp_config: CPConfig, groups: CPGroups) -> None:
     """Makes ``model.rotary_pos_emb`` (GPTModel with RoPE or YaRN) layout-aware; no-op for models without one.
     Any other rotary embedding (multimodal RoPE, a subclass of Megatron's) is an error: ctx_plugin cannot know
@@ -192,6 +210,7 @@ def use_layout_rope(model, cp_config: CPConfig, groups: CPGroups) -> None:
                          f"learned_absolute or none")
     rope.__class__ = layout_class                   # keeps inv_freq and every setting of the original
     rope.ctx_plugin_config, rope.ctx_plugin_groups = cp_config, groups
+    rope.ctx_plugin_model_config = getattr(model, "config", None)       # read per call: check_packed_yarn
 
 
 def batch_documents(batch: dict) -> Documents | None:

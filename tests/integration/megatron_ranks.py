@@ -180,16 +180,22 @@ def reference_step(rank: int, world: int, payload: dict) -> dict:
 
 def gpt_step(rank: int, world: int, payload: dict) -> dict:
     """For each (backend, ulysses_size, position embedding, recompute, variant, dataloader mask): the global loss
-    and CP-summed gradients of ctx_plugin's model, batches sharded by ``shard_batch``."""
+    and CP-summed gradients of ctx_plugin's model, batches sharded by ``shard_batch``. ``payload["thd"]``: packed
+    document cases of :func:`tests.integration.megatron_thd_ranks.thd_step` run first in the same launch (under
+    ``"thd"``), saving them a launch of their own."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
     import ctx_plugin
     from ctx_plugin.megatron.spec import gpt_layer_spec, shard_batch
 
+    out = {}
+    if payload.get("thd"):
+        from tests.integration.megatron_thd_ranks import thd_step
+
+        out["thd"] = thd_step(rank, world, {"cases": payload["thd"]})
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     cp_group = parallel_state.get_context_parallel_group()
-    out = {}
     try:
         for backend, u, position, preset, variant, with_mask in payload["cases"]:
             cp_config = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")

@@ -3,13 +3,14 @@ test_megatron_reset.py).
 
 Every sample is built by megatron-core's own ``_get_ltor_masks_and_position_ids`` (what its GPT dataset calls) from
 tokens with end-of-document tokens at chosen positions. Every rank first computes the reference — Megatron's own
-GPTModel (local spec: DotProductAttention, its RoPE) at CP 1 on that batch as it is, its block-diagonal mask and
+GPTModel (local spec: DotProductAttention, its RoPE or YaRN) at CP 1 on that batch as it is, its block-diagonal mask and
 position ids included — then ctx_plugin's model at CP = world on the batch its sharder makes of it (``shard_batch``:
 packed into THD when the mask holds documents), with ``PackedSeqParams`` built from the sharded batch as Megatron-LM
 0.19's ``forward_step`` does. Float64, biases, GQA, init std 0.1 (tests/integration/megatron_ranks.py).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -94,7 +95,8 @@ def reset_step(rank: int, world: int, payload: dict) -> dict:
             try:
                 sharded = shard_batch(_full_batch(mix, reset_mask, reset_pos, mask), config=cp_config, groups=groups,
                                       pad_documents=document_padding(cp_config, world) if pad else None)
-                loss, grads = loss_and_grads(model, sharded, cp_group, packed_seq_params=packed_seq_params(sharded))
+                with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
+                    loss, grads = loss_and_grads(model, sharded, cp_group, packed_seq_params=packed_seq_params(sharded))
             except ValueError as e:
                 out[key] = {"error": str(e)}
                 continue

@@ -1,12 +1,14 @@
 """Packed documents (megatron-core THD, ``PackedSeqParams``) on spawned gloo ranks (see test_megatron_thd.py).
 
-Every rank first computes the reference — Megatron's own GPTModel (local spec: DotProductAttention, its RoPE) at
-CP 1 on the unpacked batch with the explicit block-diagonal causal mask of the documents — then ctx_plugin's model at
-CP = world on the packed batch (``shard_batch`` with ``cu_seqlens``; ``PackedSeqParams(qkv_format="thd")`` as
-Megatron-LM's pretrain_gpt.py builds it). Float64, biases, GQA, init std 0.1 (tests/integration/megatron_ranks.py).
+Every rank first computes the reference — Megatron's own GPTModel (local spec: DotProductAttention, its RoPE or
+YaRN) at CP 1 on the unpacked batch with the explicit block-diagonal causal mask of the documents — then ctx_plugin's
+model at CP = world on the packed batch (``shard_batch`` with ``cu_seqlens``; ``PackedSeqParams(qkv_format="thd")``
+as Megatron-LM's pretrain_gpt.py builds it). Float64, biases, GQA, init std 0.1 (tests/integration/megatron_ranks.py).
+The CP 4 cases (:data:`CP4_CASES`) run in test_megatron.py's 4-rank launch (``gpt_step``'s ``payload["thd"]``).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -17,7 +19,14 @@ MIXES = {   # name: (padded document lengths, real lengths or None); SEQ = 32 to
     "docs": ((12, 8, 4, 8), None),
     "padded": ((12, 8, 4, 8), (10, 8, 3, 5)),      # Transformer Engine's cu_seqlens_q / cu_seqlens_q_padded
     "uneven": ((10, 22), None),                     # not a multiple of 2·CP: zigzag refuses, ring takes it
+    "docs8": ((8, 16, 8), None),                   # multiples of 2·CP at CP 4
+    "padded8": ((8, 16, 8), (5, 13, 8)),
 }
+# (backend, position embedding, mix) at CP 4, run in test_megatron.py's 4-rank launch (gpt_step's payload["thd"]) and
+# checked by test_megatron_thd.py: zigzag with padding, allgather with YaRN, ulysses (K/V heads replicated: 2 groups
+# over 4 ranks), striped with a document of one token per rank, and a document zigzag cannot split over 4 ranks
+CP4_CASES = [("zigzag", "rope", "padded8"), ("allgather", "yarn", "docs8"), ("ulysses", "learned_absolute", "uneven"),
+             ("striped", "learned_absolute", "docs"), ("zigzag", "rope", "docs")]
 
 
 def _cumulative(lengths) -> torch.Tensor:
@@ -67,8 +76,9 @@ def _reference(position: str, mix: str) -> dict:
 
 
 def thd_step(rank: int, world: int, payload: dict) -> dict:
-    """For each (backend, position embedding, mix): the relative errors of ctx_plugin's THD loss and gradients at
-    CP = world against Megatron's own model at CP 1 with the block-diagonal mask, or the error it raised."""
+    """For each (backend, position embedding, mix) of ``payload["cases"]``: the relative errors of ctx_plugin's THD
+    loss and gradients at CP = world against Megatron's own model at CP 1 with the block-diagonal mask, or the error
+    it raised; ``payload["fused"]``: cases run with ``apply_rope_fusion`` (keys ``fused-...``), which must raise."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
@@ -84,17 +94,22 @@ def thd_step(rank: int, world: int, payload: dict) -> dict:
     cp_group = parallel_state.get_context_parallel_group()
     out = {}
     try:
-        for backend, position, mix in payload["cases"]:
-            key = f"{backend}-{position}-{mix}"
+        for backend, position, mix, fused in [(*c, False) for c in payload["cases"]] + \
+                [(*c, True) for c in payload.get("fused", [])]:
+            key = f"{'fused-' if fused else ''}{backend}-{position}-{mix}"
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
             model, groups = cp_model(world, cp_config, position)
+            model.config.apply_rope_fusion = fused          # set after construction: its check wants TE
             full = _batch(mix)
+            # unrefused, the fused RoPE fails on CPU (megatron-core asserts Transformer Engine's kernel is there)
+            refusals = (ValueError, AssertionError) if fused else ValueError
             try:
                 batch = shard_batch(full, config=cp_config, groups=groups)
                 assert batch["cu_seqlens"] is full["cu_seqlens"]            # metadata left global, as Megatron's
-                got = _step(model, batch, cp_group, packed_seq_params=_packed_params(batch))
-            except ValueError as e:
-                out[key] = {"error": str(e)}
+                with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
+                    got = _step(model, batch, cp_group, packed_seq_params=_packed_params(batch))
+            except refusals as e:
+                out[key] = {"error": f"{type(e).__name__}: {e}"}
                 continue
             ref = want[position, mix]
             floor = 1e-6 * max(g.abs().max().item() for g in ref["grads"].values())

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from ctx_plugin.names import Backend  # noqa: E402
 from tests.distributed.harness import run_spawned  # noqa: E402
 from tests.integration.megatron_ranks import case_key  # noqa: E402
+from tests.integration.megatron_thd_ranks import CP4_CASES as THD_CP4_CASES  # noqa: E402
 
 POSITIONS = ("rope", "learned_absolute")
 SIZES = {Backend.ULYSSES_RING: [(4, 2)], **{b: [(2, 1), (4, 1)] for b in Backend if b != Backend.ULYSSES_RING}}
@@ -39,7 +40,11 @@ ROPE_CLASS = {"rope": "LayoutRotaryEmbedding", "yarn": "LayoutYarnRotaryEmbeddin
 _results: dict[int, list] = {}
 
 
-def results(world: int):
+def results(world: int, *, launch: bool = True):
+    """Every rank's results at ``world`` ranks (1: Megatron's own model); None when not launched yet and not
+    ``launch``."""
+    if world not in _results and not launch:
+        return None
     if world not in _results:
         if world == 1:      # Megatron's own model, one result per (position embedding, variant)
             cases = sorted({(c[3], c[5]) for c in CASES})
@@ -48,7 +53,9 @@ def results(world: int):
         else:
             _results[world] = run_spawned("tests.integration.megatron_ranks:gpt_step", world,
                                           {"cases": [c[1:] for c in CASES if c[0] == world],
-                                           "refused": [fields for fields, _ in REFUSED_MODELS]}, timeout_s=600)
+                                           "refused": [fields for fields, _ in REFUSED_MODELS],
+                                           "thd": THD_CP4_CASES if world == 4 else []},   # test_megatron_thd.py's
+                                          timeout_s=600)
     return _results[world]
 
 

@@ -5,10 +5,11 @@ Parity (tests/integration/megatron_reset_ranks.py, one launch at CP 2): batches 
 ``_get_ltor_masks_and_position_ids`` (two samples with different documents, ``--eod-mask-loss``), sharded by
 ctx_plugin's sharder (packed into THD from the block-diagonal mask), give the loss and every gradient of Megatron's
 own model at CP 1 fed the same batch with its mask (its local attention applies the mask). RoPE with and without
-restarted position ids (THD RoPE restarts them; scores depend only on distances inside a document), learned
+restarted position ids (THD RoPE restarts them; scores depend only on distances inside a document), YaRN (its
+frequencies and attention factor, applied per document by megatron-core's THD RoPE, padded and not), learned
 absolute embeddings (which read the position ids as the dataset made them), zigzag, allgather, ring, ulysses and
 striped; ``--reset-position-ids`` alone (causal attention); documents padded to the layout's unit
-(``--cp-pad-documents``). Refusals: documents the layout cannot split, RoPE on a
+(``--cp-pad-documents``). Refusals: documents the layout cannot split, RoPE or YaRN on a
 layout megatron-core's THD RoPE cannot follow, masks that are not the documents' causal mask; every rank raises the
 same message. The entry point carries the flags through Megatron's parser to a CPU stand-in of pretrain_gpt.py
 (fake_megatron_lm/) and trains with the losses of that script run without ctx_plugin; a script that drops
@@ -40,11 +41,14 @@ PARITY = [("zigzag", "rope", "fit", True, True, "dataset", False),
           ("zigzag", "learned_absolute", "uneven", False, True, "dataset", False),
           ("zigzag", "rope", "uneven", True, True, "dataset", True),                   # documents padded to 4
           ("allgather", "rope", "uneven", True, False, "dataset", True),
-          ("striped", "learned_absolute", "uneven", True, False, "dataset", True)]      # ... to 2
+          ("striped", "learned_absolute", "uneven", True, False, "dataset", True),      # ... to 2
+          ("zigzag", "yarn", "fit", True, True, "dataset", False),                      # YaRN: attention factor too
+          ("allgather", "yarn", "uneven", True, False, "dataset", True)]
 PADDED = {"zigzag": [0, 12, 24, 36, 44, 72], "allgather": [0, 12, 24, 36, 44, 72], "striped": [0, 10, 22, 34, 40, 68]}
 REFUSED = [(("zigzag", "learned_absolute", "uneven", True, True, "dataset", False),
             "--reset-attention-mask: the document at token 0 of sample 0 holds 10 tokens, not a multiple of 4"),
            (("ring", "rope", "uneven", True, True, "dataset", False), "need --cp-backend zigzag or allgather"),
+           (("ring", "yarn", "uneven", True, False, "dataset", False), "need --cp-backend zigzag or allgather"),
            (("ring", "learned_absolute", "uneven", True, True, "padding", False),
             "attention_mask row 1 is neither Megatron's causal mask nor its block-diagonal causal mask")]
 _results: list = []
@@ -68,9 +72,9 @@ def test_reset_batches_match_megatron_with_its_document_mask(case):
         assert got["local_tokens"] == PADDED[case[0]][-1] // 2
     else:
         assert got["cu_seqlens_padded"] is None and got["local_tokens"] == (32 if case[3] else 16)   # [1, 64], [2, 32]
-    # megatron-core computes RoPE frequencies in float32: THD RoPE restarts positions in each document, the
+    # megatron-core computes RoPE/YaRN frequencies in float32: THD RoPE restarts positions in each document, the
     # reference's counts them over the sample, so their cos/sin round differently (the same scores)
-    tol = 1e-6 if case[1] == "rope" else 1e-9
+    tol = 1e-6 if case[1] in ("rope", "yarn") else 1e-9
     assert got["loss_err"] <= tol / 10 and got["grad_err"] <= tol, got
 
 
