@@ -15,6 +15,7 @@ import time
 from .. import allgather, block_calls, layouts
 from ..config import CPConfig
 from ..kernels import select_kernel
+from ..kernels.varlen import has_varlen
 from ..mask import Mask
 from ..names import Backend
 
@@ -40,14 +41,19 @@ def _plan_rank(config: CPConfig, kernel, rank: int, ring: int, local: int, mask:
         block_calls.plan_calls(kernel, blocks, mask, local, local, batch)
 
 
-def plan_ms(shape, config: CPConfig, size: int, ring_ranks=None) -> float:
-    """The slowest rank's host milliseconds to plan one new batch of ``shape``'s documents for ``config`` over
-    ``size`` ranks: every rank of the ring (or those of ``ring_ranks``) timed in turn, caches emptied before each."""
+def _mask_and_kernel(shape, config: CPConfig, size: int):
     docs = shape.documents_for(config, size)
     if docs is None:
         raise ValueError("plan_ms times packed documents: the shape has none")
     mask = Mask(shape.causal, shape.mask["window"], None, docs).within(shape.seq_len)
-    kernel = select_kernel(config.kernel, shape.device, shape.dtype, shape.head_dim, mask.features)
+    return mask, select_kernel(config.kernel, shape.device, shape.dtype, shape.head_dim, mask.features)
+
+
+def plan_ms(shape, config: CPConfig, size: int, ring_ranks=None) -> float:
+    """The slowest rank's host milliseconds to plan one new batch of ``shape``'s documents for ``config`` over
+    ``size`` ranks: every rank of the ring (or those of ``ring_ranks``) timed in turn, caches emptied before each.
+    With a kernel that has varlen calls, building them is part of it (chains and fillers: the GPU kernels')."""
+    mask, kernel = _mask_and_kernel(shape, config, size)
     ring, local = _ring_axis(config, size, shape.seq_len)
     slowest = 0.0
     for rank in range(ring) if ring_ranks is None else ring_ranks:
@@ -57,3 +63,32 @@ def plan_ms(shape, config: CPConfig, size: int, ring_ranks=None) -> float:
         _plan_rank(config, kernel, rank, ring, local, mask, shape.batch)
         slowest = max(slowest, time.perf_counter() - start)
     return slowest * 1e3
+
+
+def plan_rows(shape, configs_per_size, sizes) -> list[dict]:
+    """``ctx-plugin bench --plan-only``'s rows: per N and backend (``configs_per_size``: the ``(label, CPConfig or
+    the reason it cannot run)`` pairs of each size in ``sizes``), the documents and the slowest rank's plan ms."""
+    rows = []
+    for size, configs in zip(sizes, configs_per_size):
+        for label, config in configs:
+            try:
+                if isinstance(config, str):
+                    raise ValueError(config)
+                mask, kernel = _mask_and_kernel(shape, config, size)
+                rows.append({"backend": label, "ranks": size, "documents": mask.documents.count,
+                             "doc_unit": shape.document_unit(config, size), "kernel": kernel.name,
+                             "varlen": has_varlen(kernel), "plan_ms": plan_ms(shape, config, size)})
+            except ValueError as e:
+                rows.append({"backend": label, "ranks": size, "skipped": str(e)})
+    return rows
+
+
+def format_plan_table(rows: list[dict]) -> str:
+    lines = [f"{'backend':<17} {'N':>3} {'docs':>7} {'unit':>4} {'kernel':<11} {'varlen':<6} {'plan ms':>9}"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['backend']:<17} {r['ranks']:>3} skipped: {r['skipped']}")
+        else:
+            lines.append(f"{r['backend']:<17} {r['ranks']:>3} {r['documents']:>7} {r['doc_unit']:>4} "
+                         f"{r['kernel']:<11} {'yes' if r['varlen'] else 'no':<6} {r['plan_ms']:>9.1f}")
+    return "\n".join(lines)

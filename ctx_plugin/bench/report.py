@@ -28,7 +28,7 @@ from ..kernels import kernel_unavailable, select_kernel
 from ..mask import Mask
 from ..names import Backend, Kernel
 from .harness import PASSES, Shape, call_time, ideal_share, rank_times
-from .planning import plan_ms
+from .planning import format_plan_table, plan_ms, plan_rows
 from .memory import memory_columns, rank_bytes, single_device_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -85,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "which one kernel=auto picks (it should be the fastest)")
     p.add_argument("--smoke", action="store_true", help="a tiny CPU case in fp32 (for CI): S=256, 4 heads × 16, "
                                                         "N = 2 and 4, one repetition")
+    p.add_argument("--plan-only", action="store_true",
+                   help="with --doc-len/--doc-lengths: only the host time each backend takes to plan a new batch "
+                        "of those documents (column plan ms, the slowest rank, every rank timed; no attention runs, "
+                        "so any sequence length works on any machine; --kernel torch on a CPU includes the varlen "
+                        "calls' planning, as the GPU kernels have it)")
 
 
 def non_negative_tokens(text: str) -> int:
@@ -113,6 +118,12 @@ def settle(args: argparse.Namespace) -> None:
     if args.smoke and given:
         raise ValueError(f"--smoke sets {', '.join(map(_flag, given))} itself: drop {'them' if len(given) > 1 else 'it'}"
                          f" or --smoke")
+    if args.plan_only:
+        if args.doc_len is None and args.doc_lengths is None:
+            raise ValueError("--plan-only times the planning of packed documents: add --doc-len or --doc-lengths")
+        for name in ("distributed", "memory", "compare_kernels", "plot"):
+            if getattr(args, name, False):
+                raise ValueError(f"{_flag(name)} does not apply to --plan-only (no attention runs): drop it")
     if args.distributed:
         for name, what in (("ranks", "the group size is --nproc"), ("compare_kernels", "it runs in simulated mode"),
                            ("memory", "it measures simulated ranks")):
@@ -361,6 +372,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         worker = without_option([a for a in argv if a != "--distributed"], "--nproc")   # torchrun reads --nproc*
         torchrun(["--standalone", "--nproc-per-node", str(args.nproc), "-m", "ctx_plugin.bench.distributed", *worker])
+        return 0
+    if args.plan_only:
+        rows = plan_rows(shape, list(configs(args, size) for size in args.ranks), args.ranks)
+        print(f"ctx_plugin bench (plan only): S={shape.seq_len}, batch {shape.batch}, "
+              f"{describe_documents(shape.documents)}; host ms the slowest rank takes to plan a new batch of them "
+              f"(blocks per document, ring schedule, varlen calls), caches emptied before each rank")
+        print(format_plan_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"mode": "plan only", "shape": shape.describe(), "rows": rows},
+                                                  indent=2))
         return 0
     if args.compare_kernels:
         print(compare_kernels(args, shape))

@@ -203,3 +203,31 @@ def test_cli_bad_document_flags(flags, message, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--smoke", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_cli_plan_only(tmp_path, capsys):
+    """No attention runs: any length on any machine; every backend's plan ms, the kernel and whether its varlen
+    calls are part of it."""
+    out = tmp_path / "plan.json"
+    assert main(["bench", "--plan-only", "--seq-len", "4k", "--ranks", "2", "4", "--doc-len", "100", "--kernel",
+                 "torch", "--backends", "zigzag", "ulysses", "allgather", "--heads", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "plan only" in text and text.splitlines()[1].split() == ["backend", "N", "docs", "unit", "kernel",
+                                                                    "varlen", "plan", "ms"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["ranks"]) for r in rows] == [(b, n) for n in (2, 4) for b in ("zigzag", "ulysses",
+                                                                                           "allgather")]
+    assert all(r["plan_ms"] > 0 and r["kernel"] == "torch" and r["varlen"] for r in rows)
+    assert {(r["backend"], r["ranks"]): r["doc_unit"] for r in rows} == {
+        ("zigzag", 2): 4, ("ulysses", 2): 1, ("allgather", 2): 4, ("zigzag", 4): 8, ("ulysses", 4): 1,
+        ("allgather", 4): 8}
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--plan-only"], "add --doc-len or --doc-lengths"),
+    (["--plan-only", "--doc-len", "20", "--memory"], "--memory does not apply to --plan-only"),
+    (["--plan-only", "--doc-len", "20", "--distributed"], "--distributed does not apply to --plan-only")])
+def test_cli_plan_only_refusals(flags, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", *flags])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
