@@ -96,41 +96,35 @@ def _full(blk: Block) -> bool:
     return not blk.causal and blk.window == (None, None)
 
 
-def _edges(blk: Block) -> tuple[tuple, ...]:
-    """A full block's four edges, as the keys :func:`merge_blocks` finds its neighbours by."""
-    q, k = (blk.q.start, blk.q.stop), (blk.k.start, blk.k.stop)
-    return ("k", k, "stop", q[1]), ("k", k, "start", q[0]), ("q", q, "stop", k[1]), ("q", q, "start", k[0])
+def _joined(a: Block, b: Block) -> Block | None:
+    """``a`` and ``b`` as one block when both are full and share their keys with adjacent rows, or their rows with
+    adjacent keys; else ``None``."""
+    if not (_full(a) and _full(b)):
+        return None
+    if a.k == b.k and (a.q.stop == b.q.start or b.q.stop == a.q.start):
+        return Block(slice(min(a.q.start, b.q.start), max(a.q.stop, b.q.stop)), a.k, False)
+    if a.q == b.q and (a.k.stop == b.k.start or b.k.stop == a.k.start):
+        return Block(a.q, slice(min(a.k.start, b.k.start), max(a.k.stop, b.k.stop)), False)
+    return None
 
 
 def merge_blocks(blocks) -> tuple[Block, ...]:
     """Full blocks joined while any two share their keys and have adjacent rows, or share their rows and have
-    adjacent keys (fewer kernel calls; the pairs covered are the same). Blocks are taken in order; each joins the
-    earliest kept block it can, and the joined block is taken again (kept at the end), as a scan of the kept blocks
-    would do, but through an index of the kept full blocks' edges: linear in the number of blocks (a step with
-    packed documents has one per document), not quadratic."""
-    kept: dict[int, Block] = {}                     # in order of keeping (dicts keep insertion order)
-    edges: dict[tuple, set[int]] = {}               # an edge of kept full blocks -> their keys in ``kept``
-    for n, blk in enumerate(blocks):
-        while _full(blk):
-            q, k = (blk.q.start, blk.q.stop), (blk.k.start, blk.k.stop)
-            found = [min(ids) for ids in (edges.get(("k", k, "stop", q[0])), edges.get(("k", k, "start", q[1])),
-                                          edges.get(("q", q, "stop", k[0])), edges.get(("q", q, "start", k[1])))
-                     if ids]
-            if not found:
-                break
-            first = min(found)
-            other = kept.pop(first)
-            for e in _edges(other):
-                edges[e].discard(first)
-            if other.k == blk.k:
-                blk = Block(slice(min(other.q.start, blk.q.start), max(other.q.stop, blk.q.stop)), blk.k, False)
-            else:
-                blk = Block(blk.q, slice(min(other.k.start, blk.k.start), max(other.k.stop, blk.k.stop)), False)
-        kept[n] = blk
-        if _full(blk):
-            for e in _edges(blk):
-                edges.setdefault(e, set()).add(n)
-    return tuple(kept.values())
+    adjacent keys (fewer kernel calls; the pairs covered are the same). A scan of the blocks kept so far: quadratic,
+    so it is run per document (:func:`document_blocks`), where a rank has at most two segments of queries and two
+    of keys, hence at most four blocks."""
+    out: list[Block] = []
+    for blk in blocks:
+        i = 0
+        while i < len(out):
+            joined = _joined(out[i], blk)
+            if joined is None:
+                i += 1
+            else:                       # the joined block may now join one seen earlier
+                del out[i]
+                blk, i = joined, 0
+        out.append(blk)
+    return tuple(out)
 
 
 def block_pairs(blk: Block) -> int:

@@ -129,41 +129,36 @@ def test_bad_documents_are_refused():
 
 
 # ---------------------------------------------------------------- a step's blocks, merged and planned once
-def _scan_merge(blocks):
-    """Reference: scan the kept blocks in order, join the first full one that shares keys (adjacent rows) or rows
-    (adjacent keys), take the joined block again; what merge_blocks promises, written the slow way."""
-    full = lambda b: not b.causal and b.window == (None, None)   # noqa: E731
-    kept = []
+def _pairs(blocks, size: int = 16) -> torch.Tensor:
+    """How many times each (row, key) pair is computed by ``blocks`` (their masks written out)."""
+    count = torch.zeros(size, size, dtype=torch.int64)
     for blk in blocks:
-        i = 0
-        while full(blk) and i < len(kept):
-            a = kept[i]
-            rows = (a.q.stop == blk.q.start or blk.q.stop == a.q.start) and a.k == blk.k
-            keys = (a.k.stop == blk.k.start or blk.k.stop == a.k.start) and a.q == blk.q
-            if full(a) and (rows or keys):
-                del kept[i]
-                blk = (Block(slice(min(a.q.start, blk.q.start), max(a.q.stop, blk.q.stop)), a.k, False) if rows
-                       else Block(a.q, slice(min(a.k.start, blk.k.start), max(a.k.stop, blk.k.stop)), False))
-                i = 0
-            else:
-                i += 1
-        kept.append(blk)
-    return kept
+        count[blk.q, blk.k] += _kernel_mask(blk).long()
+    return count
 
 
-def test_merge_blocks_joins_as_a_scan_of_the_kept_blocks():
+def _joinable(a: Block, b: Block) -> bool:
+    full = all(not x.causal and x.window == (None, None) for x in (a, b))
+    rows = a.k == b.k and (a.q.stop == b.q.start or b.q.stop == a.q.start)
+    keys = a.q == b.q and (a.k.stop == b.k.start or b.k.stop == a.k.start)
+    return full and (rows or keys)
+
+
+def test_merge_blocks_joins_until_nothing_more_joins():
+    """The pairs computed stay the same, the blocks that are not full are kept as they are, and no two full blocks
+    left share keys with adjacent rows or rows with adjacent keys (shuffled grids: joins cascade both ways)."""
     import random
     rng = random.Random(5)
-    for _ in range(3000):
-        if rng.random() < 0.5:     # a shuffled grid of full tiles (joins cascade both ways) and some causal ones
-            tiles = [Block(slice(i, i + 1), slice(j, j + 1), rng.random() < 0.1)
-                     for i in range(rng.randrange(1, 6)) for j in range(rng.randrange(1, 6))]
-            rng.shuffle(tiles)
-        else:                      # arbitrary blocks, overlapping ones included, windowed ones never join
-            tiles = [Block(slice(a, a + rng.randrange(1, 4)), slice(c, c + rng.randrange(1, 4)), rng.random() < 0.2,
-                           (None, None) if rng.random() < 0.8 else (rng.randrange(3), None))
-                     for a, c in ((rng.randrange(10), rng.randrange(10)) for _ in range(rng.randrange(12)))]
-        assert list(merge_blocks(tiles)) == _scan_merge(tiles), tiles
+    for _ in range(1500):
+        tiles = [Block(slice(i, i + 1), slice(j, j + 1), rng.random() < 0.1)
+                 for i in range(rng.randrange(1, 6)) for j in range(rng.randrange(1, 6))]
+        tiles += [Block(slice(8, 10), slice(8, 12), False, (1, None))] if rng.random() < 0.3 else []
+        rng.shuffle(tiles)
+        merged = merge_blocks(tiles)
+        assert torch.equal(_pairs(merged), _pairs(tiles)), tiles
+        partial = [b for b in tiles if b.causal or b.window != (None, None)]
+        assert [b for b in merged if b.causal or b.window != (None, None)] == partial
+        assert not any(_joinable(a, b) for i, a in enumerate(merged) for b in merged[i + 1:]), merged
 
 
 def test_a_plan_is_chained_and_packed_once():
