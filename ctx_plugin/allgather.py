@@ -24,7 +24,7 @@ from .block_calls import Accumulator, backward_blocks, forward_blocks
 from .comm import Observers, all_gather, reduce_scatter
 from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
-from .blocks import Block, band_block, document_blocks
+from .blocks import Block, band_block, document_blocks, gc_paused
 from .documents import Documents
 from .layouts import Contiguous, Zigzag
 from .mask import Mask
@@ -33,6 +33,7 @@ from .sinks import apply_sinks, sink_grad
 
 
 @functools.lru_cache(maxsize=64)
+@gc_paused()
 def _query_chunks(rank: int, size: int, local_len: int, mask: Mask) -> tuple[Block, ...]:
     """Per query chunk this rank holds: its local rows, the global key range it needs and its kernel mask (rows
     of no chunk, padding, see no key). Chunks never share rows. Cached: every layer asks again, forward and

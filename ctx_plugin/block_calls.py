@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from .blocks import Block
+from .blocks import Block, gc_paused
 from .kernels import AttentionKernel
 from .kernels.varlen import Varlen, chains, has_varlen, pack
 from .mask import Mask
@@ -37,6 +37,7 @@ class _Same:
 
 
 @functools.lru_cache(maxsize=512)
+@gc_paused()
 def _varlen_plan(blocks: _Same, sq: int, sk: int, batch: int) -> tuple[tuple[Block, ...], tuple[Varlen, ...]]:
     singles, groups = chains(blocks.obj)
     return singles, tuple(pack(c, sq, sk, batch) for c in groups)

@@ -11,6 +11,8 @@ block covers (padding) keep output 0, lse −inf and get no gradient.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
 
 from .documents import Documents
@@ -71,6 +73,21 @@ def real_rows(segment: Segment, documents: Documents) -> slice:
     end = documents.bounds[d] + documents.real(d)          # first padding position of the document
     count = max(0, min(rows.stop - rows.start, -(-(end - first) // stride)))
     return slice(rows.start, rows.start + count)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for a block or function (back on after, if it was on): planning a batch of
+    packed documents allocates tens of thousands of small acyclic objects, all kept, and the collections they set
+    off (walking every object of the training process) made the same plan take 1-4x as long from rank to rank,
+    as Megatron's ``--manual-gc`` notes for training steps."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def document_blocks(q_segments, k_segments, mask: Mask) -> tuple[Block, ...]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import Block, Segment, band_block, block_pairs, document_blocks, segments_of
+from .blocks import Block, Segment, band_block, block_pairs, document_blocks, gc_paused, segments_of
 from .config import CPConfig
 from .documents import Documents
 from .mask import Mask
@@ -120,12 +120,14 @@ class RingLayout(Layout):
 
 
 @functools.lru_cache(maxsize=256)
+@gc_paused()
 def _segments(kind: type[RingLayout], rank: int, size: int, local_len: int, documents: Documents) -> tuple:
     """A rank's segments (cached: a step's plans read the same ranks' segments ``size`` times each)."""
     return segments_of(kind().pieces(rank, size, local_len, documents))
 
 
 @functools.lru_cache(maxsize=1024)
+@gc_paused()
 def _document_plan(kind: type[RingLayout], rank: int, source: int, size: int, local_len: int,
                    mask: Mask) -> tuple[Block, ...]:
     layout = kind()

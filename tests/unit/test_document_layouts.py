@@ -185,3 +185,23 @@ def test_the_schedule_is_the_same_whichever_rank_looks_first(layout):
         n = 128 // size
         arcs = {ring_schedule(layout, size, n, mask, rank) for rank in range(size)}
         assert len(arcs) == 1, arcs
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it():
+    import gc
+    from ctx_plugin.blocks import gc_paused
+    seen = []
+    with gc_paused():
+        seen.append(gc.isenabled())
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:                                    # off before (Megatron's --manual-gc): stays off
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError):       # and back on after an error
+        with gc_paused():
+            raise RuntimeError
+    assert gc.isenabled()
