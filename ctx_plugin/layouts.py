@@ -120,7 +120,6 @@ class RingLayout(Layout):
 
 
 @functools.lru_cache(maxsize=256)
-@gc_paused()
 def _segments(kind: type[RingLayout], rank: int, size: int, local_len: int, documents: Documents) -> tuple:
     """A rank's segments (cached: a step's plans read the same ranks' segments ``size`` times each)."""
     return segments_of(kind().pieces(rank, size, local_len, documents))

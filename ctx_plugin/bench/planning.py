@@ -18,6 +18,7 @@ from ..kernels import select_kernel
 from ..kernels.varlen import has_varlen
 from ..mask import Mask
 from ..names import Backend
+from ..rules import ulysses_ranks
 
 _CACHES = (layouts._document_plan, layouts._segments, layouts._schedule, block_calls._varlen_plan,
            allgather._query_chunks)
@@ -26,7 +27,7 @@ _CACHES = (layouts._document_plan, layouts._segments, layouts._schedule, block_c
 def _ring_axis(config: CPConfig, size: int, seq_len: int) -> tuple[int, int]:
     """(ring ranks, local length on the ring) of ``config`` over ``size`` ranks: Ulysses' ring has one rank over
     the whole sequence, the hybrid's ``size / ulysses_size``."""
-    ring = {Backend.ULYSSES: 1, Backend.ULYSSES_RING: size // config.ulysses_size}.get(config.backend, size)
+    ring = size // ulysses_ranks(config, size)
     return ring, seq_len // ring
 
 

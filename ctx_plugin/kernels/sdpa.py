@@ -52,6 +52,8 @@ size checks, see :func:`cudnn_unavailable` / :func:`flash_unavailable`); the CUD
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .base import FULL, Window, accum_dtype, check_block, describe, is_windowed
@@ -239,6 +241,7 @@ class _SdpaKernel:
         return _bhsd(dq), _reduce_kv(_bhsd(dk), g), _reduce_kv(_bhsd(dv), g)
 
 
+@functools.cache
 def _torch_at_least(major: int, minor: int) -> bool:
     return tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (major, minor)
 

@@ -87,6 +87,26 @@ def _cpu_shims():
         fused_softmax.get_sliding_window_causal_mask = window_mask
 
 
+@contextlib.contextmanager
+def model_parallel(**sizes):
+    """Megatron's model-parallel state for the block (``initialize_model_parallel(**sizes)``), destroyed after it."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(**sizes)
+    try:
+        yield parallel_state
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def relative_errors(loss: float, grads: dict, ref_loss: float, ref_grads: dict) -> dict:
+    """``loss_err`` and ``grad_err`` (the worst parameter's max error over its max, its max floored at 1e-6 of the
+    largest gradient) of a CP run against the reference."""
+    floor = 1e-6 * max(g.abs().max().item() for g in ref_grads.values())
+    grad_err = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(floor)).item() for n, g in ref_grads.items())
+    return {"loss_err": abs(loss - ref_loss) / abs(ref_loss), "grad_err": grad_err}
+
+
 def _model(world: int, position: str, variant: str, core_spec, **refused):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -162,19 +182,13 @@ def reference_step(rank: int, world: int, payload: dict) -> dict:
     """Megatron's own GPTModel (local spec: DotProductAttention, its RoPE/YaRN) on one rank, with the causal mask
     its dataloader passes; one result per (position embedding, variant)."""
     warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state
-
     assert world == 1
-    parallel_state.initialize_model_parallel()
     out = {}
-    try:
-        with _cpu_shims():
-            for position, variant in payload["cases"]:
-                model = _model(1, position, variant, lambda spec: spec)
-                out[f"{position}-{variant}"] = {**_step(model, _batch(with_mask=True), None),
-                                                "offsets": _offset_shards(model)}
-    finally:
-        parallel_state.destroy_model_parallel()
+    with model_parallel(), _cpu_shims():
+        for position, variant in payload["cases"]:
+            model = _model(1, position, variant, lambda spec: spec)
+            out[f"{position}-{variant}"] = {**_step(model, _batch(with_mask=True), None),
+                                            "offsets": _offset_shards(model)}
     return out
 
 
@@ -184,8 +198,6 @@ def gpt_step(rank: int, world: int, payload: dict) -> dict:
     document cases of :func:`tests.integration.megatron_thd_ranks.thd_step` run first in the same launch (under
     ``"thd"``), saving them a launch of their own."""
     warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state
-
     import ctx_plugin
     from ctx_plugin.megatron.spec import gpt_layer_spec, shard_batch
 
@@ -194,9 +206,8 @@ def gpt_step(rank: int, world: int, payload: dict) -> dict:
         from tests.integration.megatron_thd_ranks import thd_step
 
         out["thd"] = thd_step(rank, world, {"cases": payload["thd"]})
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
-    cp_group = parallel_state.get_context_parallel_group()
-    try:
+    with model_parallel(context_parallel_size=world) as parallel_state:
+        cp_group = parallel_state.get_context_parallel_group()
         for backend, u, position, preset, variant, with_mask in payload["cases"]:
             cp_config = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
             model, groups = cp_model(world, cp_config, position, variant, preset)
@@ -213,8 +224,6 @@ def gpt_step(rank: int, world: int, payload: dict) -> dict:
                 _model(world, "rope", "base", lambda spec: gpt_layer_spec(cp_config, base=spec), **fields)
             except ValueError as e:
                 out[repr(sorted(fields.items()))] = str(e)
-    finally:
-        parallel_state.destroy_model_parallel()
     return out
 
 

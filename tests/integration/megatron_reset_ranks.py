@@ -15,7 +15,8 @@ import warnings
 
 import torch
 
-from tests.integration.megatron_ranks import BATCH, SEQ, VOCAB, _cpu_shims, _model, cp_model, loss_and_grads
+from tests.integration.megatron_ranks import (BATCH, SEQ, VOCAB, _cpu_shims, _model, cp_model, loss_and_grads,
+                                              model_parallel, relative_errors)
 
 EOD = VOCAB - 1
 MIXES = {   # name: end-of-document positions of each sample (BATCH = 2 samples of SEQ = 32 tokens)
@@ -66,28 +67,21 @@ def reset_step(rank: int, world: int, payload: dict) -> dict:
     ctx_plugin's loss and gradients at CP = world against Megatron's own model at CP 1 on the same batch, or the error
     raised; ``pad``: the sharder pads the documents (``--cp-pad-documents``)."""
     warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state
-
     import ctx_plugin
     from ctx_plugin.megatron.mask_documents import document_padding
     from ctx_plugin.megatron.spec import shard_batch
 
     cases = [tuple(c) for c in payload["cases"]]
-    parallel_state.initialize_model_parallel()
     want = {}
-    try:
-        with _cpu_shims():
-            for _, position, mix, reset_mask, reset_pos, mask, _ in cases:
-                if mask == "dataset" and (position, mix, reset_mask, reset_pos) not in want:
-                    model = _model(1, position, "base", lambda spec: spec)
-                    want[position, mix, reset_mask, reset_pos] = loss_and_grads(
-                        model, batch(mix, reset_mask, reset_pos), None)
-    finally:
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
-    cp_group = parallel_state.get_context_parallel_group()
+    with model_parallel(), _cpu_shims():
+        for _, position, mix, reset_mask, reset_pos, mask, _ in cases:
+            if mask == "dataset" and (position, mix, reset_mask, reset_pos) not in want:
+                model = _model(1, position, "base", lambda spec: spec)
+                want[position, mix, reset_mask, reset_pos] = loss_and_grads(
+                    model, batch(mix, reset_mask, reset_pos), None)
     out = {}
-    try:
+    with model_parallel(context_parallel_size=world) as parallel_state:
+        cp_group = parallel_state.get_context_parallel_group()
         for backend, position, mix, reset_mask, reset_pos, mask, pad in cases:
             key = case_key(backend, position, mix, reset_mask, reset_pos, mask, pad)
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
@@ -100,17 +94,11 @@ def reset_step(rank: int, world: int, payload: dict) -> dict:
             except ValueError as e:
                 out[key] = {"error": str(e)}
                 continue
-            ref_loss, ref_grads = want[position, mix, reset_mask, reset_pos]
-            floor = 1e-6 * max(g.abs().max().item() for g in ref_grads.values())
-            grad_err = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(floor)).item()
-                           for n, g in ref_grads.items())
-            out[key] = {"loss_err": abs(loss - ref_loss) / abs(ref_loss), "grad_err": grad_err,
+            out[key] = {**relative_errors(loss, grads, *want[position, mix, reset_mask, reset_pos]),
                         "packed": sharded["cu_seqlens"] is not None, "local_tokens": sharded["tokens"].shape[1],
                         "cu_seqlens": None if sharded["cu_seqlens"] is None else sharded["cu_seqlens"].tolist(),
                         "cu_seqlens_padded": None if sharded["cu_seqlens_padded"] is None
                         else sharded["cu_seqlens_padded"].tolist()}
-    finally:
-        parallel_state.destroy_model_parallel()
     return out
 
 

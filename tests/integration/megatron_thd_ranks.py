@@ -13,7 +13,8 @@ import warnings
 
 import torch
 
-from tests.integration.megatron_ranks import SEQ, VOCAB, _cpu_shims, _model, cp_model, loss_and_grads
+from tests.integration.megatron_ranks import (SEQ, VOCAB, _cpu_shims, _model, cp_model, loss_and_grads,
+                                              model_parallel, relative_errors)
 
 MIXES = {   # name: (padded document lengths, real lengths or None); SEQ = 32 tokens
     "docs": ((12, 8, 4, 8), None),
@@ -80,20 +81,14 @@ def thd_step(rank: int, world: int, payload: dict) -> dict:
     loss and gradients at CP = world against Megatron's own model at CP 1 with the block-diagonal mask, or the error
     it raised; ``payload["fused"]``: cases run with ``apply_rope_fusion`` (keys ``fused-...``), which must raise."""
     warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state
-
     import ctx_plugin
     from ctx_plugin.megatron.spec import shard_batch
 
-    parallel_state.initialize_model_parallel()
-    try:
+    with model_parallel():
         want = {(pos, mix): _reference(pos, mix) for _, pos, mix in payload["cases"]}
-    finally:
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
-    cp_group = parallel_state.get_context_parallel_group()
     out = {}
-    try:
+    with model_parallel(context_parallel_size=world) as parallel_state:
+        cp_group = parallel_state.get_context_parallel_group()
         for backend, position, mix, fused in [(*c, False) for c in payload["cases"]] + \
                 [(*c, True) for c in payload.get("fused", [])]:
             key = f"{'fused-' if fused else ''}{backend}-{position}-{mix}"
@@ -112,11 +107,6 @@ def thd_step(rank: int, world: int, payload: dict) -> dict:
                 out[key] = {"error": f"{type(e).__name__}: {e}"}
                 continue
             ref = want[position, mix]
-            floor = 1e-6 * max(g.abs().max().item() for g in ref["grads"].values())
-            grad_err = max(((got["grads"][n] - g).abs().max() / g.abs().max().clamp_min(floor)).item()
-                           for n, g in ref["grads"].items())
-            out[key] = {"loss_err": abs(got["loss"] - ref["loss"]) / abs(ref["loss"]), "grad_err": grad_err,
+            out[key] = {**relative_errors(got["loss"], got["grads"], ref["loss"], ref["grads"]),
                         "local_tokens": batch["tokens"].shape[1]}
-    finally:
-        parallel_state.destroy_model_parallel()
     return out

@@ -57,8 +57,12 @@ def reference(q, k, v, dout, batch: Varlen, scale: float):
     ds = p * (dp - delta[..., None])
     dq = torch.einsum("hqk,khd->qhd", ds, ke) * scale
     dk = torch.einsum("hqk,qhd->khd", ds, q) * scale
-    fold = lambda t: t.reshape(t.shape[0], -1, g, t.shape[-1]).sum(2)     # noqa: E731  GQA: sum the copies
-    return out, lse, dq, fold(dk), fold(dv)
+    return out, lse, dq, _fold(dk, g), _fold(dv, g)
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[T, H, D]`` per-query-head gradients summed onto the K/V heads (GQA: each K/V head serves ``groups``)."""
+    return t.reshape(t.shape[0], -1, groups, t.shape[-1]).sum(2)
 
 
 # ---------------------------------------------------------------- chains and sequences
@@ -201,9 +205,8 @@ class VarlenFlash:
         p = torch.exp(s - raw.masked_fill(torch.isinf(raw), 0)[..., None]).masked_fill(~keep, 0)
         dv = torch.einsum("hqk,qhd->khd", p, dod)
         ds = p * (torch.einsum("qhd,khd->hqk", dod, vd) - (dod * od).sum(-1).T[..., None])
-        fold = lambda t: t.reshape(t.shape[0], -1, g, t.shape[-1]).sum(2)     # noqa: E731  dK/dV with K's heads
         return (torch.einsum("hqk,khd->qhd", ds, kd) * scale).to(q.dtype), \
-            fold(torch.einsum("hqk,qhd->khd", ds, qd) * scale).to(q.dtype), fold(dv).to(q.dtype)
+            _fold(torch.einsum("hqk,qhd->khd", ds, qd) * scale, g).to(q.dtype), _fold(dv, g).to(q.dtype)
 
 
 @pytest.fixture
