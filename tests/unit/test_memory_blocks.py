@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.memory_blocks import measure
+from tests.memory_blocks import measure as _measure
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Every preset on both families, each family in both dtypes (a small vocabulary: the peak is in the layers'
@@ -15,6 +15,12 @@ CASES = ["ctx_plugin-none-bf16", "ctx_plugin-selective-fp32", "ctx_plugin-mlp-bf
          "ctx_plugin-full:block:2-bf16", "ctx_plugin-sqrt-fp32", "hf-none-fp32", "hf-selective-bf16", "hf-mlp-fp32",
          "hf-full-bf16", "hf-full:block:2-fp32", "hf-sqrt-bf16", "hf-full+recompute_attn-fp32",
          "hf-sqrt+recompute_attn-bf16"]
+
+
+def measure(family: str, *args, **kwargs) -> dict:
+    if family == "hf":
+        pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
+    return _measure(family, *args, **kwargs)
 
 
 def _check(r: dict, case="") -> None:

@@ -6,6 +6,7 @@ Nothing here submits anything: ``ctx-plugin launch`` runs only with ``--dry-run`
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -58,6 +59,10 @@ def good(**replace: str | None) -> list[str]:
 
 def megatron(argv, world=2, device="cpu", megatron_lm=FAKE_MEGATRON):
     return check_megatron(list(argv), world=world, device=device, megatron_lm=str(megatron_lm))
+
+
+needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                              reason="needs transformers (checks train_hf's model): pip install 'ctx-plugin[hf]'")
 
 
 @pytest.fixture
@@ -280,6 +285,7 @@ def test_megatron_invalid_value_raises_value_error(extra):
 
 # --- check_deepspeed -----------------------------------------------------------------------------------------
 
+@needs_hf
 def test_deepspeed_good(ds_config, model_json):
     summary = deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(GOOD_DS))
     assert "CP 2 (zigzag)" in summary and "DP 1" in summary and "ZeRO 0" in summary
@@ -325,6 +331,7 @@ def test_deepspeed_missing_config(tmp_path, model_json):
     {"train_batch_size": 4},
     {"train_batch_size": 4, "gradient_accumulation_steps": 4},
 ], ids=["tb2-m2-g1", "tb4-m2", "tb4", "tb4-g4"])    # 2 ranks, CP 2: one data-parallel replica
+@needs_hf
 def test_deepspeed_consistent_batches(batch, ds_config, model_json):
     config = {**batch, "context_parallel": {"size": 2}}
     assert "CP 2" in deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(config))
@@ -342,6 +349,7 @@ TRAIN_HF_REFUSED = {
 
 
 @pytest.mark.parametrize("case", list(TRAIN_HF_REFUSED))
+@needs_hf
 def test_deepspeed_train_hf_job_refused_as_the_job_would(case, ds_config, tmp_path):
     """The launcher builds train_hf's model on the meta device and checks it as ctx_plugin.hf.enable does (the
     same message as on the model the job builds) and --seq-len as the sharding does; it used to accept these jobs,
@@ -543,6 +551,7 @@ def test_render_quotes_paths_with_spaces(tmp_path):
     assert checked.returncode == 0, checked.stderr
 
 
+@needs_hf
 def test_render_cpu_deepspeed(tmp_path, ds_config, model_json):
     ds = ds_config(GOOD_DS)
     plan = slurm_job.plan_job("deepspeed", ["--dry-run", "--nproc-per-node", "2", "--ds-config", str(ds), "--", "-m",
@@ -788,6 +797,7 @@ def test_cli_launch_dry_run_cpu_nodes(no_submit, capsys):
     assert "(1 cpu processes per node)" in out and "--nnodes=2" in out
 
 
+@needs_hf
 def test_cli_launch_deepspeed_dry_run(no_submit, capsys, ds_config, model_json):
     ds = ds_config(GOOD_DS)
     rc = cli.main(["launch", "--dry-run", *launch_line("--gres=gpu:2", script=str(LAUNCH / "deepspeed.sbatch"),
