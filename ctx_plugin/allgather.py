@@ -40,8 +40,8 @@ def _query_chunks(rank: int, size: int, local_len: int, mask: Mask) -> tuple[Blo
     backward (with packed documents, a chunk per document)."""
     if mask.documents is not None:
         docs, seq_len = mask.documents, local_len * size
-        return document_blocks(Zigzag().segments(rank, size, local_len, docs),
-                               Contiguous().segments(0, 1, seq_len, docs), mask)
+        return document_blocks(Zigzag().segment_table(rank, size, local_len, docs),
+                               Contiguous().segment_table(0, 1, seq_len, docs), mask)
     if not mask.causal and not mask.windowed:
         return (Block(slice(0, local_len), slice(0, local_len * size), False),)
     c = local_len // 2

@@ -13,9 +13,9 @@ import functools
 
 import torch
 
-from .blocks import Block, gc_paused
+from .blocks import Block, BlockTable, gc_paused
 from .kernels import AttentionKernel
-from .kernels.varlen import Varlen, chains, has_varlen, pack
+from .kernels.varlen import Varlen, chain_indices, has_varlen, pack_table
 from .mask import Mask
 from .merge import merge_into
 
@@ -39,8 +39,9 @@ class _Same:
 @functools.lru_cache(maxsize=512)
 @gc_paused()
 def _varlen_plan(blocks: _Same, sq: int, sk: int, batch: int) -> tuple[tuple[Block, ...], tuple[Varlen, ...]]:
-    singles, groups = chains(blocks.obj)
-    return singles, tuple(pack(c, sq, sk, batch) for c in groups)
+    table = BlockTable.of(blocks.obj)
+    singles, found = chain_indices(table)
+    return tuple(blocks.obj[i] for i in singles), tuple(pack_table(table, c, sq, sk, batch) for c in found)
 
 
 def plan_calls(kernel: AttentionKernel, blocks, mask: Mask, sq: int, sk: int,

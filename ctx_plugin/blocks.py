@@ -7,13 +7,17 @@ segments with one stride, the mask's allowed offsets ``lo ≤ j − i ≤ hi`` a
 :func:`band_block` states as one trimmed :class:`Block`. With packed documents (:class:`ctx_plugin.mask.Mask`'s
 ``documents``) :func:`document_blocks` pairs only segments of one document, each first trimmed to the document's
 real (non-padding) tokens, so the blocks cover the block-diagonal mask and never a padding row or key; rows no
-block covers (padding) keep output 0, lse −inf and get no gradient.
+block covers (padding) keep output 0, lse −inf and get no gradient. A step holds a block or more per document —
+thousands with short documents — so that is done on arrays (:class:`SegmentTable` in, a :class:`BlockPlan` out: the
+blocks with their :class:`BlockTable`, which the varlen planning reads), not block by block in Python.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 from dataclasses import dataclass
+
+import numpy as np
 
 from .documents import Documents
 from .mask import Mask
@@ -35,6 +39,61 @@ class Block:
     window: tuple[int | None, int | None] = (None, None)
 
 
+UNBOUNDED = int(np.iinfo(np.int64).min)
+"""A window side that is ``None`` (unbounded), in a :class:`BlockTable`."""
+
+
+class BlockTable:
+    """Blocks as int64 arrays, one entry each: rows ``q0 .. q1 − 1`` meet keys ``k0 .. k1 − 1``, ``causal`` (bool), window
+    sides ``left``/``right`` (:data:`UNBOUNDED` for ``None``). What the varlen planning reads (thousands of blocks a
+    step with packed documents) instead of every block's attributes."""
+
+    __slots__ = ("q0", "q1", "k0", "k1", "causal", "left", "right")
+
+    def __init__(self, q0, q1, k0, k1, causal, left, right) -> None:
+        self.q0, self.q1, self.k0, self.k1, self.causal, self.left, self.right = q0, q1, k0, k1, causal, left, right
+
+    @classmethod
+    def of(cls, blocks) -> BlockTable:
+        """``blocks``' table: the one a :class:`BlockPlan` was built with, else read from the blocks."""
+        if isinstance(blocks, BlockPlan):
+            return blocks.table
+        rows = [(b.q.start, b.q.stop, b.k.start, b.k.stop, b.causal, *(UNBOUNDED if w is None else w for w in b.window))
+                for b in blocks]
+        t = np.array(rows, dtype=np.int64).reshape(-1, 7).T
+        return cls(t[0], t[1], t[2], t[3], t[4].astype(bool), t[5], t[6])
+
+
+class BlockPlan(tuple):
+    """A tuple of :class:`Block` with its :class:`BlockTable` (``table``), built together by :func:`document_blocks`."""
+
+    def __new__(cls, blocks, table: BlockTable) -> BlockPlan:
+        plan = super().__new__(cls, blocks)
+        plan.table = table
+        return plan
+
+    def __reduce__(self):
+        return BlockPlan, (tuple(self), self.table)
+
+
+def _trim(lo, hi, delta, stride, sq, sk, mx, mn):
+    """The band ``blo ≤ b − a ≤ bhi`` of local indices that the mask's allowed offsets ``lo ≤ j − i ≤ hi`` leave
+    between ``sq`` rows and ``sk`` keys whose global positions differ by ``delta + stride·(b − a)``, and the rows
+    ``a0..a1`` with a key and the keys ``b0..b1`` with a row (inclusive): ``(blo, bhi, a0, a1, b0, b1)``. One formula
+    for Python ints (``mx, mn = max, min``) and for arrays of them (``numpy.maximum, numpy.minimum``)."""
+    blo = -(sq - 1) if lo is None else mx(-(sq - 1), -((delta - lo) // stride))     # ceil((lo − delta)/stride)
+    bhi = sk - 1 if hi is None else mn(sk - 1, (hi - delta) // stride)
+    return blo, bhi, mx(0, -bhi), mn(sq - 1, sk - 1 - blo), mx(0, blo), mn(sk - 1, sq - 1 + bhi)
+
+
+def _sides(blo, bhi, a0, a1, b0, b1):
+    """The trimmed block's window in the kernels' bottom-right convention: ``(left, left unbounded, right, right
+    unbounded)`` (ints or arrays, as :func:`_trim` gave)."""
+    sq, sk, shift = a1 - a0 + 1, b1 - b0 + 1, b0 - a0
+    blo, bhi, diag = blo - shift, bhi - shift, b1 - b0 - (a1 - a0)     # band after trimming; diag = sk − sq
+    return diag - blo, blo <= -(sq - 1), bhi - diag, bhi >= sk - 1
+
+
 def band_block(mask: Mask, q_start: int, k_start: int, stride: int, q_rows: slice, k_rows: slice) -> Block | None:
     """The block of local rows ``q_rows`` (global positions ``q_start + stride·a``) meeting keys ``k_rows``
     (``k_start + stride·b``) under ``mask``'s band (not its documents), trimmed; ``None`` when no pair is allowed."""
@@ -42,37 +101,23 @@ def band_block(mask: Mask, q_start: int, k_start: int, stride: int, q_rows: slic
     if sq <= 0 or sk <= 0:
         return None
     lo, hi = mask.band()
-    delta = k_start - q_start                         # allowed: lo ≤ delta + stride·(b − a) ≤ hi
-    blo = -(sq - 1) if lo is None else max(-(sq - 1), -((delta - lo) // stride))     # ceil((lo − delta)/stride)
-    bhi = sk - 1 if hi is None else min(sk - 1, (hi - delta) // stride)
-    a0, a1 = max(0, -bhi), min(sq - 1, sk - 1 - blo)  # rows with a key, keys with a row (inclusive)
-    b0, b1 = max(0, blo), min(sk - 1, sq - 1 + bhi)
+    blo, bhi, a0, a1, b0, b1 = _trim(lo, hi, k_start - q_start, stride, sq, sk, max, min)
     if blo > bhi or a0 > a1 or b0 > b1:
         return None
-    sq, sk, shift = a1 - a0 + 1, b1 - b0 + 1, b0 - a0
-    blo, bhi, diag = blo - shift, bhi - shift, b1 - b0 - (a1 - a0)     # band after trimming; diag = sk − sq
-    left = None if blo <= -(sq - 1) else diag - blo
-    right = None if bhi >= sk - 1 else bhi - diag
-    causal = right == 0
+    left, no_left, right, no_right = _sides(blo, bhi, a0, a1, b0, b1)
+    causal = not no_right and right == 0
     return Block(slice(q_rows.start + a0, q_rows.start + a1 + 1), slice(k_rows.start + b0, k_rows.start + b1 + 1),
-                 causal, (left, None if causal else right))
+                 causal, (None if no_left else left, None if causal or no_right else right))
 
 
-def segments_of(pieces) -> tuple[Segment, ...]:
-    """Segments from ``(first, count, stride, document)`` pieces laid out one after another in local order."""
+def segments_of(first, count, stride, doc) -> tuple[Segment, ...]:
+    """Segments of runs ``first[i] + stride[i]·t`` (``t < count[i]``) in document ``doc[i]`` (arrays or sequences of
+    ints) laid out one after another in local order."""
     out, row = [], 0
-    for first, count, stride, d in pieces:
-        out.append((slice(row, row + count), first, stride, d))
-        row += count
+    for f, n, step, d in zip(*(np.asarray(x).tolist() for x in (first, count, stride, doc))):
+        out.append((slice(row, row + n), f, step, d))
+        row += n
     return tuple(out)
-
-
-def real_rows(segment: Segment, documents: Documents) -> slice:
-    """The rows of ``segment`` that hold real tokens of its document (a prefix: positions increase)."""
-    rows, first, stride, d = segment
-    end = documents.bounds[d] + documents.real(d)          # first padding position of the document
-    count = max(0, min(rows.stop - rows.start, -(-(end - first) // stride)))
-    return slice(rows.start, rows.start + count)
 
 
 @contextlib.contextmanager
@@ -90,23 +135,84 @@ def gc_paused():
             gc.enable()
 
 
-def document_blocks(q_segments, k_segments, mask: Mask) -> tuple[Block, ...]:
-    """The blocks of ``q_segments`` meeting ``k_segments`` under ``mask`` with its documents: every pair of segments of
-    one document (trimmed to real tokens) through :func:`band_block`, then adjacent full blocks merged."""
-    documents = mask.documents
-    by_document: dict[int, list[tuple[slice, int, int]]] = {}
-    for seg in k_segments:
-        by_document.setdefault(seg[3], []).append((real_rows(seg, documents), seg[1], seg[2]))
-    per_document: dict[int, list[Block]] = {}
-    for seg in q_segments:
-        q_rows = real_rows(seg, documents)
-        for k_rows, k_first, stride in by_document.get(seg[3], ()):
-            blk = band_block(mask, seg[1], k_first, stride, q_rows, k_rows)
-            if blk is not None:
-                per_document.setdefault(seg[3], []).append(blk)
-    # Blocks of two documents never share their rows nor their keys: merged document by document (small lists).
-    return tuple(blk for blocks in per_document.values()
-                 for blk in (blocks if len(blocks) == 1 else merge_blocks(blocks)))
+class SegmentTable:
+    """A rank's segments as int64 arrays, one entry each, their rows trimmed to the real tokens of their document (a
+    prefix: positions increase): rows ``start .. stop − 1``, global positions ``first + stride·(row − start)``,
+    document ``doc``. Built from a layout's pieces (:func:`segments_of`'s runs, as arrays) once per rank and batch of
+    documents (the layouts cache it), read by :func:`document_blocks` for every step."""
+
+    __slots__ = ("start", "stop", "first", "stride", "doc")
+
+    def __init__(self, first: np.ndarray, count: np.ndarray, stride: np.ndarray, doc: np.ndarray,
+                 documents: Documents) -> None:
+        self.first, self.stride, self.doc = first, stride, doc
+        self.start = np.cumsum(count) - count
+        bounds = np.asarray(documents.bounds, dtype=np.int64)
+        real = np.diff(bounds) if documents.valid is None else np.asarray(documents.valid, dtype=np.int64)
+        end = bounds[doc] + real[doc]                       # first padding position of each one's document
+        self.stop = self.start + np.clip(np.minimum(count, -((first - end) // stride)), 0, None)
+
+
+def _same_document_pairs(q: SegmentTable, k: SegmentTable) -> tuple[np.ndarray, np.ndarray]:
+    """Indices ``(i, j)`` of every query segment ``i`` and key segment ``j`` of one document: by ``i``, then ``j``."""
+    order = np.argsort(k.doc, kind="stable")
+    lo = np.searchsorted(k.doc[order], q.doc, "left")
+    n = np.searchsorted(k.doc[order], q.doc, "right") - lo
+    i = np.repeat(np.arange(q.doc.size), n)
+    return i, order[np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(i.size)]
+
+
+def document_blocks(q: SegmentTable, k: SegmentTable, mask: Mask) -> BlockPlan | tuple[()]:
+    """The blocks of query segments ``q`` meeting key segments ``k`` under ``mask`` with its documents: every pair of
+    segments of one document as :func:`band_block` trims it (all pairs at once, as arrays: thousands of documents
+    per step), grouped by document (in the order their first block comes), each document's adjacent full blocks
+    merged (:func:`merge_blocks`)."""
+    i, j = _same_document_pairs(q, k)
+    qa, ka = q.start[i], k.start[j]
+    sq, sk = q.stop[i] - qa, k.stop[j] - ka
+    lo, hi = mask.band()
+    blo, bhi, a0, a1, b0, b1 = _trim(lo, hi, k.first[j] - q.first[i], k.stride[j], sq, sk, np.maximum, np.minimum)
+    keep = (sq > 0) & (sk > 0) & (blo <= bhi) & (a0 <= a1) & (b0 <= b1)
+    if not keep.any():
+        return ()
+    doc, qa, ka, blo, bhi, a0, a1, b0, b1 = (x[keep] for x in (q.doc[i], qa, ka, blo, bhi, a0, a1, b0, b1))
+    left, no_left, right, no_right = _sides(blo, bhi, a0, a1, b0, b1)
+    causal = ~no_right & (right == 0)
+    # Blocks of two documents never share their rows nor their keys: each document's merged on its own. Its blocks
+    # made contiguous, documents in the order of their first block (a stable sort; already so when q is in order).
+    _, first, inverse = np.unique(doc, return_index=True, return_inverse=True)
+    order = np.argsort(first[inverse], kind="stable")
+    q0, q1, k0, k1 = (x[order] for x in (qa + a0, qa + a1 + 1, ka + b0, ka + b1 + 1))
+    causal, no_left, no_right, left, right = (x[order] for x in (causal, no_left, no_right, left, right))
+    group = first[inverse][order]
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    sizes = np.diff(np.r_[starts, group.size])
+    full = ~causal & no_left & no_right
+    fulls = np.add.reduceat(full, starts)
+    # Two full blocks, a document's only ones, that share keys with adjacent rows or rows with adjacent keys: one.
+    s, t = starts[(sizes == 2) & (fulls == 2)], starts[(sizes == 2) & (fulls == 2)] + 1
+    rows_join = (k0[s] == k0[t]) & (k1[s] == k1[t]) & ((q1[s] == q0[t]) | (q1[t] == q0[s]))
+    keys_join = (q0[s] == q0[t]) & (q1[s] == q1[t]) & ((k1[s] == k0[t]) | (k1[t] == k0[s]))
+    join = rows_join | keys_join
+    s, t = s[join], t[join]
+    q0[s], q1[s] = np.minimum(q0[s], q0[t]), np.maximum(q1[s], q1[t])
+    k0[s], k1[s] = np.minimum(k0[s], k0[t]), np.maximum(k1[s], k1[t])
+    alive = np.ones(group.size, dtype=bool)
+    alive[t] = False
+    left, right = np.where(no_left, UNBOUNDED, left), np.where(no_right | causal, UNBOUNDED, right)
+    table = BlockTable(*(x[alive] for x in (q0, q1, k0, k1, causal, left, right)))
+    blocks = [Block(slice(a, z), slice(b, y), c, (None if w == UNBOUNDED else w, None if e == UNBOUNDED else e))
+              for a, z, b, y, c, w, e in zip(*(x.tolist() for x in (table.q0, table.q1, table.k0, table.k1,
+                                                                     table.causal, table.left, table.right)))]
+    # Documents with more blocks, two or more of them full (zigzag without a causal mask: four full blocks each):
+    # the scan of merge_blocks.
+    slow = (fulls >= 2) & (sizes > 2)
+    if not slow.any():
+        return BlockPlan(blocks, table)
+    at = np.cumsum(alive) - alive                                  # each block's index among the kept ones
+    for start, size in sorted(zip(at[starts[slow]].tolist(), sizes[slow].tolist()), reverse=True):
+        blocks[start:start + size] = merge_blocks(blocks[start:start + size])
+    return BlockPlan(blocks, BlockTable.of(blocks))
 
 
 def _full(blk: Block) -> bool:

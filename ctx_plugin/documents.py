@@ -106,6 +106,16 @@ class Documents:
         lengths = torch.tensor(self.lengths, dtype=torch.int64)
         return torch.arange(self.seq_len) - torch.repeat_interleave(starts, lengths)
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        """Computed once per object: plans are cached under keys that hold the documents (thousands of boundaries),
+        looked up by every layer's attention call, forward and backward. Of ints only, so the same in every process
+        (a pickled copy carries it)."""
+        return hash((self.bounds, () if self.valid is None else self.valid))
+
     def signature(self) -> str:
         """16 hex digits naming ``bounds`` and ``valid`` (for the ranks' agreement; computed once per object, which
         every layer's attention call of a step shares)."""

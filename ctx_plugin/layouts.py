@@ -31,12 +31,13 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .blocks import Block, Segment, band_block, block_pairs, document_blocks, gc_paused, segments_of
+from .blocks import Block, Segment, SegmentTable, band_block, block_pairs, document_blocks, gc_paused, segments_of
 from .config import CPConfig
 from .documents import Documents
 from .mask import Mask
@@ -51,9 +52,21 @@ def _causal(n: int) -> tuple[Block, ...]:
     return (Block(slice(0, n), slice(0, n), True),)
 
 
-def _indices(pieces) -> torch.Tensor:
-    parts = [torch.arange(first, first + count * stride, stride) for first, count, stride, _ in pieces]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+Pieces = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""A rank's tokens as runs, in local order: int64 arrays ``(first, count, stride, document)``, run ``i`` holding global
+positions ``first[i] + stride[i]·t`` for ``t < count[i]``, all in document ``document[i]``."""
+
+
+def _pieces(first, count, stride, doc) -> Pieces:
+    return tuple(np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype=np.int64), np.shape(first)))
+                 for x in (first, count, stride, doc))
+
+
+def _indices(pieces: Pieces) -> torch.Tensor:
+    first, count, stride, _ = pieces
+    starts = np.cumsum(count) - count                       # each run's first local row
+    rows = np.arange(int(count.sum()), dtype=np.int64)
+    return torch.from_numpy(np.repeat(first - stride * starts, count) + np.repeat(stride, count) * rows)
 
 
 class Layout(ABC):
@@ -92,9 +105,9 @@ class RingLayout(Layout):
         """Blocks for rank ``rank`` meeting the K/V shard of rank ``source`` under a causal mask."""
 
     @abstractmethod
-    def pieces(self, rank: int, size: int, local_len: int,
-               documents: Documents) -> list[tuple[int, int, int, int]]:
-        """This rank's tokens under ``documents`` as ``(first, count, stride, document)`` runs in local order."""
+    def pieces(self, rank: int, size: int, local_len: int, documents: Documents) -> Pieces:
+        """This rank's tokens under ``documents`` as runs in local order (:data:`Pieces`; arrays, one entry per
+        document or two: thousands with short documents)."""
 
     def segments(self, rank: int, size: int, local_len: int,
                  documents: Documents | None = None) -> tuple[Segment, ...]:
@@ -103,6 +116,10 @@ class RingLayout(Layout):
         if documents is None:
             documents = Documents((0, local_len * size))
         return _segments(type(self), rank, size, local_len, documents)
+
+    def segment_table(self, rank: int, size: int, local_len: int, documents: Documents) -> SegmentTable:
+        """This rank's :meth:`segments` under ``documents`` as arrays, rows trimmed to real tokens (cached)."""
+        return _segment_table(type(self), rank, size, local_len, documents)
 
     def local_indices(self, seq_len: int, rank: int, size: int, documents: Documents | None = None) -> torch.Tensor:
         return _indices(self.pieces(rank, size, seq_len // size, documents or Documents((0, seq_len))))
@@ -122,7 +139,12 @@ class RingLayout(Layout):
 @functools.lru_cache(maxsize=256)
 def _segments(kind: type[RingLayout], rank: int, size: int, local_len: int, documents: Documents) -> tuple:
     """A rank's segments (cached: a step's plans read the same ranks' segments ``size`` times each)."""
-    return segments_of(kind().pieces(rank, size, local_len, documents))
+    return segments_of(*kind().pieces(rank, size, local_len, documents))
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_table(kind: type[RingLayout], rank: int, size: int, local_len: int, documents: Documents) -> SegmentTable:
+    return SegmentTable(*kind().pieces(rank, size, local_len, documents), documents)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -130,8 +152,8 @@ def _segments(kind: type[RingLayout], rank: int, size: int, local_len: int, docu
 def _document_plan(kind: type[RingLayout], rank: int, source: int, size: int, local_len: int,
                    mask: Mask) -> tuple[Block, ...]:
     layout = kind()
-    return document_blocks(layout.segments(rank, size, local_len, mask.documents),
-                           layout.segments(source, size, local_len, mask.documents), mask)
+    return document_blocks(layout.segment_table(rank, size, local_len, mask.documents),
+                           layout.segment_table(source, size, local_len, mask.documents), mask)
 
 
 class Contiguous(RingLayout):
@@ -145,13 +167,10 @@ class Contiguous(RingLayout):
 
     def pieces(self, rank, size, local_len, documents):
         lo, hi, bounds = rank * local_len, (rank + 1) * local_len, documents.bounds
-        out = []
-        for d in range(bisect_right(bounds, lo) - 1, documents.count):
-            if bounds[d] >= hi:
-                break
-            first = max(lo, bounds[d])
-            out.append((first, min(hi, bounds[d + 1]) - first, 1, d))
-        return out
+        docs = np.arange(bisect_right(bounds, lo) - 1, bisect_left(bounds, hi), dtype=np.int64)  # those meeting [lo, hi)
+        ends = np.asarray(bounds, dtype=np.int64)
+        first = np.maximum(lo, ends[docs])
+        return _pieces(first, np.minimum(hi, ends[docs + 1]) - first, 1, docs)
 
     def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
         if source == rank:
@@ -170,12 +189,10 @@ class Zigzag(RingLayout):
         return 2 * size
 
     def pieces(self, rank, size, local_len, documents):
-        out = []
-        for d, length in enumerate(documents.lengths):
-            c = length // (2 * size)
-            for chunk in (rank, 2 * size - 1 - rank):
-                out.append((documents.bounds[d] + chunk * c, c, 1, d))
-        return out
+        bounds = np.asarray(documents.bounds, dtype=np.int64)
+        c = np.diff(bounds) // (2 * size)
+        first = bounds[:-1, None] + np.array([rank, 2 * size - 1 - rank]) * c[:, None]   # per document, both chunks
+        return _pieces(first.ravel(), np.repeat(c, 2), 1, np.repeat(np.arange(documents.count), 2))
 
     def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
         half = local_len // 2
@@ -196,7 +213,8 @@ class Striped(RingLayout):
         return size
 
     def pieces(self, rank, size, local_len, documents):
-        return [(documents.bounds[d] + rank, length // size, size, d) for d, length in enumerate(documents.lengths)]
+        bounds = np.asarray(documents.bounds, dtype=np.int64)
+        return _pieces(bounds[:-1] + rank, np.diff(bounds) // size, size, np.arange(documents.count))
 
     def causal_plan(self, rank: int, source: int, size: int, local_len: int) -> tuple[Block, ...]:
         if source <= rank:   # local query j (global j·P+r) sees visiting key m (global m·P+s) iff m ≤ j

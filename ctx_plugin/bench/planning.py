@@ -20,7 +20,7 @@ from ..mask import Mask
 from ..names import Backend
 from ..rules import ulysses_ranks
 
-_CACHES = (layouts._document_plan, layouts._segments, layouts._schedule, block_calls._varlen_plan,
+_CACHES = (layouts._document_plan, layouts._segments, layouts._segment_table, layouts._schedule, block_calls._varlen_plan,
            allgather._query_chunks)
 
 

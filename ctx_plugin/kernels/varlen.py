@@ -29,9 +29,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..blocks import Block
+from ..blocks import UNBOUNDED, Block, BlockTable
 from .base import Window, accum_dtype
 
 
@@ -81,53 +82,72 @@ def has_varlen(kernel) -> bool:
     return callable(getattr(kernel, "forward_varlen", None)) and callable(getattr(kernel, "backward_varlen", None))
 
 
-def _eligible(blk: Block) -> bool:
-    return blk.causal or blk.window[1] is None
+def chain_indices(table: BlockTable) -> tuple[list[int], list[np.ndarray]]:
+    """``(singles, chains)`` as indices into the blocks of ``table``: see :func:`chains`."""
+    eligible = table.causal | (table.right == UNBOUNDED)  # a bounded right side stays a call of its own (FA2)
+    singles = np.flatnonzero(~eligible).tolist()
+    members = np.flatnonzero(eligible)
+    out: list[np.ndarray] = []
+    if members.size == 0:
+        return singles, out
+    keys = np.stack([table.causal[members].astype(np.int64), table.left[members], table.right[members]], axis=1)
+    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    for group in np.argsort(first):                       # groups in the order of their first block
+        idx = members[inverse == group]
+        idx = idx[np.lexsort((table.k0[idx], table.q0[idx]))]      # by first row, then first key (stable)
+        q0, q1, k0, k1 = (x[idx] for x in (table.q0, table.q1, table.k0, table.k1))
+        if np.all(q0[1:] >= q1[:-1]) and np.all(k0[1:] >= k1[:-1]):
+            found = [idx]                                 # each block after the last: first fit makes one chain
+        else:
+            found = _first_fit(idx.tolist(), q0.tolist(), q1.tolist(), k0.tolist(), k1.tolist())
+        for c in found:
+            (out.append(c) if c.size > 1 else singles.append(int(c[0])))
+    return singles, out
+
+
+def _first_fit(idx, q0, q1, k0, k1) -> list[np.ndarray]:
+    open_chains: list[list[int]] = []          # positions into idx; each chain's last block at [-1]
+    for n in range(len(idx)):
+        home = next((c for c in open_chains if q0[n] >= q1[c[-1]] and k0[n] >= k1[c[-1]]), None)
+        if home is None:
+            open_chains.append([n])
+        else:
+            home.append(n)
+    return [np.asarray([idx[n] for n in c], dtype=np.int64) for c in open_chains]
 
 
 def chains(blocks) -> tuple[tuple[Block, ...], tuple[tuple[Block, ...], ...]]:
     """``(singles, chains)``: the blocks that run one call each, and groups of at least two blocks that can share a
     varlen call (same causal flag and window; query rows disjoint, key rows disjoint, both increasing). First fit
     over blocks sorted by their first row; every block lands in exactly one of the two."""
-    groups: dict[tuple[bool, Window], list[Block]] = {}
-    singles = []
-    for blk in blocks:
-        (groups.setdefault((blk.causal, blk.window), []) if _eligible(blk) else singles).append(blk)
-    out = []
-    for members in groups.values():
-        open_chains: list[list[Block]] = []
-        for blk in sorted(members, key=lambda b: (b.q.start, b.k.start)):
-            home = next((c for c in open_chains if blk.q.start >= c[-1].q.stop and blk.k.start >= c[-1].k.stop),
-                        None)
-            if home is None:
-                open_chains.append([blk])
-            else:
-                home.append(blk)
-        for c in open_chains:
-            (out.append(tuple(c)) if len(c) > 1 else singles.append(c[0]))
-    return tuple(singles), tuple(out)
+    blocks = tuple(blocks)
+    singles, found = chain_indices(BlockTable.of(blocks))
+    return tuple(blocks[i] for i in singles), tuple(tuple(blocks[i] for i in c.tolist()) for c in found)
+
+
+def pack_table(table: BlockTable, chain: np.ndarray, sq: int, sk: int, batch: int) -> Varlen:
+    """The varlen call of the blocks ``chain`` (indices into ``table``, a chain of :func:`chain_indices`) over
+    ``batch`` samples of ``sq`` rows and ``sk`` keys (flattened sample after sample), fillers included."""
+    q0, q1, k0, k1 = (x[chain] for x in (table.q0, table.q1, table.k0, table.k1))
+    q_at, k_at = np.r_[0, q1[:-1]], np.r_[0, k1[:-1]]     # where the previous block (or the sample) ends
+    per_block = np.stack([np.stack([q_at, q0, k_at, k_at], 1),   # rows before the block: no keys
+                          np.stack([q0, q0, k_at, k0], 1),       # keys before the block: no rows
+                          np.stack([q0, q1, k0, k1], 1)], 1)     # the block
+    present = np.stack([q0 > q_at, k0 > k_at, np.ones_like(q0, dtype=bool)], 1)
+    tail = np.array([[q1[-1], sq, k1[-1], k1[-1]], [sq, sq, k1[-1], sk]], dtype=np.int64)
+    seqs = np.concatenate([per_block[present], tail[[sq > q1[-1], sk > k1[-1]]]])
+    shift = np.arange(batch, dtype=np.int64)[:, None, None] * np.array([sq, sq, sk, sk], dtype=np.int64)
+    rows = (seqs[None] + shift).reshape(-1, 4).tolist()
+    c = int(chain[0])
+    window = tuple(None if w == UNBOUNDED else w for w in (int(table.left[c]), int(table.right[c])))
+    return Varlen(tuple(map(tuple, rows)), bool(table.causal[c]), window, len(chain) * batch)
 
 
 def pack(chain: tuple[Block, ...], sq: int, sk: int, batch: int) -> Varlen:
-    """The varlen call of ``chain`` over ``batch`` samples of ``sq`` rows and ``sk`` keys (flattened sample after
-    sample), fillers included."""
-    first = chain[0]
-    seqs = []
-    for b in range(batch):
-        q_at, k_at = b * sq, b * sk
-        for blk in chain:
-            q0, k0 = b * sq + blk.q.start, b * sk + blk.k.start
-            if q0 > q_at:
-                seqs.append((q_at, q0, k_at, k_at))      # rows before the block: no keys
-            if k0 > k_at:
-                seqs.append((q0, q0, k_at, k0))          # keys before the block: no rows
-            q_at, k_at = b * sq + blk.q.stop, b * sk + blk.k.stop
-            seqs.append((q0, q_at, k0, k_at))
-        if (b + 1) * sq > q_at:
-            seqs.append((q_at, (b + 1) * sq, k_at, k_at))
-        if (b + 1) * sk > k_at:
-            seqs.append(((b + 1) * sq, (b + 1) * sq, k_at, (b + 1) * sk))
-    return Varlen(tuple(seqs), first.causal, first.window, len(chain) * batch)
+    """The varlen call of ``chain`` (blocks of one :func:`chains` chain) over ``batch`` samples of ``sq`` rows and ``sk``
+    keys (flattened sample after sample), fillers included."""
+    return pack_table(BlockTable.of(chain), np.arange(len(chain)), sq, sk, batch)
 
 
 class LoopedVarlen:
