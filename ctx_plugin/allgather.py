@@ -28,6 +28,8 @@ from .blocks import Block, band_block, document_blocks, gc_paused
 from .documents import Documents
 from .layouts import Contiguous, Zigzag
 from .mask import Mask
+from .names import Part
+from .profiling import span
 from .ring import refuse_double_backward
 from .sinks import apply_sinks, sink_grad
 
@@ -73,8 +75,10 @@ class AllGatherAttention(torch.autograd.Function):
         kv = _gather_kv(k, v, group, counter, mask.documents)
         chunks = _query_chunks(group.rank, group.size, q.shape[1], mask)
         if mask.documents is None:      # the chunks cover every row, in order
-            outs, lses = zip(*(kernel.forward(q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], causal=blk.causal,
-                                              scale=scale, window=blk.window, softcap=mask.softcap) for blk in chunks))
+            with span(Part.KERNEL):
+                outs, lses = zip(*(kernel.forward(q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], causal=blk.causal,
+                                                  scale=scale, window=blk.window, softcap=mask.softcap)
+                                   for blk in chunks))
             out, lse = torch.cat(outs, 1), torch.cat(lses, 2)
         else:                           # padding rows belong to no chunk: output 0, lse −inf
             b, n, h, d = q.shape
@@ -101,11 +105,14 @@ class AllGatherAttention(torch.autograd.Function):
         chunks = _query_chunks(group.rank, group.size, q.shape[1], mask)
         if mask.documents is None:      # the chunks cover every row once: their dq is written, not added
             for blk in chunks:
-                dq[:, blk.q], dk_c, dv_c = kernel.backward(
-                    dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], out[:, blk.q], lse[:, :, blk.q],
-                    causal=blk.causal, scale=scale, window=blk.window, softcap=mask.softcap)
-                dkv[0, :, blk.k] += dk_c
-                dkv[1, :, blk.k] += dv_c
+                with span(Part.KERNEL):
+                    dq_c, dk_c, dv_c = kernel.backward(
+                        dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], out[:, blk.q],
+                        lse[:, :, blk.q], causal=blk.causal, scale=scale, window=blk.window, softcap=mask.softcap)
+                dq[:, blk.q] = dq_c
+                with span(Part.MERGE):
+                    dkv[0, :, blk.k] += dk_c
+                    dkv[1, :, blk.k] += dv_c
         else:
             backward_blocks(kernel, dout, q, kv[0], kv[1], out, lse, chunks, mask=mask, scale=scale, dq=dq,
                             dk=dkv[0], dv=dkv[1])

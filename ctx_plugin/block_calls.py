@@ -18,6 +18,8 @@ from .kernels import AttentionKernel
 from .kernels.varlen import Varlen, chain_indices, has_varlen, pack_table
 from .mask import Mask
 from .merge import merge_into
+from .names import Part
+from .profiling import span
 
 
 class _Same:
@@ -135,13 +137,15 @@ def forward_blocks(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v:
     b, sq = q.shape[:2]
     singles, calls = plan_calls(kernel, blocks, mask, sq, k.shape[1], b)
     for blk in singles:
-        o_b, lse_b = kernel.forward(q[:, blk.q], k[:, blk.k], v[:, blk.k], causal=blk.causal, scale=scale,
-                                    window=blk.window, softcap=mask.softcap)
+        with span(Part.KERNEL):
+            o_b, lse_b = kernel.forward(q[:, blk.q], k[:, blk.k], v[:, blk.k], causal=blk.causal, scale=scale,
+                                        window=blk.window, softcap=mask.softcap)
         acc.add(blk.q, o_b, lse_b)
     if calls:
         rows_q, rows_k, rows_v = _rows(q), _rows(k), _rows(v)
         for call in calls:   # every row: those outside the call's blocks come with output 0 and lse −inf
-            o_c, lse_c = kernel.forward_varlen(rows_q, rows_k, rows_v, call, scale=scale, softcap=mask.softcap)
+            with span(Part.KERNEL):
+                o_c, lse_c = kernel.forward_varlen(rows_q, rows_k, rows_v, call, scale=scale, softcap=mask.softcap)
             acc.add(slice(0, sq), o_c.view(q.shape), _lse_of(lse_c, b))
 
 
@@ -152,17 +156,21 @@ def backward_blocks(kernel: AttentionKernel, dout: torch.Tensor, q: torch.Tensor
     b, sq = q.shape[:2]
     singles, calls = plan_calls(kernel, blocks, mask, sq, k.shape[1], b)
     for blk in singles:
-        dq_b, dk_b, dv_b = kernel.backward(dout[:, blk.q], q[:, blk.q], k[:, blk.k], v[:, blk.k], out[:, blk.q],
-                                           lse[:, :, blk.q], causal=blk.causal, scale=scale, window=blk.window,
-                                           softcap=mask.softcap)
-        dq[:, blk.q] += dq_b
-        dk[:, blk.k] += dk_b
-        dv[:, blk.k] += dv_b
+        with span(Part.KERNEL):
+            dq_b, dk_b, dv_b = kernel.backward(dout[:, blk.q], q[:, blk.q], k[:, blk.k], v[:, blk.k], out[:, blk.q],
+                                               lse[:, :, blk.q], causal=blk.causal, scale=scale, window=blk.window,
+                                               softcap=mask.softcap)
+        with span(Part.MERGE):
+            dq[:, blk.q] += dq_b
+            dk[:, blk.k] += dk_b
+            dv[:, blk.k] += dv_b
     if calls:
         rows = [_rows(t) for t in (dout, q, k, v, out)]
         lse_rows = lse.transpose(0, 1).reshape(lse.shape[1], b * sq).contiguous()     # [H, B·Sq]
         for call in calls:
-            dq_c, dk_c, dv_c = kernel.backward_varlen(*rows, lse_rows, call, scale=scale, softcap=mask.softcap)
-            dq += dq_c.view(dq.shape)
-            dk += dk_c.view(dk.shape)
-            dv += dv_c.view(dv.shape)
+            with span(Part.KERNEL):
+                dq_c, dk_c, dv_c = kernel.backward_varlen(*rows, lse_rows, call, scale=scale, softcap=mask.softcap)
+            with span(Part.MERGE):
+                dq += dq_c.view(dq.shape)
+                dk += dk_c.view(dk.shape)
+                dv += dv_c.view(dv.shape)

@@ -94,6 +94,22 @@ def tokens(text: str) -> int:
     return int(value)
 
 
+def non_negative_tokens(text: str) -> int:
+    """A whole number of tokens ≥ 0, spelled as :func:`tokens` reads them (``4096``, ``4k``):
+    the window's size (``0``: each query sees only itself, ``window=(0, 0)``)."""
+    try:
+        return tokens(text)
+    except argparse.ArgumentTypeError:
+        stripped = text.strip().lower()
+        try:
+            if Decimal(stripped[:-1] if stripped[-1:] in ("k", "m") else stripped) == 0:
+                return 0
+        except InvalidOperation:
+            pass
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens ≥ 0 (0: each query sees only "
+                                         f"itself); give e.g. 0, 4096 or 4k") from None
+
+
 def output_file(text: str) -> str:
     """A path a file can be written to: its folder exists and is writable, and it is not a folder itself."""
     path = Path(text)

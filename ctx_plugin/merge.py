@@ -18,16 +18,20 @@ from types import ModuleType
 
 import torch
 
+from .names import Part
+from .profiling import span
+
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Folds ``(block_out, block_lse)`` into the accumulators ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]``.
 
     ``out``/``lse`` may be views (slices of the full accumulators); they are updated in place.
     """
-    if _can_fuse(out, lse, block_out, block_lse):
-        merge_into_fused(out, lse, block_out, block_lse)
-    else:
-        merge_into_torch(out, lse, block_out, block_lse)
+    with span(Part.MERGE):
+        if _can_fuse(out, lse, block_out, block_lse):
+            merge_into_fused(out, lse, block_out, block_lse)
+        else:
+            merge_into_torch(out, lse, block_out, block_lse)
 
 
 def merge_into_torch(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,

@@ -83,6 +83,22 @@ class Modifier(StrEnum):
     """``offload_attn:<GiB>``: as ``offload``, and the pinned attention tensors too (same host budget)."""
 
 
+class Part(StrEnum):
+    """Where a rank's wall time goes in ``ctx-plugin bench --profile`` (:mod:`ctx_plugin.bench.profile`); the first
+    three are also the attention's profiler ranges (:func:`ctx_plugin.profiling.span`)."""
+
+    KERNEL = "kernel"
+    """The local attention kernel's forward and backward calls (flash/cuDNN/efficient SDPA, flash-attn, torch)."""
+    MERGE = "merge"
+    """Combining partial results: the online-softmax merge (fused Triton or torch ops), gradient accumulation."""
+    COPIES = "copies"
+    """Data movement: K/V buffers, layout permutations, dtype casts, cat/stack/index/contiguous copies, fills."""
+    OTHER = "other"
+    """Any other device work (allocations, sinks, masks, ...)."""
+    GAPS = "gaps"
+    """Wall time with the device idle: launch and host overhead (on the CPU: host time outside every op)."""
+
+
 def parse_enum(enum_cls: type[StrEnum], value: object, what: str) -> StrEnum:
     """``value`` as a member of ``enum_cls``; a clear TypeError/ValueError listing the valid names otherwise."""
     if isinstance(value, enum_cls):

@@ -25,6 +25,8 @@ from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
 from .layouts import RingLayout, ring_schedule
 from .mask import Mask
+from .names import Part
+from .profiling import span
 from .sinks import apply_sinks, sink_grad
 
 KV = "ring_kv"
@@ -103,7 +105,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                             dk=contrib[0], dv=contrib[1])
             if arriving is not None:          # what earlier ranks added to this K/V block
                 arriving.wait()
-                contrib += incoming
+                with span(Part.MERGE):
+                    contrib += incoming
             if not last:                      # pass it on with its K/V
                 arriving = comm.start(contrib, incoming, DKV, tag=1)
                 dkv.reverse()

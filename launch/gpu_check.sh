@@ -4,7 +4,8 @@
 #      fp32/fp64 reference with TransformerEngine's tolerances: bf16 2.5e-2, fp16 1e-2 relative);
 #   2. every local kernel timed on one rank's share (is kernel=auto the fastest?), then the benchmark of
 #      BENCHMARKS.md: every backend simulated at N = 8 and 16 on one GPU, bf16, 32 heads × 128,
-#      causal, S = 128k, forward and forward+backward, with the best kernel (kernel=auto);
+#      causal, S = 128k, forward and forward+backward, with the best kernel (kernel=auto), and each row's slowest
+#      rank profiled once (--profile: kernel, merge, copies, other, gaps);
 #   3. the same at N = 8 with packed documents of 4k tokens (the varlen kernels, the plan ms column).
 # Needs a CUDA build of torch (and pytest); installs nothing. Results go to $OUT (default ./gpu-results):
 # pytest.txt, bench.txt, bench.json, bench.png, docs.txt, docs.json.
@@ -23,7 +24,7 @@ PY
 status=0
 "$py" -m pytest -q -rs tests/gpu 2>&1 | tee "$out/pytest.txt" || status=$?
 "$py" -m ctx_plugin.cli bench --compare-kernels --ranks 8 16 --seq-len 128k --heads 32 --head-dim 128 --dtype bf16 --reps 5 \
-    --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.txt"
+    --profile --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.txt"
 "$py" -m ctx_plugin.cli bench --backends zigzag striped allgather ulysses --ranks 8 --seq-len 128k --heads 32 \
     --head-dim 128 --dtype bf16 --doc-len 4k --reps 3 --json "$out/docs.json" 2>&1 | tee "$out/docs.txt"
 exit "$status"

@@ -5,7 +5,8 @@ Simulated mode (default) runs each rank of an N-rank group in turn on one device
 the real distributed path (NCCL on GPUs, gloo on CPU) with its communication (:mod:`ctx_plugin.bench.distributed`).
 ``--smoke`` is a tiny CPU case (CI runs it; its times mean nothing). ``--memory`` (simulated mode) adds what each
 rank's call allocates, copies and holds at its peak (:mod:`ctx_plugin.bench.memory`, the torch profiler's memory
-events) and that peak against ``(1/N) of the one-device peak + two K/V blocks``. ``--doc-len M`` /
+events) and that peak against ``(1/N) of the one-device peak + two K/V blocks``; ``--profile`` (simulated mode) where
+each row's slowest rank's time goes (:mod:`ctx_plugin.bench.profile`). ``--doc-len M`` /
 ``--doc-lengths FILE`` pack documents into the sequence as ``ctx-plugin plan`` takes them; each row pads them to its
 layout's document unit (:meth:`~ctx_plugin.bench.harness.Shape.documents_for`, columns docs/unit/pad).
 """
@@ -13,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from decimal import Decimal, InvalidOperation
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ..cliargs import output_file, positive_int, tokens
+from ..cliargs import non_negative_tokens, output_file, positive_int, tokens
 from ..config import CPConfig
 from ..rules import SettingNames, check_seq_len
 from ..memory.flops import describe as describe_documents
@@ -30,6 +30,7 @@ from ..names import Backend, Kernel
 from .harness import PASSES, Shape, call_time, ideal_share, rank_times
 from .planning import format_plan_table, plan_ms, plan_rows
 from .memory import memory_columns, rank_bytes, single_device_bytes
+from .profile import format_profile_table, slowest_profile
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 DEFAULTS = dict(seq_len=131072, heads=32, kv_heads=None, head_dim=128, dtype="bf16", device="auto", reps=5, ranks=[8])
@@ -80,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure, per rank and call, the bytes allocated and copied and the peak (torch profiler "
                         "memory events; one more call per rank) against (1/N) of the one-device peak + two K/V "
                         "blocks (columns alloc/copied/peak/bound MiB, peak/bound; simulated mode)")
+    p.add_argument("--profile", action="store_true",
+                   help="also split each row's slowest rank's time (one more call under torch.profiler) into kernel, "
+                        "merge, copies, other device work and gaps (device idle: launch/host overhead); a second "
+                        "table and the rows' 'profile' in --json (simulated mode)")
     p.add_argument("--compare-kernels", action="store_true",
                    help="first time every local kernel that can run here on one rank's share (S / max N) and say "
                         "which one kernel=auto picks (it should be the fastest)")
@@ -90,22 +95,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of those documents (column plan ms, the slowest rank, every rank timed; no attention runs, "
                         "so any sequence length works on any machine; --kernel torch on a CPU includes the varlen "
                         "calls' planning, as the GPU kernels have it)")
-
-
-def non_negative_tokens(text: str) -> int:
-    """A whole number of tokens ≥ 0, spelled as :func:`ctx_plugin.cliargs.tokens` reads them (``4096``, ``4k``):
-    the window's size (``0``: each query sees only itself, ``window=(0, 0)``)."""
-    try:
-        return tokens(text)
-    except argparse.ArgumentTypeError:
-        stripped = text.strip().lower()
-        try:
-            if Decimal(stripped[:-1] if stripped[-1:] in ("k", "m") else stripped) == 0:
-                return 0
-        except InvalidOperation:
-            pass
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens ≥ 0 (0: each query sees only "
-                                         f"itself); give e.g. 0, 4096 or 4k") from None
 
 
 def _flag(name: str) -> str:
@@ -121,12 +110,12 @@ def settle(args: argparse.Namespace) -> None:
     if args.plan_only:
         if args.doc_len is None and args.doc_lengths is None:
             raise ValueError("--plan-only times the planning of packed documents: add --doc-len or --doc-lengths")
-        for name in ("distributed", "memory", "compare_kernels", "plot"):
+        for name in ("distributed", "memory", "profile", "compare_kernels", "plot"):
             if getattr(args, name, False):
                 raise ValueError(f"{_flag(name)} does not apply to --plan-only (no attention runs): drop it")
     if args.distributed:
         for name, what in (("ranks", "the group size is --nproc"), ("compare_kernels", "it runs in simulated mode"),
-                           ("memory", "it measures simulated ranks")):
+                           ("memory", "it measures simulated ranks"), ("profile", "it profiles simulated ranks")):
             if getattr(args, name):
                 raise ValueError(f"{_flag(name)} does not apply to --distributed ({what}): drop it")
     else:
@@ -220,6 +209,8 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
                     extra.update(memory_columns(shape, size, single, rank_bytes(shape, config, size, backward)))
                 if shape.documents is not None:   # the host work of a new batch's plans (cached afterwards)
                     extra["plan_ms"] = plan_ms(shape, config, size)
+                if args.profile:                  # after the timing: one more call of the slowest rank, profiled
+                    extra["profile"] = slowest_profile(shape, config, size, backward, times)
                 rows.append(row(shape, label, size, pass_, kernel, times, full * ideal_share(shape, unit), unit,
                                 **extra))
     return rows
@@ -324,6 +315,8 @@ def _window_text(shape: Shape, rows: list[dict]) -> str:
 def write_outputs(args: argparse.Namespace, shape: Shape, rows: list[dict], mode: str) -> None:
     print(describe(shape, rows, mode))
     print(format_table(rows))
+    if any("profile" in r for r in rows):
+        print(format_profile_table(rows))
     if args.json:
         rates = {r["pass"]: shape.flops(r["pass"] == "fwd+bwd", r.get("doc_unit", 1))
                  / (r["ideal_ms"] * r["ranks"] / 1e3) / 1e12 for r in rows if "ideal_ms" in r}
