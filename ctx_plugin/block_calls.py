@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from .blocks import Block, BlockTable, gc_paused
+from .blocks import Block, BlockPlan, BlockTable, gc_paused
 from .kernels import AttentionKernel
 from .kernels.varlen import Varlen, chain_indices, has_varlen, pack_table
 from .mask import Mask
@@ -41,21 +41,23 @@ class _Same:
 @functools.lru_cache(maxsize=512)
 @gc_paused()
 def _varlen_plan(blocks: _Same, sq: int, sk: int, batch: int) -> tuple[tuple[Block, ...], tuple[Varlen, ...]]:
-    table = BlockTable.of(blocks.obj)
+    plan = blocks.obj
+    table = BlockTable.of(plan)
     singles, found = chain_indices(table)
-    return tuple(blocks.obj[i] for i in singles), tuple(pack_table(table, c, sq, sk, batch) for c in found)
+    picked = plan.pick(singles) if isinstance(plan, BlockPlan) else tuple(plan[i] for i in singles)
+    return picked, tuple(pack_table(table, c, sq, sk, batch) for c in found)
 
 
 def plan_calls(kernel: AttentionKernel, blocks, mask: Mask, sq: int, sk: int,
                batch: int) -> tuple[tuple[Block, ...], tuple[Varlen, ...]]:
     """``(blocks run one call each, varlen calls)`` for ``blocks`` of ``sq`` local rows meeting ``sk`` keys.
 
-    Memoised per plan object: the layouts' plans (and the all-gather's query chunks) are cached tuples, handed here
+    Memoised per plan object: the layouts' plans (and the all-gather's query chunks) are cached, immutable, handed here
     again by every layer, in forward and in backward, so a step's chains and varlen calls (Python work linear in
     its documents) are built once per batch of documents, not once per layer and pass."""
     if mask.documents is None or not has_varlen(kernel):
         return tuple(blocks), ()
-    if not isinstance(blocks, tuple):
+    if not isinstance(blocks, (tuple, BlockPlan)):
         blocks = tuple(blocks)
     return _varlen_plan(_Same(blocks), sq, sk, batch)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +56,7 @@ class BlockTable:
 
     @classmethod
     def of(cls, blocks) -> BlockTable:
-        """``blocks``' table: the one a :class:`BlockPlan` was built with, else read from the blocks."""
+        """``blocks``' table: a :class:`BlockPlan`'s own, else read from the blocks."""
         if isinstance(blocks, BlockPlan):
             return blocks.table
         rows = [(b.q.start, b.q.stop, b.k.start, b.k.stop, b.causal, *(UNBOUNDED if w is None else w for w in b.window))
@@ -63,17 +64,62 @@ class BlockTable:
         t = np.array(rows, dtype=np.int64).reshape(-1, 7).T
         return cls(t[0], t[1], t[2], t[3], t[4].astype(bool), t[5], t[6])
 
+    def __len__(self) -> int:
+        return self.q0.size
 
-class BlockPlan(tuple):
-    """A tuple of :class:`Block` with its :class:`BlockTable` (``table``), built together by :func:`document_blocks`."""
+    def blocks(self, index=None) -> list[Block]:
+        """The blocks (those at ``index``, an int array, if given) as :class:`Block` objects."""
+        cols = (self.q0, self.q1, self.k0, self.k1, self.causal, self.left, self.right)
+        cols = cols if index is None else tuple(c[index] for c in cols)
+        return [Block(slice(a, z), slice(b, y), c, (None if w == UNBOUNDED else w, None if e == UNBOUNDED else e))
+                for a, z, b, y, c, w, e in zip(*(c.tolist() for c in cols))]
 
-    def __new__(cls, blocks, table: BlockTable) -> BlockPlan:
-        plan = super().__new__(cls, blocks)
-        plan.table = table
-        return plan
+
+class BlockPlan(Sequence):
+    """A step's blocks held as their :class:`BlockTable` (``table``; built by :func:`document_blocks`): the
+    :class:`Block` objects are made when first asked for — with a varlen kernel only the few blocks that run a call
+    of their own ever are — then kept. Equal to the tuple of its blocks, and hashed as it."""
+
+    __slots__ = ("table", "_blocks")
+
+    def __init__(self, table: BlockTable, blocks: tuple[Block, ...] | None = None) -> None:
+        self.table, self._blocks = table, blocks
+
+    def all(self) -> tuple[Block, ...]:
+        if self._blocks is None:
+            self._blocks = tuple(self.table.blocks())
+        return self._blocks
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i):
+        if self._blocks is not None or not isinstance(i, int):
+            return self.all()[i]
+        return self.table.blocks(np.array([i]))[0]
+
+    def __iter__(self):
+        return iter(self.all())
+
+    def pick(self, index: list[int]) -> tuple[Block, ...]:
+        """The blocks at ``index`` (made from the table unless all are made already)."""
+        if self._blocks is not None:
+            return tuple(self._blocks[i] for i in index)
+        return tuple(self.table.blocks(np.asarray(index, dtype=np.int64)))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (BlockPlan, tuple)):
+            return self.all() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.all())
+
+    def __repr__(self) -> str:
+        return f"BlockPlan({self.all()!r})"
 
     def __reduce__(self):
-        return BlockPlan, (tuple(self), self.table)
+        return BlockPlan, (self.table, self.all())
 
 
 def _trim(lo, hi, delta, stride, sq, sk, mx, mn):
@@ -201,18 +247,16 @@ def document_blocks(q: SegmentTable, k: SegmentTable, mask: Mask) -> BlockPlan |
     alive[t] = False
     left, right = np.where(no_left, UNBOUNDED, left), np.where(no_right | causal, UNBOUNDED, right)
     table = BlockTable(*(x[alive] for x in (q0, q1, k0, k1, causal, left, right)))
-    blocks = [Block(slice(a, z), slice(b, y), c, (None if w == UNBOUNDED else w, None if e == UNBOUNDED else e))
-              for a, z, b, y, c, w, e in zip(*(x.tolist() for x in (table.q0, table.q1, table.k0, table.k1,
-                                                                     table.causal, table.left, table.right)))]
     # Documents with more blocks, two or more of them full (zigzag without a causal mask: four full blocks each):
     # the scan of merge_blocks.
     slow = (fulls >= 2) & (sizes > 2)
     if not slow.any():
-        return BlockPlan(blocks, table)
+        return BlockPlan(table)
+    blocks = table.blocks()
     at = np.cumsum(alive) - alive                                  # each block's index among the kept ones
     for start, size in sorted(zip(at[starts[slow]].tolist(), sizes[slow].tolist()), reverse=True):
         blocks[start:start + size] = merge_blocks(blocks[start:start + size])
-    return BlockPlan(blocks, BlockTable.of(blocks))
+    return BlockPlan(BlockTable.of(blocks), tuple(blocks))
 
 
 def _full(blk: Block) -> bool:

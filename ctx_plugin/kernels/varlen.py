@@ -36,33 +36,46 @@ from ..blocks import UNBOUNDED, Block, BlockTable
 from .base import Window, accum_dtype
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Varlen:
     """One varlen call: its sequences over the flattened rows and keys (fillers included, covering both)."""
 
-    seqs: tuple[tuple[int, int, int, int], ...]
-    """Per sequence ``(q_start, q_stop, k_start, k_stop)`` in flattened rows; consecutive, covering ``[0, Tq)`` and
-    ``[0, Tk)``."""
+    seqs: np.ndarray
+    """Per sequence ``(q_start, q_stop, k_start, k_stop)`` in flattened rows: int64 ``[n, 4]`` (read-only; given as
+    any array-like of such rows); consecutive, covering ``[0, Tq)`` and ``[0, Tk)``."""
     causal: bool
     window: Window
     """Every sequence's window (its right side ``None``, or causal)."""
     blocks: int
     """How many of the sequences are blocks (the others are fillers)."""
 
-    @property
-    def max_q(self) -> int:
-        return max(q1 - q0 for q0, q1, _, _ in self.seqs)
+    def __post_init__(self) -> None:
+        seqs = np.array(self.seqs, dtype=np.int64).reshape(-1, 4)
+        seqs.flags.writeable = False
+        object.__setattr__(self, "seqs", seqs)
 
-    @property
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Varlen):
+            return NotImplemented
+        return (np.array_equal(self.seqs, other.seqs) and (self.causal, self.window, self.blocks)
+                == (other.causal, other.window, other.blocks))
+
+    __hash__ = None
+
+    @functools.cached_property
+    def max_q(self) -> int:
+        return int((self.seqs[:, 1] - self.seqs[:, 0]).max())
+
+    @functools.cached_property
     def max_k(self) -> int:
-        return max(k1 - k0 for _, _, k0, k1 in self.seqs)
+        return int((self.seqs[:, 3] - self.seqs[:, 2]).max())
 
     @functools.cached_property
     def _boundaries(self) -> torch.Tensor:
         """``[2, n + 1]`` int32 on the CPU (built once per call plan: plans are cached, every layer reuses them)."""
-        cu_q = [0, *(q1 for _, q1, _, _ in self.seqs)]
-        cu_k = [0, *(k1 for _, _, _, k1 in self.seqs)]
-        return torch.tensor([cu_q, cu_k], dtype=torch.int32)
+        cu = np.zeros((2, len(self.seqs) + 1), dtype=np.int32)
+        cu[:, 1:] = self.seqs[:, [1, 3]].T
+        return torch.from_numpy(cu)
 
     @functools.cached_property
     def _pinned(self) -> torch.Tensor:
@@ -138,10 +151,9 @@ def pack_table(table: BlockTable, chain: np.ndarray, sq: int, sk: int, batch: in
     tail = np.array([[q1[-1], sq, k1[-1], k1[-1]], [sq, sq, k1[-1], sk]], dtype=np.int64)
     seqs = np.concatenate([per_block[present], tail[[sq > q1[-1], sk > k1[-1]]]])
     shift = np.arange(batch, dtype=np.int64)[:, None, None] * np.array([sq, sq, sk, sk], dtype=np.int64)
-    rows = (seqs[None] + shift).reshape(-1, 4).tolist()
     c = int(chain[0])
     window = tuple(None if w == UNBOUNDED else w for w in (int(table.left[c]), int(table.right[c])))
-    return Varlen(tuple(map(tuple, rows)), bool(table.causal[c]), window, len(chain) * batch)
+    return Varlen((seqs[None] + shift).reshape(-1, 4), bool(table.causal[c]), window, len(chain) * batch)
 
 
 def pack(chain: tuple[Block, ...], sq: int, sk: int, batch: int) -> Varlen:
@@ -158,7 +170,7 @@ class LoopedVarlen:
                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=accum_dtype(q.dtype), device=q.device)
-        for q0, q1, k0, k1 in batch.seqs:
+        for q0, q1, k0, k1 in batch.seqs.tolist():
             if q1 > q0 and k1 > k0:
                 o, l_ = self.forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=batch.causal,
                                      scale=scale, window=batch.window, softcap=softcap)
@@ -171,7 +183,7 @@ class LoopedVarlen:
         acc = accum_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
-        for q0, q1, k0, k1 in batch.seqs:
+        for q0, q1, k0, k1 in batch.seqs.tolist():
             if q1 > q0 and k1 > k0:
                 grads = self.backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
                                       out[None, q0:q1], lse[None, :, q0:q1], causal=batch.causal, scale=scale,

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from ctx_plugin import allgather
+from ctx_plugin import allgather, layouts
 from ctx_plugin.blocks import BlockPlan, BlockTable, band_block, merge_blocks
 from ctx_plugin.documents import Documents, pad_documents
 from ctx_plugin.layouts import RING_LAYOUTS, Contiguous, Zigzag
@@ -115,3 +115,25 @@ def test_documents_hash_as_their_boundaries_do():
     assert docs not in others and Documents(docs.bounds) in others
     mask = Mask(True, documents=docs)
     assert {mask: 1}[Mask(True, documents=Documents(docs.bounds, docs.valid))] == 1
+
+
+def test_a_plan_makes_block_objects_only_for_the_blocks_that_run_alone():
+    """With a varlen kernel the calls are read from the plan's table: no Block object is made for the blocks inside a
+    varlen call, and the result equals that of the same blocks handed in as a tuple. The plan equals (and hashes as)
+    the tuple of its blocks."""
+    from ctx_plugin.block_calls import plan_calls
+    from ctx_plugin.kernels.torch_math import TorchKernel
+    docs = Documents(tuple(range(0, 64 * 12 + 1, 64)))
+    for causal, window in ((True, (None, None)), (False, (2, 3))):     # (2, 3): right-bounded blocks run alone
+        mask = Mask(causal, window, documents=docs).within(docs.seq_len)
+        layouts._document_plan.cache_clear()                            # a new plan (others may have used it)
+        plan = Zigzag().plan(1, 1, 2, docs.seq_len // 2, mask)
+        singles, calls = plan_calls(TorchKernel(), plan, mask, docs.seq_len // 2, docs.seq_len // 2, 1)
+        assert plan._blocks is None                                      # nothing made but the singles
+        assert (singles, calls) == plan_calls(TorchKernel(), tuple(plan), mask, docs.seq_len // 2,
+                                              docs.seq_len // 2, 1)
+        bounded = {b for b in plan if not b.causal and b.window[1] is not None}   # (plan's blocks made now)
+        assert calls and (not singles if causal else bounded and bounded <= set(singles))
+    blocks = tuple(plan)
+    assert plan == blocks and blocks == plan and hash(plan) == hash(blocks) and plan[-1] == blocks[-1]
+    assert list(plan[1:3]) == list(blocks[1:3]) and plan.pick([2, 0]) == (blocks[2], blocks[0])

@@ -87,7 +87,7 @@ def _softcap_reference(q, k, v, dout, call, softcap):
     out, dq = torch.zeros_like(q), torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
-    for q0, q1, k0, k1 in call.seqs:
+    for q0, q1, k0, k1 in call.seqs.tolist():
         if q1 > q0 and k1 > k0:
             sl = [t[None, a:b] for t, (a, b) in zip((q, k, v, dout), ((q0, q1), (k0, k1), (k0, k1), (q0, q1)))]
             kw = dict(causal=call.causal, scale=SCALE, window=call.window, softcap=softcap)

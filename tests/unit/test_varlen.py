@@ -30,7 +30,7 @@ def _keep(batch: Varlen, tq: int, tk: int) -> torch.Tensor:
     """``[Tq, Tk]``: row a of a sequence sees key b of the same sequence under its bottom-right causal/window."""
     keep = torch.zeros(tq, tk, dtype=torch.bool)
     left = batch.window[0]
-    for q0, q1, k0, k1 in batch.seqs:
+    for q0, q1, k0, k1 in batch.seqs.tolist():
         sq, sk = q1 - q0, k1 - k0
         for a in range(sq):
             for b in range(sk):
@@ -101,7 +101,7 @@ def test_pack_cuts_every_row_and_key_into_consecutive_sequences(batch):
     for blocks, n in _plans():
         for c in chains(blocks)[1]:
             call = pack(c, n, n, batch)
-            seqs = call.seqs
+            seqs = [tuple(s) for s in call.seqs.tolist()]
             assert seqs[0][0] == 0 and seqs[0][2] == 0 and seqs[-1][1] == batch * n and seqs[-1][3] == batch * n
             assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(seqs, seqs[1:]))      # consecutive
             real = [s for s in seqs if s[1] > s[0] and s[3] > s[2]]
