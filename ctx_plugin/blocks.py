@@ -211,8 +211,8 @@ def _same_document_pairs(q: SegmentTable, k: SegmentTable) -> tuple[np.ndarray, 
 def document_blocks(q: SegmentTable, k: SegmentTable, mask: Mask) -> BlockPlan | tuple[()]:
     """The blocks of query segments ``q`` meeting key segments ``k`` under ``mask`` with its documents: every pair of
     segments of one document as :func:`band_block` trims it (all pairs at once, as arrays: thousands of documents
-    per step), grouped by document (in the order their first block comes), each document's adjacent full blocks
-    merged (:func:`merge_blocks`)."""
+    per step), grouped by document (in the order their first block comes), each document's full blocks merged: into
+    one where they tile a rectangle, else as :func:`merge_blocks` joins them."""
     i, j = _same_document_pairs(q, k)
     qa, ka = q.start[i], k.start[j]
     sq, sk = q.stop[i] - qa, k.stop[j] - ka
@@ -235,21 +235,19 @@ def document_blocks(q: SegmentTable, k: SegmentTable, mask: Mask) -> BlockPlan |
     sizes = np.diff(np.r_[starts, group.size])
     full = ~causal & no_left & no_right
     fulls = np.add.reduceat(full, starts)
-    # Two full blocks, a document's only ones, that share keys with adjacent rows or rows with adjacent keys: one.
-    s, t = starts[(sizes == 2) & (fulls == 2)], starts[(sizes == 2) & (fulls == 2)] + 1
-    rows_join = (k0[s] == k0[t]) & (k1[s] == k1[t]) & ((q1[s] == q0[t]) | (q1[t] == q0[s]))
-    keys_join = (q0[s] == q0[t]) & (q1[s] == q1[t]) & ((k1[s] == k0[t]) | (k1[t] == k0[s]))
-    join = rows_join | keys_join
-    s, t = s[join], t[join]
-    q0[s], q1[s] = np.minimum(q0[s], q0[t]), np.maximum(q1[s], q1[t])
-    k0[s], k1[s] = np.minimum(k0[s], k0[t]), np.maximum(k1[s], k1[t])
-    alive = np.ones(group.size, dtype=bool)
-    alive[t] = False
+    # A document's blocks, all full, that tile the rectangle around them (two sharing keys with adjacent rows, or rows
+    # with adjacent keys; zigzag without a causal mask: its two chunks of rows × its two of keys): one block.
+    area = np.add.reduceat((q1 - q0) * (k1 - k0), starts)
+    box = [f.reduceat(x, starts) for f, x in ((np.minimum, q0), (np.maximum, q1), (np.minimum, k0), (np.maximum, k1))]
+    tiled = (sizes >= 2) & (fulls == sizes) & (area == (box[1] - box[0]) * (box[3] - box[2]))
+    for x, edge in zip((q0, q1, k0, k1), box):
+        x[starts[tiled]] = edge[tiled]
+    member = np.repeat(np.arange(starts.size), sizes)             # each block's group
+    alive = ~(tiled[member] & (np.arange(group.size) > starts[member]))
     left, right = np.where(no_left, UNBOUNDED, left), np.where(no_right | causal, UNBOUNDED, right)
     table = BlockTable(*(x[alive] for x in (q0, q1, k0, k1, causal, left, right)))
-    # Documents with more blocks, two or more of them full (zigzag without a causal mask: four full blocks each):
-    # the scan of merge_blocks.
-    slow = (fulls >= 2) & (sizes > 2)
+    # Other documents with two full blocks or more (besides blocks that are not): the scan of merge_blocks.
+    slow = (fulls >= 2) & ~tiled
     if not slow.any():
         return BlockPlan(table)
     blocks = table.blocks()
