@@ -21,10 +21,10 @@ import datetime, torch
 print(f"{datetime.date.today()}: torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
       f"{torch.backends.cudnn.version()}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
 PY
-status=0
+status=0   # each step runs even when one before it failed; the script exits with the last failure
 "$py" -m pytest -q -rs tests/gpu 2>&1 | tee "$out/pytest.txt" || status=$?
 "$py" -m ctx_plugin.cli bench --compare-kernels --ranks 8 16 --seq-len 128k --heads 32 --head-dim 128 --dtype bf16 --reps 5 \
-    --profile --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.txt"
+    --profile --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.txt" || status=$?
 "$py" -m ctx_plugin.cli bench --backends zigzag striped allgather ulysses --ranks 8 --seq-len 128k --heads 32 \
-    --head-dim 128 --dtype bf16 --doc-len 4k --reps 3 --json "$out/docs.json" 2>&1 | tee "$out/docs.txt"
+    --head-dim 128 --dtype bf16 --doc-len 4k --reps 3 --json "$out/docs.json" 2>&1 | tee "$out/docs.txt" || status=$?
 exit "$status"

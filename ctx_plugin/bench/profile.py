@@ -182,14 +182,15 @@ def rank_profile(shape: Shape, config: CPConfig, size: int, backward: bool, rank
 
 
 def slowest_profile(shape: Shape, config: CPConfig, size: int, backward: bool, times: list[float]) -> dict:
-    """:func:`rank_profile` of the slowest rank of ``times`` (each rank's timed seconds). A profiler that fails
-    (``RuntimeError``: e.g. no CUDA activity recorded) gives ``{"rank": rank, "error": why}`` instead, so that the
-    timed rows of a run still come out."""
+    """:func:`rank_profile` of the slowest rank of ``times`` (each rank's timed seconds). A profile that fails (e.g.
+    no CUDA activity recorded, or a profiler API this torch lacks: the CUDA path has not run on every torch) gives
+    ``{"rank": rank, "error": why}`` instead, printed in its row, so that the timed rows of a run (launch/gpu_check.sh
+    gets one a session) still come out."""
     rank = times.index(max(times))
     try:
         return rank_profile(shape, config, size, backward, rank)
-    except RuntimeError as e:
-        return {"rank": rank, "error": str(e)}
+    except Exception as e:     # noqa: BLE001 - reported in the row, never dropped
+        return {"rank": rank, "error": f"{type(e).__name__}: {e}"}
 
 
 def format_profile_table(rows: list[dict]) -> str:
