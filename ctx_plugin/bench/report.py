@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -200,20 +201,43 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
                 except ValueError as e:       # this backend cannot split this shape: say so, keep going
                     rows.append({"backend": label, "ranks": size, "pass": pass_, "skipped": str(e)})
                     continue
-                extra = {}
-                if shape.window is not None:   # the same backend and kernel over the full mask: the speed-up
-                    same_kernel = replace(config, kernel=kernel)
-                    full = max(rank_times(replace(shape, window=None), same_kernel, size, backward, args.reps))
-                    extra = {"full_slowest_ms": full * 1e3, "vs_full": full / max(times)}
-                if single is not None:
-                    extra.update(memory_columns(shape, size, single, rank_bytes(shape, config, size, backward)))
-                if shape.documents is not None:   # the host work of a new batch's plans (cached afterwards)
-                    extra["plan_ms"] = plan_ms(shape, config, size)
-                if args.profile:                  # after the timing: one more call of the slowest rank, profiled
-                    extra["profile"] = slowest_profile(shape, config, size, backward, times)
+                except RuntimeError as e:     # it broke (a kernel's error, out of memory): say so, run the rest
+                    rows.append(_failed(label, size, pass_, e, shape))
+                    continue
+                try:
+                    extra = _extras(args, shape, config, size, backward, times, kernel, single)
+                except RuntimeError as e:
+                    rows.append(_failed(label, size, pass_, e, shape))
+                    continue
                 rows.append(row(shape, label, size, pass_, kernel, times, full * ideal_share(shape, unit), unit,
                                 **extra))
     return rows
+
+
+def _extras(args, shape: Shape, config: CPConfig, size: int, backward: bool, times: list[float], kernel: str,
+            single) -> dict:
+    """A row's optional columns: vs the full mask (a window), memory, plan ms (documents), the profile."""
+    extra = {}
+    if shape.window is not None:   # the same backend and kernel over the full mask: the speed-up
+        same_kernel = replace(config, kernel=kernel)
+        full = max(rank_times(replace(shape, window=None), same_kernel, size, backward, args.reps))
+        extra = {"full_slowest_ms": full * 1e3, "vs_full": full / max(times)}
+    if single is not None:
+        extra.update(memory_columns(shape, size, single, rank_bytes(shape, config, size, backward)))
+    if shape.documents is not None:   # the host work of a new batch's plans (cached afterwards)
+        extra["plan_ms"] = plan_ms(shape, config, size)
+    if args.profile:                  # after the timing: one more call of the slowest rank, profiled
+        extra["profile"] = slowest_profile(shape, config, size, backward, times)
+    return extra
+
+
+def _failed(label: str, size: int, pass_: str, error: RuntimeError, shape: Shape) -> dict:
+    """The row of a backend whose run raised: its error, printed in the table (the traceback on stderr) and making
+    the command's exit status 1, while the other rows still run (one prepared GPU run must bring back the rest)."""
+    traceback.print_exc()
+    if shape.device.type == "cuda":
+        torch.cuda.empty_cache()      # what the failed call held (out of memory: the next rows may fit)
+    return {"backend": label, "ranks": size, "pass": pass_, "failed": f"{type(error).__name__}: {error}"}
 
 
 def compare_kernels(args: argparse.Namespace, shape: Shape) -> str:
@@ -257,8 +281,9 @@ def format_table(rows: list[dict]) -> str:
             if memory else "")
     lines = [head]
     for r in rows:
-        if "skipped" in r:
-            lines.append(f"{r['backend']:<17} {r['ranks']:>3} {r['pass']:<8} skipped: {r['skipped']}")
+        if "skipped" in r or "failed" in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED: {r['failed']}"
+            lines.append(f"{r['backend']:<17} {r['ranks']:>3} {r['pass']:<8} {why}")
             continue
         line = f"{r['backend']:<17} {r['ranks']:>3} {r['pass']:<8} {r['slowest_ms']:>10.3f} {r['mean_ms']:>9.3f} " \
                f"{r['ideal_ms']:>9.3f} {r['efficiency']:>5.2f} {r['tflops_per_gpu']:>8.1f}"
@@ -335,7 +360,7 @@ def plot(rows: list[dict], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'ctx-plugin[plot]'") from None
-    done = [r for r in rows if "skipped" not in r]
+    done = [r for r in rows if "efficiency" in r]
     passes = sorted({r["pass"] for r in done})
     fig, axes = plt.subplots(1, len(passes), figsize=(6 * len(passes), 4), squeeze=False)
     for ax, pass_ in zip(axes[0], passes):
@@ -380,4 +405,4 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(compare_kernels(args, shape))
     rows = run_simulated(args, shape)
     write_outputs(args, shape, rows, "simulated ranks, one device")
-    return 0
+    return 1 if any("failed" in r for r in rows) else 0

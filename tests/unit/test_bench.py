@@ -125,6 +125,9 @@ def test_cli_window_reports_the_speed_up_against_the_full_ring(tmp_path):
     assert len(rows) == 2 and all(r["kernel"] == "torch" for r in rows)     # sdpa_cpu applies no window
     for r in rows:
         assert r["vs_full"] == pytest.approx(r["full_slowest_ms"] / r["slowest_ms"]) and r["vs_full"] > 0
+    # one ideal for the pass: the one-device call's N-th part (the full-mask comparison once replaced it row by row)
+    assert rows[0]["ideal_ms"] * rows[0]["ranks"] == pytest.approx(rows[1]["ideal_ms"] * rows[1]["ranks"])
+    assert all(r["ideal_ms"] * r["ranks"] != pytest.approx(r["full_slowest_ms"]) for r in rows)
     # FLOPs count the pairs the window keeps: S·(w+1) − w·(w+1)/2 (w = 16, S = 256)
     shape = Shape(seq_len=256, heads=4, kv_heads=2, head_dim=16, window=16)
     assert shape.flops(False) == 4 * 4 * 16 * (256 * 17 - 16 * 17 / 2)
@@ -215,3 +218,23 @@ def test_cli_compare_kernels_with_a_window_skips_the_kernels_that_cannot_apply_i
     rows = {line.split()[0]: line for line in text.splitlines()}
     assert "skipped: torch's CPU flash attention applies no sliding windows" in rows["sdpa_cpu"]
     assert "unavailable" in rows["sdpa_cudnn"] and float(rows["torch"].split()[1]) > 0
+
+
+def test_a_backend_that_breaks_is_reported_and_the_others_still_run(monkeypatch, tmp_path, capsys):
+    """One GPU run must bring back every row it can: a RuntimeError (a kernel's error, out of memory) in one row is
+    printed as FAILED in the table, the other rows run, and the exit status is 1."""
+    from ctx_plugin.bench import report as bench_report
+    real = bench_report.rank_times
+
+    def breaks(shape, config, size, backward, reps):
+        if config.backend.value == "zigzag":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(shape, config, size, backward, reps)
+    monkeypatch.setattr(bench_report, "rank_times", breaks)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--smoke", "--passes", "fwd", "--backends", "ring", "zigzag", "--json", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "FAILED: RuntimeError: CUDA error: an illegal memory access" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["backend"] for r in rows if "efficiency" in r} == {"ring"}
+    assert sum("failed" in r for r in rows) == 2                        # zigzag at N = 2 and 4
