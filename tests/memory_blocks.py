@@ -66,7 +66,6 @@ def _ctx(vocab: int, dtype: torch.dtype, groups):
 def _device_only():
     """Offload's host copies are CPU tensors here as everything else: the measuring mode does not count them (they
     are host memory, read from the offload's own ``held_bytes``); copies back to the device are counted."""
-    from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     from ctx_plugin.memory.measure import _StorageTracker
@@ -78,9 +77,7 @@ def _device_only():
         host, copied = to_host(self, t)
         tracker = _get_current_dispatch_mode()
         if isinstance(tracker, _StorageTracker):
-            key = StorageWeakRef(host.untyped_storage()).cdata
-            tracker.refs.pop(key, None)
-            tracker.ignore.add(key)
+            tracker.ignore_storage(host)
         return host, copied
 
     with mock.patch.object(HostOffload, "_to_host", device_only):

@@ -25,8 +25,20 @@ class _StorageTracker(TorchDispatchMode):
     def __init__(self, follow_peak: bool = False, ignore: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.ignore = {StorageWeakRef(t.untyped_storage()).cdata for t in ignore if isinstance(t, torch.Tensor)}
+        # Keyed by the storage's address, holding its weak reference: the reference keeps the address reserved
+        # (the storage object outlives its data while weakly referenced), so a storage created after an ignored one
+        # died is never ignored by taking its address.
+        self.ignore: dict[int, StorageWeakRef] = {}
         self.follow_peak, self.peak = follow_peak, 0
+        for t in ignore:
+            if isinstance(t, torch.Tensor):
+                self.ignore_storage(t)
+
+    def ignore_storage(self, t: torch.Tensor) -> None:
+        """Never counts ``t``'s storage from now on (nor any more if already counted)."""
+        ref = StorageWeakRef(t.untyped_storage())
+        self.refs.pop(ref.cdata, None)
+        self.ignore[ref.cdata] = ref
 
     def live(self) -> int:
         dead = [key for key, (ref, _) in self.refs.items() if ref.expired()]

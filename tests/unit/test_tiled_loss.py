@@ -9,12 +9,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import ctx_plugin
 from ctx_plugin import recompute
+from ctx_plugin.memory.measure import step_bytes
 from ctx_plugin.models import DecoderConfig, DecoderLM
 from ctx_plugin.tiled_loss import CHUNK_LOGITS_MIB, auto_tokens, lm_loss_sum, map_chunks
 from tests.reference import dense_attention
@@ -150,43 +148,12 @@ def test_bad_input(call, error, match):
         call(head, x, labels)
 
 
-class _Peak(TorchDispatchMode):
-    """Bytes of the storages operators return under this mode that are alive, after every operator (and their
-    maximum); storages of ``existing`` tensors (parameters, gradients, inputs: views of them come back from ops such
-    as the weight's transpose) are not counted."""
-
-    def __init__(self, existing) -> None:
-        super().__init__()
-        self.refs, self.peak = {}, 0
-        self.skip = {StorageWeakRef(t.untyped_storage()).cdata for t in existing}
-
-    def live(self) -> int:
-        return sum(n for ref, n in self.refs.values() if not ref.expired())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                ref = StorageWeakRef(t.untyped_storage())
-                if ref.cdata in self.skip:
-                    continue
-                if ref.cdata not in self.refs or self.refs[ref.cdata][0].expired():
-                    self.refs[ref.cdata] = (ref, t.untyped_storage().nbytes())
-        self.peak = max(self.peak, self.live())
-        return out
-
-
 def _step_memory(loss_fn, head, x, labels) -> tuple[int, int]:
     """(bytes alive after forward besides the loss, peak bytes of forward + backward)."""
     head.weight.grad = torch.zeros_like(head.weight)        # gradients accumulate in place: only temporaries count
     head.bias.grad = torch.zeros_like(head.bias)
-    mode = _Peak([*head.parameters(), head.weight.grad, head.bias.grad, x, labels])
-    with mode:
-        loss = loss_fn(x, labels)
-        kept = mode.live() - loss.untyped_storage().nbytes()
-        loss.backward()
-        del loss
-    return kept, mode.peak
+    return step_bytes(lambda: loss_fn(x, labels),
+                      exclude=[*head.parameters(), head.weight.grad, head.bias.grad, x, labels])
 
 
 def test_memory_falls_by_the_chunking_factor():
