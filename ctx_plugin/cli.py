@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .bench.report import add_arguments as add_bench_arguments
+from .bench.options import add_arguments as add_bench_arguments
 from .bench.report import check as bench_check
 from .bench.report import run as bench_run
 from .cliargs import OneLineParser, positive_int, without_option

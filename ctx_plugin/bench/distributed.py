@@ -32,7 +32,8 @@ from ..mask import Mask
 from ..names import Kernel
 from .harness import Shape, attention_step, call_time, ideal_share, median_time
 from .planning import plan_ms
-from .report import add_arguments, configs, row, settle, shape_from_args, write_outputs
+from .options import add_arguments, configs, settle, shape_from_args
+from .report import row, write_outputs
 from .simulated import SILENT, simulated_groups
 
 

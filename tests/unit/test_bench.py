@@ -161,7 +161,7 @@ def test_no_rank_check_flag():
     """--no-rank-check is CPConfig(check_ranks=False) for every benchmarked backend; the check is on by default."""
     import argparse
 
-    from ctx_plugin.bench.report import add_arguments, configs
+    from ctx_plugin.bench.options import add_arguments, configs
     for flags, want in (([], True), (["--no-rank-check"], False)):
         parser = argparse.ArgumentParser()
         add_arguments(parser)

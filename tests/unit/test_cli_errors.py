@@ -150,7 +150,7 @@ def test_demo_and_bench_pass_their_own_arguments_to_the_ranks(monkeypatch):
 
 def test_bench_window_zero_is_accepted_as_its_message_says(capsys):
     """The window's rule and message agree: 0 (each query sees only itself, window=(0, 0)) runs, in any spelling."""
-    from ctx_plugin.bench.report import non_negative_tokens
+    from ctx_plugin.cliargs import non_negative_tokens
 
     assert [non_negative_tokens(t) for t in ("0", " 0 ", "0k", "0.0", "16", "4k")] == [0, 0, 0, 0, 16, 4096]
     assert main([*SMOKE, "--window", "0"]) == 0
