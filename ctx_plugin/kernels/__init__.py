@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..names import Kernel
-from . import flash_attn, sdpa
+from . import flash_attn, sdpa, sdpa_support
 from .base import FEATURES, AttentionKernel, KernelSpec, accum_dtype, describe
 from .torch_math import TorchKernel
 
@@ -29,11 +29,12 @@ def _never(device: torch.device, dtype: torch.dtype, head_dim: int, features: fr
 
 SPECS: dict[Kernel, KernelSpec] = {
     Kernel.FLASH_ATTN: KernelSpec(Kernel.FLASH_ATTN.value, flash_attn.unavailable, flash_attn.FlashAttnKernel),
-    Kernel.SDPA_CUDNN: KernelSpec(Kernel.SDPA_CUDNN.value, sdpa.cudnn_unavailable,
+    Kernel.SDPA_CUDNN: KernelSpec(Kernel.SDPA_CUDNN.value, sdpa_support.cudnn_unavailable,
                                   lambda device: sdpa.CudnnKernel()),
-    Kernel.SDPA_FLASH: KernelSpec(Kernel.SDPA_FLASH.value, sdpa.flash_unavailable,
+    Kernel.SDPA_FLASH: KernelSpec(Kernel.SDPA_FLASH.value, sdpa_support.flash_unavailable,
                                   lambda device: sdpa.FlashKernel()),
-    Kernel.SDPA_CPU: KernelSpec(Kernel.SDPA_CPU.value, sdpa.cpu_unavailable, lambda device: sdpa.CpuFlashKernel()),
+    Kernel.SDPA_CPU: KernelSpec(Kernel.SDPA_CPU.value, sdpa_support.cpu_unavailable,
+                                lambda device: sdpa.CpuFlashKernel()),
     Kernel.TORCH: KernelSpec(Kernel.TORCH.value, _never, lambda device: TorchKernel()),
 }
 """Every concrete kernel (read-only by convention: nothing registers at run time)."""
