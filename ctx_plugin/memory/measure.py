@@ -9,10 +9,18 @@ weak reference, so nothing is kept alive by the measurement itself.
 :func:`step_bytes` also follows the live bytes after every operator of the forward and the backward and returns
 their maximum: the step's activation peak (storages that existed before the step — parameters, their
 pre-allocated ``.grad``, inputs — are not counted). Temporaries inside one operator's kernel are not visible.
+
+When a collective ran inside the measured forward (an operator of the ``c10d`` namespace), the saved bytes are read
+once they have settled: gloo's worker thread still holds a collective's tensors for a moment after ``wait()``
+returns (it drops the finished work when it next takes its queue's lock), and freeing a tensor whose Python object
+has already gone needs the GIL, which the worker gets only when the measuring thread blocks. So a temporary sent by
+an all-to-all can still be alive after the call that freed it (up to one call in five), and a single read would
+count it as kept for backward; the reads sleep between polls, which hands the worker the GIL.
 """
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -30,6 +38,7 @@ class _StorageTracker(TorchDispatchMode):
         # died is never ignored by taking its address.
         self.ignore: dict[int, StorageWeakRef] = {}
         self.follow_peak, self.peak = follow_peak, 0
+        self.collectives = False        # whether a c10d operator (a collective) ran under the tracker
         for t in ignore:
             if isinstance(t, torch.Tensor):
                 self.ignore_storage(t)
@@ -48,6 +57,8 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            self.collectives = True
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
@@ -66,14 +77,36 @@ def _alive_except(tracker: _StorageTracker, leaves: Iterable) -> int:
     return sum(nbytes for key, (ref, nbytes) in tracker.refs.items() if not ref.expired() and key not in exclude)
 
 
+# A read stands once it has not changed over this many consecutive polls this far apart; the wait ends anyway at
+# the deadline (the worker thread lets go within microseconds of its next loop: a tensor still held after two
+# seconds is kept by something else, and counts).
+_SETTLE_POLLS, _SETTLE_POLL_S, _SETTLE_DEADLINE_S = 5, 0.002, 2.0
+
+
+def _settled_alive(tracker: _StorageTracker, leaves: Iterable) -> int:
+    """Bytes alive besides ``leaves`` after a garbage collection, read until they stop changing when a collective
+    ran (see the module docstring)."""
+    leaves = list(leaves)
+    gc.collect()     # unreachable reference cycles are not kept for backward: let them go before looking
+    alive = _alive_except(tracker, leaves)
+    if not tracker.collectives:
+        return alive
+    deadline, same = time.monotonic() + _SETTLE_DEADLINE_S, 0
+    while same < _SETTLE_POLLS and time.monotonic() < deadline:
+        time.sleep(_SETTLE_POLL_S)
+        now = _alive_except(tracker, leaves)
+        same = same + 1 if now == alive else 0
+        alive = now
+    return alive
+
+
 def saved_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> tuple[object, int]:
     """Runs ``fn()`` and returns ``(result, bytes it left alive for backward)``. Storages of ``exclude``
     (parameters, buffers, inputs: they exist anyway) and of the result are not counted."""
     tracker = _StorageTracker()
     with tracker:
         result = fn()
-    gc.collect()     # unreachable reference cycles are not kept for backward: let them go before looking
-    return result, _alive_except(tracker, [*tree_leaves(result), *exclude])
+    return result, _settled_alive(tracker, [*tree_leaves(result), *exclude])
 
 
 def step_bytes(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None] | None = None, *,
@@ -86,8 +119,7 @@ def step_bytes(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Te
     tracker = _StorageTracker(follow_peak=True, ignore=exclude)
     with tracker:
         out = forward()
-        gc.collect()
-        saved = _alive_except(tracker, tree_leaves(out))
+        saved = _settled_alive(tracker, tree_leaves(out))
         if backward is None:
             out.backward()
         else:

@@ -38,3 +38,26 @@ def kept(rank: int, world: int, payload: dict) -> dict:
         model_bytes = sum(layer_activations(m, p, preset, seq_len=SEQ, micro_batch=BATCH, dtype=dtype))
         out[f"{backend}-{preset}-{dtype_name}"] = {"kept": measured, "model": model_bytes + k.shared + k.head - k.x}
     return out
+
+
+def collective_temporaries(rank: int, world: int, payload: dict) -> list[int]:
+    """``saved_bytes`` of a forward whose all-to-all sends a temporary and keeps only the received tensor (the
+    result): nothing is kept, on every one of ``payload["tries"]`` calls. gloo's worker thread drops the sent
+    temporary a moment after the call returns; the measurement waits for it (``ctx_plugin.memory.measure``)."""
+    import sys
+
+    import torch.distributed as dist
+
+    # The worker thread needs the GIL to free a tensor whose Python object outlived its last Python reference; with
+    # a long switch interval this thread keeps the GIL until it blocks (sleeps), so the race is lost almost always.
+    sys.setswitchinterval(payload["switch_interval_s"])
+    x = torch.randn(world * 4096)
+    counted = []
+    for _ in range(payload["tries"]):
+        def forward():
+            out = torch.empty_like(x)
+            dist.all_to_all_single(out, x * 2.0)      # the product is freed as soon as the call returns
+            return out
+        _, kept_bytes = saved_bytes(forward, exclude=[x])
+        counted.append(kept_bytes)
+    return counted
