@@ -9,6 +9,7 @@ tests run a whole matrix of cases per launch. Rendezvous goes through a file sto
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import json
 import os
@@ -36,6 +37,7 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, target: s
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         module_name, fn_name = target.split(":")
         fn = getattr(importlib.import_module(module_name), fn_name)
+        gc.freeze()     # what exists now is never garbage: memory measurements' collections need not scan it
         result = {"ok": True, "value": fn(rank, world_size, payload)}
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test with the traceback
         result = {"ok": False, "error": traceback.format_exc()}
