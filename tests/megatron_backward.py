@@ -8,7 +8,6 @@ its forward ends, and PyTorch's checkpoint stops a recomputation early, inside t
 recomputed attention (and, through the residual, its earlier layers) stayed alive into later regions' backward."""
 from __future__ import annotations
 
-import gc
 import warnings
 
 import torch
@@ -32,7 +31,7 @@ def kept_during_backward(preset: str, dtype: torch.dtype, layers: int) -> dict:
     the gradient just formed) when each region's input gradient is ready; ``model``: what the memory model says the
     layers before that region keep."""
     from ctx_plugin.memory import ParallelSpec, layer_activations
-    from ctx_plugin.memory.measure import _alive_except, _StorageTracker
+    from ctx_plugin.memory.measure import _settled_alive, _StorageTracker
 
     model = _model(preset, dtype, 16, "rms", False, True, layers)
     for p in model.parameters():
@@ -46,8 +45,7 @@ def kept_during_backward(preset: str, dtype: torch.dtype, layers: int) -> dict:
 
     def at(start: int):
         def hook(grad):
-            gc.collect()
-            measured[start] = _alive_except(tracker, [grad, *final])
+            measured[start] = _settled_alive(tracker, [grad, *final])
         return hook
 
     with tracker:
