@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
@@ -65,32 +67,51 @@ def row(shape: Shape, label: str, size: int, pass_: str, kernel: str, times: lis
 
 
 def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
-    rows = []
+    """Every row, each also announced on stderr as it finishes (:func:`progress`)."""
+    rows, started = [], time.perf_counter()
     for pass_ in args.passes:
         backward = pass_ == "fwd+bwd"
         full, kernel = call_time(shape, Kernel(args.kernel), backward, args.reps, windowed=False)   # ideal_time's
+        progress(started, f"{pass_} on one device, kernel {kernel}: {full * 1e3:.3f} ms")
         single = single_device_bytes(shape, Kernel(args.kernel), backward) if args.memory else None
         for size in args.ranks:
             for label, config in configs(args, size):
-                try:
-                    if isinstance(config, str):
-                        raise ValueError(config)
-                    times = rank_times(shape, config, size, backward, args.reps)
-                    unit = shape.document_unit(config, size)
-                except ValueError as e:       # this backend cannot split this shape: say so, keep going
-                    rows.append({"backend": label, "ranks": size, "pass": pass_, "skipped": str(e)})
-                    continue
-                except RuntimeError as e:     # it broke (a kernel's error, out of memory): say so, run the rest
-                    rows.append(_failed(label, size, pass_, e, shape))
-                    continue
-                try:
-                    extra = _extras(args, shape, config, size, backward, times, kernel, single)
-                except RuntimeError as e:
-                    rows.append(_failed(label, size, pass_, e, shape))
-                    continue
-                rows.append(row(shape, label, size, pass_, kernel, times, full * ideal_share(shape, unit), unit,
-                                **extra))
+                rows.append(_one_row(args, shape, label, config, size, pass_, full, kernel, single))
+                progress(started, row_summary(rows[-1]))
     return rows
+
+
+def _one_row(args, shape: Shape, label: str, config, size: int, pass_: str, full: float, kernel: str,
+             single) -> dict:
+    backward = pass_ == "fwd+bwd"
+    try:
+        if isinstance(config, str):
+            raise ValueError(config)
+        times = rank_times(shape, config, size, backward, args.reps)
+        unit = shape.document_unit(config, size)
+    except ValueError as e:       # this backend cannot split this shape: say so, keep going
+        return {"backend": label, "ranks": size, "pass": pass_, "skipped": str(e)}
+    except RuntimeError as e:     # it broke (a kernel's error, out of memory): say so, run the rest
+        return _failed(label, size, pass_, e, shape)
+    try:
+        extra = _extras(args, shape, config, size, backward, times, kernel, single)
+    except RuntimeError as e:
+        return _failed(label, size, pass_, e, shape)
+    return row(shape, label, size, pass_, kernel, times, full * ideal_share(shape, unit), unit, **extra)
+
+
+def row_summary(r: dict) -> str:
+    """A row in one line: what a run cut off before its table (launch/gpu_check.sh's time limits) still shows."""
+    what = f"{r['backend']} N={r['ranks']} {r['pass']}"
+    if "efficiency" not in r:
+        return f"{what}: {'skipped: ' + r['skipped'] if 'skipped' in r else r['failed']}"
+    return (f"{what}: slowest {r['slowest_ms']:.3f} ms, ideal {r['ideal_ms']:.3f} ms, efficiency "
+            f"{r['efficiency']:.3f}, {r['tflops_per_gpu']:.1f} TFLOP/s per GPU")
+
+
+def progress(started: float, text: str) -> None:
+    """One line on stderr, flushed, with the seconds since ``started``."""
+    print(f"bench [{time.perf_counter() - started:.0f} s] {text}", file=sys.stderr, flush=True)
 
 
 def _extras(args, shape: Shape, config: CPConfig, size: int, backward: bool, times: list[float], kernel: str,

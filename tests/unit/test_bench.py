@@ -88,9 +88,17 @@ def test_flops_and_efficiency_arithmetic():
 def test_cli_smoke_simulated(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--smoke", "--passes", "fwd", "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "simulated ranks" in printed and "zigzag" in printed
     data = json.loads(out.read_text())
+    # Each row is also announced on stderr as it finishes (what a run cut off at a time limit still shows).
+    lines = [line for line in captured.err.splitlines() if line.startswith("bench [")]
+    assert len(lines) == 1 + len(data["rows"]) and "fwd on one device, kernel " in lines[0]
+    for line, r in zip(lines[1:], data["rows"]):
+        what = f"{r['backend']} N={r['ranks']} fwd: "
+        assert what in line and (f"efficiency {r['efficiency']:.3f}," in line if "efficiency" in r
+                                 else f"skipped: {r['skipped']}" in line), (line, r)
     done = [r for r in data["rows"] if "skipped" not in r]
     assert {(r["backend"], r["ranks"]) for r in done} >= {(b.value, n) for b in Backend if b != Backend.ULYSSES_RING
                                                           for n in (2, 4)} | {("ulysses_ring(u=2)", 4)}
@@ -233,8 +241,10 @@ def test_a_backend_that_breaks_is_reported_and_the_others_still_run(monkeypatch,
     monkeypatch.setattr(bench_report, "rank_times", breaks)
     out = tmp_path / "b.json"
     assert main(["bench", "--smoke", "--passes", "fwd", "--backends", "ring", "zigzag", "--json", str(out)]) == 1
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "FAILED: RuntimeError: CUDA error: an illegal memory access" in text
+    assert "] zigzag N=2 fwd: RuntimeError: CUDA error: an illegal memory access" in captured.err
     rows = json.loads(out.read_text())["rows"]
     assert {r["backend"] for r in rows if "efficiency" in r} == {"ring"}
     assert sum("failed" in r for r in rows) == 2                        # zigzag at N = 2 and 4
