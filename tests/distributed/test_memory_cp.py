@@ -14,6 +14,7 @@ CASES = [("zigzag", "none", "bf16"), ("zigzag", "full", "bf16"), ("ring", "sqrt"
 
 @pytest.fixture(scope="module")
 def results():
+    pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
     return run_spawned("tests.distributed.memory_cp_ranks:kept", 2, {"cases": CASES})
 
 

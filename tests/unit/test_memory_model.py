@@ -83,6 +83,7 @@ def _cli(*args):
 
 
 def test_memory_command_prints_every_preset_and_plots(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib: pip install 'ctx-plugin[plot]'")
     png = tmp_path / "memory.png"
     proc = _cli("--model", "llama3-8b", "--seq-len", "128k", "--cp", "8", "--budget", "115", "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
