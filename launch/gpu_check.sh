@@ -7,7 +7,8 @@
 #      causal, S = 128k, forward and forward+backward, with the best kernel (kernel=auto), and each row's slowest
 #      rank profiled once (--profile: kernel, merge, copies, other, gaps);
 #   3. the same at N = 8 with packed documents of 4k tokens (the varlen kernels, the plan ms column).
-# Needs a CUDA build of torch (and pytest); installs nothing. Results go to $OUT (default ./gpu-results):
+# Needs a GPU with a CUDA build of torch (it stops after the device line without one) and pytest; installs
+# nothing. Results go to $OUT (default ./gpu-results):
 # pytest.txt, bench.txt, bench.json, bench.png, docs.txt, docs.json.
 # Each step has its own time limit (seconds; estimated on an H200: ~1, ~3 and ~1 minutes), so that one that hangs
 # or runs long still leaves the others their time, and the whole run fits one device call of 10 minutes with
@@ -26,10 +27,13 @@ for t in "$t_pytest" "$t_bench" "$t_docs"; do
 done
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$py" - <<'PY' | tee "$out/device.txt"
-import datetime, torch
+"$py" - <<'PY' | tee "$out/device.txt"   # no GPU: stop here (the benchmark would run its 128k rows on the CPU)
+import datetime, sys, torch
 print(f"{datetime.date.today()}: torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
       f"{torch.backends.cudnn.version()}, device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+if not torch.cuda.is_available():
+    sys.exit("launch/gpu_check.sh needs a GPU and a CUDA build of torch; this torch sees no GPU "
+             "(on a CPU machine run the tests with bash launch/test.sh, the benchmark with ctx-plugin bench --smoke)")
 PY
 export PYTHONUNBUFFERED=1
 status=0   # each step runs even when one before it failed; the script exits with the last failure (124: a limit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,15 @@ def test_bad_limits_are_refused_before_anything_runs(tmp_path, limits):
     assert proc.returncode == 2
     assert "GPU_CHECK_LIMITS must be three whole seconds" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_without_a_gpu_it_stops_after_the_device_line(tmp_path):
+    """Without CUDA the benchmark would run its 128k rows on the CPU for hours: the script stops first."""
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), sys.executable], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "launch/gpu_check.sh needs a GPU and a CUDA build of torch" in proc.stderr
+    assert "device none" in (tmp_path / "out" / "device.txt").read_text()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device.txt"]
