@@ -14,7 +14,8 @@
 # or runs long still leaves the others their time, and the whole run fits one device call of 10 minutes with
 # room for the machine's start: GPU_CHECK_LIMITS="pytest bench docs" (default "120 300 120"). Output is
 # unbuffered and the benchmark prints each row on stderr as it finishes (the targets' forward+backward rows
-# first), so a step cut off at its limit still shows what it measured.
+# first), so a step cut off at its limit still shows what it measured; a GPU test running over 90 s prints every
+# thread's stack (faulthandler) before its step's limit.
 # Usage: bash launch/gpu_check.sh [python]   (default: python3)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -38,7 +39,7 @@ PY
 export PYTHONUNBUFFERED=1
 status=0   # each step runs even when one before it failed; the script exits with the last failure (124: a limit)
 limit() { local secs="$1"; shift; timeout -k 15 "$secs" "$@"; }
-limit "$t_pytest" "$py" -m pytest -q -rs tests/gpu 2>&1 | tee "$out/pytest.txt" || status=$?
+limit "$t_pytest" "$py" -m pytest -q -rs -o faulthandler_timeout=90 tests/gpu 2>&1 | tee "$out/pytest.txt" || status=$?
 limit "$t_bench" "$py" -m ctx_plugin.cli bench --compare-kernels --ranks 8 16 --seq-len 128k --heads 32 --head-dim 128 \
     --dtype bf16 --reps 5 --passes fwd+bwd fwd --backends zigzag striped ring ulysses ulysses_ring allgather \
     --profile --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.txt" || status=$?
