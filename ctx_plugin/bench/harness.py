@@ -157,10 +157,14 @@ def median_time(fn, device: torch.device, reps: int, warmup: int = 1, before=Non
 
 def attention_step(shape: Shape, config: CPConfig, groups, q, k, v, dout, backward: bool):
     """One timed call of ``cp_attention``: forward, or forward and backward (the shape's mask and its documents
-    padded for ``config`` over the group's ranks, :meth:`Shape.documents_for`)."""
+    padded for ``config`` over the group's ranks, :meth:`Shape.documents_for`). Each backward writes fresh
+    ``.grad`` tensors, as a step after ``zero_grad(set_to_none=True)`` does: the previous call's are dropped before the
+    forward, so repeated calls add no gradient accumulation (three extra elementwise passes) to what is timed."""
     mask = {**shape.mask, "documents": shape.documents_for(config, groups.size)}
 
     def go():
+        for t in (q, k, v):
+            t.grad = None
         out = cp_attention(q, k, v, config=config, groups=groups, **mask)
         if backward:
             out.backward(dout)

@@ -165,8 +165,6 @@ def rank_bytes(shape: Shape, config: CPConfig, size: int, backward: bool) -> lis
         q, k, v, dout = shape.tensors(shape.seq_len // size, torch.Generator().manual_seed(rank), grad=backward)
         step = attention_step(shape, config, groups, q, k, v, dout, backward)
         step()
-        for t in (q, k, v):
-            t.grad = None
         result.append(call_bytes(step, shape.device))
     return result
 

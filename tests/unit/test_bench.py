@@ -11,7 +11,7 @@ import torch
 
 import ctx_plugin
 from ctx_plugin.bench.counting import CommCounter
-from ctx_plugin.bench.harness import Shape, rank_times
+from ctx_plugin.bench.harness import Shape, attention_step, rank_times
 from ctx_plugin.bench.report import row
 from ctx_plugin.bench.simulated import SILENT, run_threaded, simulated_groups
 from ctx_plugin.cli import main
@@ -248,3 +248,20 @@ def test_a_backend_that_breaks_is_reported_and_the_others_still_run(monkeypatch,
     rows = json.loads(out.read_text())["rows"]
     assert {r["backend"] for r in rows if "efficiency" in r} == {"ring"}
     assert sum("failed" in r for r in rows) == 2                        # zigzag at N = 2 and 4
+
+
+def test_a_timed_call_writes_fresh_gradients_and_times_no_accumulation():
+    """The benchmark times each rank's call several times: every call's backward must write q/k/v.grad afresh (as a
+    step after zero_grad(set_to_none=True)), not add to the previous call's, which would time three extra
+    elementwise passes per call (and double the gradients)."""
+    shape = Shape(seq_len=64, heads=4, kv_heads=2, head_dim=8, dtype=torch.float32)
+    cfg = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
+    groups = simulated_groups(cfg, 0, 1, SILENT, "cpu")     # one rank: no received (unset) blocks, exact grads
+    q, k, v, dout = shape.tensors(64, torch.Generator().manual_seed(1), grad=True)
+    step = attention_step(shape, cfg, groups, q, k, v, dout, True)
+    step()
+    first = [t.grad for t in (q, k, v)]
+    step()
+    for before, t in zip(first, (q, k, v)):
+        assert t.grad is not before                       # a new tensor, written by this call's backward
+        torch.testing.assert_close(t.grad, before, rtol=0, atol=0)
