@@ -143,9 +143,22 @@ def refused_options(source, table: tuple[Refused, ...] = MODEL_OPTIONS) -> list[
     return found
 
 
+def _mtp_under_cp(source) -> list[str]:
+    """Multi-token prediction at CP > 1: megatron-core builds its layers from its own spec (``mtp_block_spec``), so
+    their core attention is not ctx_plugin's, and ``roll_tensor`` rolls their tokens and labels by zigzag chunks."""
+    layers, cp = getattr(source, "mtp_num_layers", None), getattr(source, "context_parallel_size", 1) or 1
+    if not layers or cp <= 1:
+        return []
+    return [f"mtp_num_layers={layers!r} (--mtp-num-layers) with context_parallel_size={cp}: megatron-core builds the "
+            f"multi-token-prediction layers from its own layer spec, so their attention is not ctx_plugin's (Megatron's "
+            f"own context-parallel attention, or an error with --transformer-impl local), and it rolls their tokens "
+            f"and labels by Megatron's zigzag chunks, not by ctx_plugin's layout; drop --mtp-num-layers, or train "
+            f"with --context-parallel-size 1"]
+
+
 def check_model_options(source, *, where: str = "ctx_plugin's core attention") -> None:
     """Raises one ValueError naming every option of ``source`` that ctx_plugin's attention does not implement."""
-    found = refused_options(source, MODEL_OPTIONS)
+    found = refused_options(source, MODEL_OPTIONS) + _mtp_under_cp(source)
     if found:
         raise ValueError(f"{where} cannot honour these settings:\n  " + "\n  ".join(found))
 
@@ -160,12 +173,15 @@ def check_data_options(args) -> None:
 
 
 def window(window_size, causal: bool) -> tuple[int | None, int | None]:
-    """ctx_plugin's ``window`` for megatron-core's ``window_size=(left, right)`` (-1: unlimited): query i sees keys
-    ``i - left <= j <= i + right`` (Transformer Engine's and megatron-core's local attention's band), intersected
-    with causality under a causal mask. ValueError for values megatron-core's two attentions read differently:
-    under a causal mask a right side other than 0 (the local ``DotProductAttention`` then attends ``right`` future
-    tokens, its band replacing the causal mask; Transformer Engine sets it to 0), and ``(-1, 0)`` without a mask
-    (Transformer Engine reads it as no window, the local attention as a causal band)."""
+    """ctx_plugin's ``window`` for megatron-core's ``window_size=(left, right)``, read as Transformer Engine reads it
+    (``check_set_window_size``; -1: unlimited): query i sees keys ``i - left <= j <= i + right``, intersected with
+    causality under a causal mask. megatron-core's local ``DotProductAttention`` (``get_sliding_window_causal_mask``:
+    ``triu(diagonal=-left)``, ``tril(diagonal=right)``) reads -1 literally as an offset (left -1: only keys after the
+    query; right -1: only keys before it), so the two agree only for sides >= 0, and ctx_plugin follows Transformer
+    Engine, the attention of GPU runs. ValueError for what Transformer Engine changes or refuses: under a causal mask
+    a right side other than 0 (it sets it to 0 with a warning; the local attention's band would replace the causal
+    mask), and without a mask ``(-1, 0)`` (it reads it as no window, with a warning) or one unlimited side next to a
+    bounded one (it refuses that)."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or any(
             isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size):
         raise ValueError(f"window_size={window_size!r} (--window-size) must be two integers (left, right), each >= 0 "
@@ -173,9 +189,15 @@ def window(window_size, causal: bool) -> tuple[int | None, int | None]:
     left, right = window_size
     if causal and right != 0:
         raise ValueError(f"window_size={tuple(window_size)!r} (--window-size) has right={right} under a causal mask: "
-                         f"megatron-core's local attention would attend {'every' if right < 0 else right} future "
-                         f"token(s) while Transformer Engine ignores it; give ({left}, 0)")
+                         f"Transformer Engine replaces it by 0, while megatron-core's local attention's band would "
+                         f"replace the causal mask; give ({left}, 0)")
     if not causal and (left, right) == (-1, 0):
         raise ValueError("window_size=(-1, 0) (--window-size) without a causal mask means no window to Transformer "
-                         "Engine and a causal band to megatron-core's local attention; give (-1, -1) or drop it")
+                         "Engine, while megatron-core's local attention hides every key with it; give (-1, -1) or "
+                         "drop it")
+    if not causal and (left < 0) != (right < 0):
+        raise ValueError(f"window_size={tuple(window_size)!r} (--window-size) without a causal mask has one unlimited "
+                         f"side (-1) and one bounded: Transformer Engine refuses it (no mask takes (-1, -1) or two "
+                         f"sides >= 0) and megatron-core's local attention reads -1 as an offset; give two sides >= 0 "
+                         f"(a side of at least the sequence length is unlimited) or (-1, -1)")
     return (None if left < 0 else left), (None if right < 0 else right)

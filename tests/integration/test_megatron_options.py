@@ -55,9 +55,11 @@ def test_core_attention_refuses(field):
 
 
 WINDOWS = [((5, 0), True, (5, 0)), ((0, 0), True, (0, 0)), ((-1, 0), True, (None, 0)), ((3, 2), False, (3, 2)),
-           ((-1, 4), False, (None, 4)), ((-1, -1), False, (None, None)), ([2, 0], True, (2, 0))]
+           ((0, 4), False, (0, 4)), ((-1, -1), False, (None, None)), ([2, 0], True, (2, 0))]
 BAD_WINDOWS = [((5, 1), True, "has right=1 under a causal mask"), ((-1, -1), True, "has right=-1 under a causal mask"),
-               ((-1, 0), False, "means no window to Transformer Engine"), ((4,), True, "must be two integers"),
+               ((-1, 0), False, "means no window to Transformer Engine"),
+               ((-1, 4), False, "has one unlimited side"), ((4, -1), False, "has one unlimited side"),
+               ((4,), True, "must be two integers"),
                ((True, 0), True, "must be two integers"), ((-2, 0), True, "must be two integers"),
                ("4,0", True, "must be two integers"), ((4.0, 0), True, "must be two integers")]
 
@@ -118,6 +120,22 @@ def test_windows_and_offsets_against_a_float64_reference(softmax_type, window_si
     dout = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
     for have, ref in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(want, inputs, dout)):
         torch.testing.assert_close(have, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_multi_token_prediction_is_refused_under_context_parallelism():
+    """megatron-core builds the MTP layers from its own spec (their attention is not ctx_plugin's) and rolls their
+    tokens by zigzag chunks: refused at CP > 1, from the config (the core attention) and from the flags."""
+    from types import SimpleNamespace
+
+    from ctx_plugin.megatron.options import check_model_options
+
+    _core(_config(mtp_num_layers=1))                            # CP 1: nothing is sharded
+    with pytest.raises(ValueError, match=r"mtp_num_layers=1 \(--mtp-num-layers\) with context_parallel_size=2: "
+                                         r"megatron-core builds the multi-token-prediction layers from its own"):
+        _core(_config(mtp_num_layers=1, context_parallel_size=2))
+    check_model_options(SimpleNamespace(mtp_num_layers=None, context_parallel_size=4))
+    with pytest.raises(ValueError, match="mtp_num_layers=2 .* context_parallel_size=4"):
+        check_model_options(SimpleNamespace(mtp_num_layers=2, context_parallel_size=4))
 
 
 def test_core_attention_arguments():
