@@ -39,8 +39,11 @@ def gpt_layer_spec(cp_config: CPConfig, *, base: ModuleSpec | None = None,
 
 
 def layer_spec(model_config=None, vp_stage=None) -> ModuleSpec:
-    """For ``--spec ctx_plugin.megatron.spec layer_spec``: Megatron's local or Transformer-Engine spec (by
-    ``--transformer-impl``) with ctx_plugin's core attention configured by the ``--cp-*`` flags."""
+    """For ``--spec ctx_plugin.megatron.spec layer_spec``: the layer spec Megatron would build, with ctx_plugin's core
+    attention configured by the ``--cp-*`` flags. Called with megatron-core's ``GPTModelConfig`` (its
+    ``GPTModelBuilder``), that is Megatron's own ``default_layer_spec``; without it, Megatron's local or
+    Transformer-Engine layer (by ``--transformer-impl``), and flags that layer would drop (``--qk-l2-norm``,
+    ``--num-experts``, heterogeneous layers) are a ValueError."""
     from megatron.training import get_args
 
     from .args import settings_from_args
@@ -49,6 +52,22 @@ def layer_spec(model_config=None, vp_stage=None) -> ModuleSpec:
     run = _entry_point_run()
     settings = run.settings if run is not None else settings_from_args(args)   # the entry point's, computed once
     _check_seams(args, settings)
+    if getattr(model_config, "transformer", None) is not None:
+        # megatron.training.models.gpt's GPTModelConfig: the spec Megatron itself would build for it (MoE blocks,
+        # qk_l2_norm, heterogeneous layers, the TE op fuser), its core attention then replaced.
+        from megatron.training.models.gpt import default_layer_spec
+
+        return gpt_layer_spec(settings.cp_config, base=default_layer_spec(model_config, vp_stage))
+    omitted = [flag for flag, field in (("--qk-l2-norm", "qk_l2_norm"), ("--num-experts", "num_experts"),
+                                        ("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path"),
+                                        ("--heterogeneous-layers-config-encoded-json",
+                                         "heterogeneous_layers_config_encoded_json"))
+               if getattr(args, field, None)]
+    if omitted:
+        raise ValueError(f"--spec ctx_plugin.megatron.spec layer_spec was called without Megatron's model config, so "
+                         f"it builds the plain local or Transformer Engine GPT layer, which would drop "
+                         f"{', '.join(omitted)}; run through ctx_plugin's entry point (python -m "
+                         f"ctx_plugin.megatron.pretrain_gpt, no --spec) or drop {', '.join(omitted)}")
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 

@@ -244,6 +244,38 @@ def test_spec_alone_refuses_what_megatron_would_get_wrong(monkeypatch, flags, me
         assert "--cp-backend zigzag" in str(e.value)
 
 
+@pytest.mark.parametrize("flags,dropped", [(["--qk-l2-norm"], "--qk-l2-norm"), (["--num-experts", "2"], "--num-experts")])
+def test_spec_without_megatrons_model_config_refuses_what_the_plain_layer_drops(monkeypatch, flags, dropped):
+    """Called without Megatron's GPTModelConfig, layer_spec builds the plain GPT layer: flags whose modules that layer
+    lacks (L2-normalised q/k, MoE) would be silently dropped."""
+    with pytest.raises(ValueError, match=f"which would drop {dropped}; run through ctx_plugin's entry point"):
+        _layer_spec(monkeypatch, "--cp-backend", "zigzag", "--no-create-attention-mask-in-dataloader", *flags)
+
+
+def test_spec_with_megatrons_model_config_is_megatrons_own_spec(monkeypatch):
+    """Called by megatron-core's GPTModelBuilder (with its GPTModelConfig), layer_spec is Megatron's own
+    default_layer_spec with only the core attention replaced (here: its q/k layernorm kept), and flags the plain layer
+    would drop (--qk-l2-norm) are Megatron's spec's to honour, not refused."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training import global_vars
+    from megatron.training.models.gpt import GPTModelConfig, default_layer_spec
+
+    from ctx_plugin.megatron.core_attention import CPCoreAttention
+    from ctx_plugin.megatron.spec import layer_spec
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", _parse(monkeypatch, *SPEC_BASE, "--cp-backend", "zigzag",
+                                                            "--no-create-attention-mask-in-dataloader", "--qk-l2-norm"))
+    transformer = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, qk_layernorm=True,
+                                    use_cpu_initialization=True)
+    transformer.transformer_impl = "local"
+    model_config = GPTModelConfig(transformer=transformer, vocab_size=128)
+    spec, own = layer_spec(model_config), default_layer_spec(model_config, None)
+    attention, own_attention = spec.submodules.self_attention.submodules, own.submodules.self_attention.submodules
+    assert attention.core_attention.module is CPCoreAttention and own_attention.core_attention is not CPCoreAttention
+    assert attention.q_layernorm == own_attention.q_layernorm and attention.linear_qkv == own_attention.linear_qkv
+    assert repr(spec.submodules.mlp) == repr(own.submodules.mlp)     # partials: equal by what they hold
+
+
 def test_spec_under_the_entry_point(monkeypatch):
     """The entry point shards batches in the backend's layout (and drops the checked causal mask): every
     backend and preset goes."""
