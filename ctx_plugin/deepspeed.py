@@ -12,17 +12,20 @@
 The section is ``{"backend", "size", "ulysses_size", "kernel", "recompute", "check_ranks"}`` (``check_ranks``:
 ``CPConfig.check_ranks``, default true). The world is split into groups of ``size`` consecutive ranks sharing
 each sequence; DeepSpeed's data-parallel group (ZeRO partitioning, gradient averaging) is all data × context
-ranks, handed to it as ``mpu``. The section's parsing lives in :mod:`ctx_plugin.deepspeed_config`, batches and
-losses in :mod:`ctx_plugin.deepspeed_data`; their public names are importable from here.
+ranks, handed to it as ``mpu``; the engine's ``deepspeed_io`` gives a :class:`ShardedLoader` too. The section's
+parsing lives in :mod:`ctx_plugin.deepspeed_config`, batches and losses in :mod:`ctx_plugin.deepspeed_data`; their
+public names are importable from here.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
 
 from . import comm, hf, hf_loss
-from .deepspeed_config import (SECTION, ContextParallelSection, _load_config, _refuse_patched_linear, _zero_config,
-                               batch_sizes, parse_section)
+from .deepspeed_config import (SECTION, ContextParallelSection, _load_config, _refuse_curriculum,
+                               _refuse_patched_linear, _zero_config, batch_sizes, parse_section)
 from .deepspeed_data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, tiled_causal_lm_loss
 from .groups import CPGroups, build_cp_groups
 from .names import Recompute
@@ -116,6 +119,47 @@ def _cp_group(size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return cp, alone
 
 
+def _without_config(args):
+    """A copy of ``args`` without its config (``_load_config`` read it): ``deepspeed.initialize`` refuses a config
+    in both ``args`` and ``config=``."""
+    if args is None:
+        return None
+    args = copy.copy(args)
+    for key in ("deepspeed_config", "deepscale_config"):
+        if getattr(args, key, None) is not None:
+            setattr(args, key, None)
+    return args
+
+
+def _sharded_io(engine, groups: CPGroups, section: ContextParallelSection, default_collate_fn, *, replicas: int,
+                replica: int):
+    """What replaces ``engine.deepspeed_io``: DeepSpeed's would split samples over every rank it counts as data
+    parallel, the ranks of a context-parallel group included (each would get a different, unsharded sample). This
+    gives a :class:`ShardedLoader` instead, shuffled on DeepSpeed's training route as DeepSpeed's is; what it cannot
+    honour is a ValueError."""
+    from deepspeed.runtime.constants import ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN
+
+    def deepspeed_io(dataset, batch_size=None, route=ROUTE_TRAIN, pin_memory=True, data_sampler=None,
+                     collate_fn=None, num_local_io_workers=None):
+        if data_sampler is not None:
+            raise ValueError(f'engine.deepspeed_io(data_sampler=...) under "{SECTION}": its loader samples per '
+                             "data-parallel replica itself (the ranks sharing a sequence get the same samples); leave "
+                             "data_sampler out, or batch with your own sampler and shard each batch with "
+                             "ctx_plugin.deepspeed.shard_batch(batch, engine.ctx_plugin_groups)")
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not (hasattr(dataset, "__getitem__")
+                                                                        and hasattr(dataset, "__len__")):
+            raise ValueError(f'engine.deepspeed_io under "{SECTION}" needs a map-style dataset (__getitem__ and '
+                             f"__len__), got {type(dataset).__name__}: its samples are split per data-parallel "
+                             "replica by index; shard an iterable's batches with ctx_plugin.deepspeed.shard_batch")
+        return ShardedLoader(dataset, batch_size or engine.train_micro_batch_size_per_gpu(), groups,
+                             replicas=replicas, replica=replica, pad_documents=section.pad_documents,
+                             collate_fn=collate_fn if collate_fn is not None else default_collate_fn,
+                             drop_last=engine.dataloader_drop_last(), shuffle=route not in (ROUTE_EVAL, ROUTE_PREDICT),
+                             pin_memory=pin_memory, num_workers=num_local_io_workers or 0)
+
+    return deepspeed_io
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                config_params=None, *, attention=None):
@@ -135,10 +179,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if attention is not None:
             raise ValueError(f'attention= wires the model to context parallelism: it needs a "{SECTION}" section in '
                              "the config (or leave attention= out)")
-        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                    training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                                    dist_init_required=dist_init_required, collate_fn=collate_fn, config=config)
+        return deepspeed.initialize(args=_without_config(args), model=model, optimizer=optimizer,
+                                    model_parameters=model_parameters, training_data=training_data,
+                                    lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
+                                    collate_fn=collate_fn, config=config)
     section = parse_section(config.pop(SECTION))
+    _refuse_curriculum(config)
     if mpu is not None:
         raise ValueError(f'"{SECTION}" builds the process groups itself; do not pass mpu=')
     own_sp = config.get("sequence_parallel_size", 1)
@@ -178,13 +224,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if section.recompute.preset == Recompute.SELECTIVE:
         model.register_forward_pre_hook(_refuse_patched_linear)
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
-        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-        mpu=ContextParallelMPU(alone), dist_init_required=False, config=config)
+        args=_without_config(args), model=model, optimizer=optimizer, model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler, mpu=ContextParallelMPU(alone), dist_init_required=False, config=config)
     engine.ctx_plugin_groups = groups
     engine.ctx_plugin_recompute = section.recompute
+    replicas, replica = world // section.size, dist.get_rank() // section.size
+    engine.deepspeed_io = _sharded_io(engine, groups, section, collate_fn, replicas=replicas, replica=replica)
     loader = None
     if training_data is not None:
-        loader = ShardedLoader(training_data, engine.train_micro_batch_size_per_gpu(), groups,
-                               replicas=world // section.size, replica=dist.get_rank() // section.size,
-                               collate_fn=collate_fn, pad_documents=section.pad_documents)
+        loader = ShardedLoader(training_data, engine.train_micro_batch_size_per_gpu(), groups, replicas=replicas,
+                               replica=replica, collate_fn=collate_fn, pad_documents=section.pad_documents,
+                               drop_last=engine.dataloader_drop_last())
     return engine, optimizer, loader, lr_scheduler

@@ -61,11 +61,33 @@ def parse_section(section: dict) -> ContextParallelSection:
                                   pad_documents=section.get("pad_documents", False))
 
 
+def _args_config(args):
+    """The config ``args`` names (``--deepspeed_config``, or the deprecated ``--deepscale_config``), or None."""
+    given = {key: getattr(args, key, None) for key in ("deepspeed_config", "deepscale_config")}
+    if all(value is not None for value in given.values()):
+        raise ValueError("args has both deepspeed_config and deepscale_config: give one (--deepspeed_config)")
+    return given["deepspeed_config"] if given["deepspeed_config"] is not None else given["deepscale_config"]
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    """``json.loads``'s object hook: a key given twice in one JSON object is an error, as in DeepSpeed (plain
+    ``json.loads`` keeps the last silently)."""
+    keys = [key for key, _ in pairs]
+    duplicated = sorted({key for key in keys if keys.count(key) > 1})
+    if duplicated:
+        raise ValueError(f"the DeepSpeed config gives key(s) {duplicated} more than once in one object: keep one")
+    return dict(pairs)
+
+
 def _load_config(config, args) -> dict:
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
+    from_args = _args_config(args) if args is not None else None
+    if config is not None and from_args is not None:
+        raise ValueError(f"a config in both config= and args ({from_args!r}): give one of them, as "
+                         "deepspeed.initialize requires")
+    if config is None:
+        config = from_args
     if isinstance(config, (str, Path)):
-        config = json.loads(Path(config).read_text())
+        config = json.loads(Path(config).read_text(), object_pairs_hook=_no_duplicate_keys)
     if not isinstance(config, dict):
         raise TypeError("ctx_plugin.deepspeed.initialize needs config= as a dict or a JSON path (or "
                         "args.deepspeed_config)")
@@ -119,7 +141,8 @@ def batch_sizes(config: dict, *, world: int, size: int) -> dict:
     as with DeepSpeed's own ``sequence_parallel_size``. DeepSpeed here counts every rank of a context-parallel group
     as a data-parallel rank, so it gets the three batch keys resolved, with ``train_batch_size`` × ``size``. A value
     that counts the context-parallel ranks, or that no whole micro batch fits, is a ValueError naming the value to
-    use."""
+    use; so is one that, with micro batch or accumulation missing, reads both ways (a missing key would differ:
+    :func:`_refuse_ambiguous`)."""
     keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     total, micro, accumulation = (config.get(key) for key in keys)
     for key, value in zip(keys, (total, micro, accumulation)):
@@ -141,6 +164,7 @@ def batch_sizes(config: dict, *, world: int, size: int) -> dict:
             given = f"train_micro_batch_size_per_gpu ({micro})" if micro else \
                 f"gradient_accumulation_steps ({accumulation or 1})"
             raise ValueError(f'"train_batch_size" ({total}) must be {how}: a multiple of {given} × {replicas}')
+        _refuse_ambiguous(total, micro, accumulation, world=world, size=size)
         if micro is None:
             micro = total // per_step
         else:
@@ -148,3 +172,39 @@ def batch_sizes(config: dict, *, world: int, size: int) -> dict:
         accumulation = accumulation or 1
     return {**config, "train_batch_size": micro * accumulation * world, "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": accumulation}
+
+
+def _refuse_ambiguous(total: int, micro, accumulation, *, world: int, size: int) -> None:
+    """A ValueError when micro batch or accumulation (or both) are missing and ``total`` also reads as counting the
+    context-parallel ranks (what DeepSpeed alone would assume): a missing key would differ between the readings."""
+    if size == 1 or (micro is not None and accumulation is not None) or total % ((micro or accumulation or 1) * world):
+        return
+    replicas = world // size
+    if micro is None and accumulation is None:      # DeepSpeed alone: accumulation 1, micro batch = total / ranks
+        given, missing, unit = '"gradient_accumulation_steps" (1 when not given)', "train_micro_batch_size_per_gpu", 1
+        scope = 'no "train_micro_batch_size_per_gpu"'
+    else:
+        key, missing = (("train_micro_batch_size_per_gpu", "gradient_accumulation_steps") if micro else
+                        ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu"))
+        unit = micro or accumulation
+        given, scope = f'"{key}" ({unit})', f'no "{missing}"'
+    ours, native = total // (unit * replicas), total // (unit * world)
+    raise ValueError(f'"train_batch_size" ({total}) with {given} and {scope} is ambiguous: as micro batch × '
+                     f'accumulation × {replicas} data-parallel replica(s) (context-parallel ranks not counted) it '
+                     f'means "{missing}": {ours}; counting all {world} ranks, as DeepSpeed does without "{SECTION}", '
+                     f'it means "{missing}": {native}. Give "{missing}": {ours} with "train_batch_size" {total}, or '
+                     f'{native} with "train_batch_size" {total // size} (or none)')
+
+
+def _refuse_curriculum(config: dict) -> None:
+    """DeepSpeed's curriculum data sampling (``"data_efficiency"``: ``"data_sampling"``: ``"curriculum_learning"``:
+    ``"enabled": true``; DeepSpeed reads that flag alone) picks each rank's samples over every rank it counts as
+    data parallel, context-parallel ranks included, and the section's loaders do not implement it: a ValueError."""
+    curriculum = config
+    for key in ("data_efficiency", "data_sampling", "curriculum_learning"):
+        curriculum = curriculum.get(key) if isinstance(curriculum, dict) else None
+    if isinstance(curriculum, dict) and curriculum.get("enabled", False):
+        raise ValueError(f'"data_efficiency.data_sampling.curriculum_learning" cannot be combined with "{SECTION}": '
+                         "DeepSpeed's curriculum sampler would give the ranks sharing a sequence different samples, "
+                         "and ctx_plugin's loader does not implement curriculum sampling; set its \"enabled\" to "
+                         f'false (or drop it), or train without "{SECTION}"')

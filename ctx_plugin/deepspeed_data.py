@@ -69,13 +69,17 @@ def shard_batch(batch: dict, groups: CPGroups, *, pad_documents: bool = False) -
 
 class ShardedLoader:
     """Batches of ``dataset`` for this data-parallel replica (every rank of a context-parallel group gets the
-    same samples), sharded with :func:`shard_batch`."""
+    same samples), sharded with :func:`shard_batch`. ``drop_last``: drop the last, incomplete batch (DeepSpeed's
+    ``"dataloader_drop_last"``); ``shuffle``: ``DistributedSampler``'s (seed 0, the same order on every rank of a
+    group), as DeepSpeed's training loader; ``pin_memory`` and ``num_workers``: ``DataLoader``'s."""
 
     def __init__(self, dataset, batch_size: int, groups: CPGroups, *, replicas: int, replica: int,
-                 collate_fn=None, pad_documents: bool = False) -> None:
-        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=False)
+                 collate_fn=None, pad_documents: bool = False, drop_last: bool = False, shuffle: bool = False,
+                 pin_memory: bool = False, num_workers: int = 0) -> None:
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=shuffle)
         self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                                                  collate_fn=collate_fn)
+                                                  collate_fn=collate_fn, drop_last=drop_last, pin_memory=pin_memory,
+                                                  num_workers=num_workers)
         self.groups, self.pad_documents = groups, pad_documents
 
     def __len__(self) -> int:

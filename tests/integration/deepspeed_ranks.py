@@ -325,3 +325,45 @@ def loader_shards(rank: int, world: int, payload) -> dict:
     batch = next(iter(loader))
     full = {k: ctx_plugin.gather_sequence(v, config=cfg, groups=groups, dim=1).tolist() for k, v in batch.items()}
     return {"full": full, "local_len": batch["input_ids"].shape[1], "batches": len(loader)}
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
+def io_loaders(rank: int, world: int, payload: dict) -> dict:
+    """At CP 2 (one data-parallel replica), ``ctx_plugin.deepspeed.initialize(args=...)`` with the config in
+    ``args.deepspeed_config`` (``payload["config"]``, which sets ``"dataloader_drop_last"``) on 5 samples, micro batch
+    2: the training loader's and ``engine.deepspeed_io``'s batches (eval and training routes) gathered back, and
+    what ``deepspeed_io`` refuses."""
+    import argparse
+
+    import ctx_plugin
+    import ctx_plugin.deepspeed as cpds
+
+    _start(rank, world)
+    data = [{"input_ids": torch.arange(i * 100, i * 100 + 8), "labels": torch.arange(i * 100, i * 100 + 8)}
+            for i in range(5)]
+    model = qwen2()
+    args = argparse.Namespace(deepspeed_config=payload["config"], local_rank=rank)
+    engine, _, loader, _ = cpds.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                           training_data=data)
+    groups = engine.ctx_plugin_groups
+
+    def gathered(batches) -> list:
+        return [ctx_plugin.gather_sequence(b["input_ids"], config=groups.config, groups=groups, dim=1).tolist()
+                for b in batches]
+
+    out = {"args_config": args.deepspeed_config, "train": gathered(loader),
+           "eval": gathered(engine.deepspeed_io(data, route="eval", pin_memory=False)),
+           "io_train": gathered(engine.deepspeed_io(data, batch_size=1, pin_memory=False)),
+           "local_len": next(iter(loader))["input_ids"].shape[1]}
+    for key, kwargs in {"sampler": {"data_sampler": torch.utils.data.SequentialSampler(data)},
+                        "iterable": {"dataset": _Stream()}}.items():
+        try:
+            engine.deepspeed_io(**{"dataset": data, **kwargs})
+        except ValueError as e:
+            out[key] = str(e)
+    engine.destroy()
+    return out

@@ -50,3 +50,28 @@ def test_loader_gives_each_context_group_the_same_samples_sharded():
         assert r["full"]["input_ids"] == want_ids and r["local_len"] == 4 and r["batches"] == 1
         assert r["full"]["labels"] == [ids[1:] + [-100] for ids in want_ids]
         assert r["full"]["loss_mask"] == [[i % 3 for i in ids] for ids in want_ids]
+
+
+def test_deepspeed_io_and_drop_last_give_each_context_group_the_same_samples(tmp_path):
+    """CP 2, one replica, 5 samples, micro batch 2, "dataloader_drop_last": the config comes in
+    args.deepspeed_config (deepspeed.initialize refuses it in both args and config=); both ranks see the same
+    samples, gathered whole, in whole batches only; engine.deepspeed_io too (DeepSpeed's would give each rank of
+    the group a different sample), in order on the eval route, shuffled as DeepSpeed's DistributedSampler on the
+    training route."""
+    import json
+
+    import torch
+
+    from tests.integration.deepspeed_ranks import OPTIM, spawn
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "dataloader_drop_last": True,
+                                  "optimizer": {"type": "Adam", "params": {**OPTIM, "torch_adam": True}},
+                                  "context_parallel": {"size": 2, "kernel": "torch"}}))
+    ids = [list(range(i * 100, i * 100 + 8)) for i in range(5)]
+    shuffled = torch.randperm(5, generator=torch.Generator().manual_seed(0)).tolist()   # DistributedSampler, seed 0
+    for r in spawn("io_loaders", 2, {"config": str(config)}):
+        assert r["args_config"] == str(config) and r["local_len"] == 4
+        assert r["train"] == r["eval"] == [[ids[0], ids[1]], [ids[2], ids[3]]]          # the 5th sample dropped
+        assert r["io_train"] == [[ids[i]] for i in shuffled]
+        assert "engine.deepspeed_io(data_sampler=...)" in r["sampler"] and "needs a map-style dataset" in r["iterable"]

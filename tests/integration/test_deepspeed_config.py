@@ -33,6 +33,10 @@ def test_train_batch_size_is_counted_in_data_parallel_replicas():
     assert _sizes(8, 4, train_batch_size=6) == (24, 3, 1)
     assert _sizes(8, 1, train_batch_size=8) == (8, 1, 1)
     assert _sizes(8, 4, train_micro_batch_size_per_gpu=2) == (None, 2, None)       # DeepSpeed derives the rest
+    # Both readings of train_batch_size fit (an error, below) only when one of the two keys is missing:
+    assert _sizes(8, 4, train_batch_size=16, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4) == \
+        (64, 2, 4)
+    assert _sizes(8, 1, train_batch_size=16, train_micro_batch_size_per_gpu=2) == (16, 2, 1)     # no CP: one reading
 
 
 @pytest.mark.parametrize("given,message", [
@@ -47,6 +51,20 @@ def test_train_batch_size_is_counted_in_data_parallel_replicas():
                                r"\(1\) × 2"),
     (dict(train_batch_size=4, gradient_accumulation_steps=0), r'"gradient_accumulation_steps" must be a positive int'),
     (dict(train_batch_size=4.0), r'"train_batch_size" must be a positive int'),
+    (dict(train_batch_size=16, train_micro_batch_size_per_gpu=2),        # DeepSpeed alone: accumulation 1
+     r'"train_batch_size" \(16\) with "train_micro_batch_size_per_gpu" \(2\) and no "gradient_accumulation_steps" '
+     r'is ambiguous: as micro batch × accumulation × 2 data-parallel replica\(s\) .* "gradient_accumulation_steps": '
+     r'4; counting all 8 ranks, .* "gradient_accumulation_steps": 1\. Give "gradient_accumulation_steps": 4 with '
+     r'"train_batch_size" 16, or 1 with "train_batch_size" 4 \(or none\)'),
+    (dict(train_batch_size=16),                                           # DeepSpeed alone: micro batch 2
+     r'"train_batch_size" \(16\) with "gradient_accumulation_steps" \(1 when not given\) and no '
+     r'"train_micro_batch_size_per_gpu" is ambiguous: .* "train_micro_batch_size_per_gpu": 8; counting all 8 ranks, '
+     r'.* "train_micro_batch_size_per_gpu": 2\. Give "train_micro_batch_size_per_gpu": 8 with "train_batch_size" 16, '
+     r'or 2 with "train_batch_size" 4'),
+    (dict(train_batch_size=32, gradient_accumulation_steps=2),
+     r'"train_batch_size" \(32\) with "gradient_accumulation_steps" \(2\) and no "train_micro_batch_size_per_gpu" is '
+     r'ambiguous: .* "train_micro_batch_size_per_gpu": 8; counting all 8 ranks, .* "train_micro_batch_size_per_gpu": '
+     r'2\. Give "train_micro_batch_size_per_gpu": 8 with "train_batch_size" 32, or 2 with "train_batch_size" 8'),
 ])
 def test_wrong_train_batch_sizes_say_which_value_to_use(given, message):
     with pytest.raises(ValueError, match=message):

@@ -60,3 +60,67 @@ def test_initialize_rejects_conflicts_before_starting_anything():
         initialize(model=model, config=base, mpu=object())
     with pytest.raises(TypeError, match="config= as a dict or a JSON path"):
         initialize(model=model, config=3)
+
+
+def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path):
+    from ctx_plugin.deepspeed_config import _load_config
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2, "recompute": "full", '
+                    '"recompute": "none"}, "steps_per_print": 1, "steps_per_print": 2}')
+    with pytest.raises(ValueError, match=r"gives key\(s\) \['recompute'\] more than once in one object"):
+        _load_config(str(path), None)
+    path.write_text('{"steps_per_print": 1, "context_parallel": {"size": 2}, "zero_optimization": {"size": 2}}')
+    assert _load_config(path, None) == {"steps_per_print": 1, "context_parallel": {"size": 2},
+                                        "zero_optimization": {"size": 2}}          # the same key in two objects
+
+
+def test_a_config_in_args_reaches_deepspeed_once(tmp_path, monkeypatch):
+    """``--deepspeed_config``: ctx_plugin reads it and hands DeepSpeed the config and a copy of args without it
+    (deepspeed.initialize asserts when it gets a config in both); the caller's args stay as they were."""
+    import argparse
+    import json
+
+    deepspeed = pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed import initialize
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    seen = []
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: seen.append(kw) or "engine")
+    model = torch.nn.Linear(2, 2)
+    for key in ("deepspeed_config", "deepscale_config"):
+        args = argparse.Namespace(**{key: str(path)}, local_rank=0)
+        assert initialize(args=args, model=model) == "engine"
+        assert seen[-1]["config"] == {"train_micro_batch_size_per_gpu": 1}
+        assert getattr(seen[-1]["args"], key) is None and seen[-1]["args"].local_rank == 0
+        assert getattr(args, key) == str(path)
+    with pytest.raises(ValueError, match=r"a config in both config= and args .*: give one of them"):
+        initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=model, config={})
+    with pytest.raises(ValueError, match="args has both deepspeed_config and deepscale_config"):
+        initialize(args=argparse.Namespace(deepspeed_config=str(path), deepscale_config=str(path)), model=model)
+
+
+def test_curriculum_data_sampling_is_refused_with_the_section():
+    pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed import initialize
+
+    model = torch.nn.Linear(2, 2)
+    base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
+    curriculum = {"data_efficiency": {"data_sampling": {"curriculum_learning": {"enabled": True}}}}
+    with pytest.raises(ValueError, match=r'"data_efficiency.data_sampling.curriculum_learning" cannot be combined '
+                                         r'with "context_parallel": .*set its "enabled" to false'):
+        initialize(model=model, config={**base, **curriculum})
+    curriculum["data_efficiency"]["data_sampling"]["curriculum_learning"]["enabled"] = False
+    with pytest.raises(ValueError, match="do not pass mpu="):         # disabled: initialize goes on to the next check
+        initialize(model=model, config={**base, **curriculum}, mpu=object())
+
+
+def test_sharded_loader_drops_the_last_incomplete_batch_when_asked():
+    from ctx_plugin.deepspeed import ShardedLoader
+
+    groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig())
+    data = [{"input_ids": torch.arange(8) + i} for i in range(5)]
+    kept = ShardedLoader(data, 2, groups, replicas=1, replica=0)
+    dropped = ShardedLoader(data, 2, groups, replicas=1, replica=0, drop_last=True)
+    assert (len(kept), len(list(kept)), len(dropped), len(list(dropped))) == (3, 3, 2, 2)

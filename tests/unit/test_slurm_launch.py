@@ -314,7 +314,10 @@ def test_deepspeed_script_program(tmp_path, ds_config):
     ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
       "context_parallel": {"size": 2}}, r'"train_batch_size" is 6; give 4'),
     ({"context_parallel": {"size": 2}}, "sets neither train_batch_size nor train_micro_batch_size_per_gpu"),
-], ids=["json", "no-section", "unknown-key", "world", "batch-3-1", "batch-gas", "batch-6-2", "no-batch"])
+    ({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 2}},
+     r'"train_batch_size" \(4\) with "train_micro_batch_size_per_gpu" \(2\) and no "gradient_accumulation_steps" is '
+     r'ambiguous'),
+], ids=["json", "no-section", "unknown-key", "world", "batch-3-1", "batch-gas", "batch-6-2", "no-batch", "ambiguous"])
 def test_deepspeed_config_errors(config, message, ds_config, model_json):
     with pytest.raises(ValueError, match=message):
         deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(config))
@@ -327,10 +330,10 @@ def test_deepspeed_missing_config(tmp_path, model_json):
 
 @pytest.mark.parametrize("batch", [
     {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1},
-    {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2},          # accumulation 2
-    {"train_batch_size": 4},
+    {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4},          # accumulation 1
+    {"train_batch_size": 3},                                               # micro batch 3
     {"train_batch_size": 4, "gradient_accumulation_steps": 4},
-], ids=["tb2-m2-g1", "tb4-m2", "tb4", "tb4-g4"])    # 2 ranks, CP 2: one data-parallel replica
+], ids=["tb2-m2-g1", "tb4-m4", "tb3", "tb4-g4"])    # 2 ranks, CP 2: one data-parallel replica; each reads one way
 @needs_hf
 def test_deepspeed_consistent_batches(batch, ds_config, model_json):
     config = {**batch, "context_parallel": {"size": 2}}
