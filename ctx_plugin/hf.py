@@ -12,8 +12,9 @@ per-head attention sinks (``s_aux``) arrive as keywords of the attention interfa
 :func:`ctx_plugin.cp_attention` with transformers' own mask semantics (:func:`hf_window`).
 
 Nothing is dropped silently. :func:`enable` refuses models with attention options ctx_plugin does not implement
-(dropout, chunked attention, non-attention token mixers, attention outside transformers' interface); before
-every forward, the model's inputs are checked (padding masks, caches, position ids, labels)
+(dropout, chunked attention, non-attention token mixers, attention outside transformers' interface, settings computed
+from a rank's shard: :mod:`ctx_plugin.hf_checks`); before every forward of the model, or of its base model called
+directly, the inputs are checked once (padding masks, caches, position ids, labels, logits_to_keep)
 and the ranks of the context-parallel group share their findings (one small all-reduce), so a problem on any rank
 is the same ``ValueError`` on every rank; and the attention function refuses every keyword it does not know to be
 harmless (:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`: the README's table).
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from .api import cp_attention, sequence_positions
 from .config import CPConfig
 from .groups import CPGroups
+from .hf_checks import Running, checked_modules, config_problems, windowed_without_keyword
 from .packing import DOCUMENTS_KEYWORD, HF_DOCUMENT_KEYWORDS, hf_documents
 from .rules import SettingNames, check_documents_fit, check_heads
 
@@ -114,6 +116,9 @@ class _Attention:
                     not isinstance(val, torch.nn.Module) and _set(val))):
                 raise ValueError(f"{type(module).__name__}.{attr} is set but the model does not pass it to the "
                                  f"attention interface as {keyword}=, so ctx_plugin's attention cannot apply it")
+        unwindowed = windowed_without_keyword(module, kwargs)
+        if unwindowed is not None:
+            raise ValueError(unwindowed)
         given = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if given is None else given)
         sinks = kwargs.get("s_aux")
@@ -198,6 +203,8 @@ def _unsupported(model) -> list[str]:
         if getattr(c, "attention_dropout", 0) or 0:
             note("attention_dropout", f"attention_dropout={c.attention_dropout} (ctx_plugin's attention has no "
                  f"dropout: set it to 0 before building the model)", where)
+        for option, text in config_problems(c):
+            note(option, text, where)
     for path, m in model.named_modules():
         for attr, what in _MODULE_OPTIONS.items():
             val = getattr(m, attr, None)
@@ -256,10 +263,13 @@ class _InputCheck:
                      "the global position_ids, or ctx_plugin.sequence_positions(..., documents=))",
         "labels": "labels= makes transformers shift labels inside this rank's shard (wrong targets at the shard "
                   "edges); shift labels before sharding and compute the loss from the logits (see the README)",
+        "logits_to_keep": "a nonzero logits_to_keep keeps the last tokens (or the indices) of this rank's shard, "
+                          "not of the global sequence; call the model with logits_to_keep=0 and pick the logits "
+                          "after ctx_plugin.gather_sequence",
     }
 
-    def __init__(self, cp_config: CPConfig, groups: CPGroups, signature: inspect.Signature):
-        self.cp_config, self.groups, self.signature = cp_config, groups, signature
+    def __init__(self, cp_config: CPConfig, groups: CPGroups, signature: inspect.Signature, running: Running):
+        self.cp_config, self.groups, self.signature, self.running = cp_config, groups, signature, running
         self.var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
     def _documents(self, arguments: dict, tokens):
@@ -278,13 +288,18 @@ class _InputCheck:
 
     def _flags(self, model, arguments: dict, tokens, device: torch.device, documents, bad_documents: bool) -> list:
         mask, positions = arguments.get("attention_mask"), arguments.get("position_ids")
+        extra = arguments.get(self.var_keyword) or {} if self.var_keyword else {}
         use_cache = arguments.get("use_cache")
         use_cache = getattr(model.config, "use_cache", False) if use_cache is None else use_cache
+        keep = arguments.get("logits_to_keep")
         flags = {"mask": False if mask is None else
                  (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or (mask == 0).any()),
-                 "cache": bool(use_cache) or arguments.get("past_key_values") is not None,
+                 # transformers 5.24 names the cache `cache` (past_key_values: deprecated, arrives in **kwargs)
+                 "cache": bool(use_cache) or any(where.get(name) is not None for where in (arguments, extra)
+                                                 for name in ("cache", "past_key_values")),
                  "documents": bad_documents, "no_positions": positions is None, "positions": False,
-                 "labels": arguments.get("labels") is not None}
+                 "labels": arguments.get("labels") is not None,
+                 "logits_to_keep": keep is not None and (isinstance(keep, torch.Tensor) or keep != 0)}
         if isinstance(positions, torch.Tensor) and isinstance(tokens, torch.Tensor) \
                 and positions.shape[-1] != tokens.shape[1]:
             flags["positions"] = True
@@ -298,6 +313,8 @@ class _InputCheck:
         return [torch.as_tensor(flags[k], device=device) for k in self.PROBLEMS]
 
     def __call__(self, model, args, kwargs):
+        if self.running.module is not None:     # inside the forward of a model whose check ran (model.model(...))
+            return None
         arguments = self.signature.bind_partial(*args, **kwargs).arguments
         tokens = arguments.get("input_ids")
         tokens = arguments.get("inputs_embeds") if tokens is None else tokens
@@ -320,6 +337,7 @@ class _InputCheck:
                  for text, row in zip(self.PROBLEMS.values(), flags.tolist()) if any(row)]
         if found:
             raise ValueError("ctx_plugin: " + "; ".join(found))
+        self.running.module = model
         if documents is not None:     # read once per forward: every layer's attention gets them as one object
             kwargs = {k: v for k, v in kwargs.items() if k not in HF_DOCUMENT_KEYWORDS}
             return args, {**kwargs, DOCUMENTS_KEYWORD: documents}
@@ -347,9 +365,14 @@ def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None
         raise ValueError(f"transformers did not switch {type(model).__name__} to {name!r} (it uses "
                          f"{model.config._attn_implementation!r})")
     model.config.use_cache = False
-    previous = getattr(model, "_ctx_plugin_input_check", None)
-    if previous is not None:                            # enabled again (e.g. other groups): one check, the new one
+    for previous in getattr(model, "_ctx_plugin_input_check", ()):  # enabled again (e.g. other groups): the new one
         previous.remove()
-    model._ctx_plugin_input_check = model.register_forward_pre_hook(
-        _InputCheck(cp_config, groups, inspect.signature(model.forward)), with_kwargs=True)
+    running, handles = Running(), []
+    for m in checked_modules(model):
+        if getattr(m, "config", None) is not None:
+            m.config.use_cache = False
+        handles += [m.register_forward_pre_hook(_InputCheck(cp_config, groups, inspect.signature(m.forward), running),
+                                                with_kwargs=True),
+                    m.register_forward_hook(running, always_call=True)]
+    model._ctx_plugin_input_check = tuple(handles)
     return name

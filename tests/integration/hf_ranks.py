@@ -168,6 +168,8 @@ def _packed(kind: str, backend: str, u: int, mix: str) -> dict:
 
 def _refused_inputs(setup: str, rank: int, world: int) -> dict:
     """What each bad input does on this rank: the error text and how long it took to come."""
+    import transformers
+
     import ctx_plugin
     import ctx_plugin.hf
 
@@ -186,12 +188,16 @@ def _refused_inputs(setup: str, rank: int, world: int) -> dict:
              "cache": dict(input_ids=ids, position_ids=pos, use_cache=True),
              "no_positions": dict(input_ids=ids),
              "packed": dict(input_ids=ids, position_ids=shard(packed)),
-             "labels": dict(input_ids=ids, position_ids=pos, labels=shard(labels))}
+             "labels": dict(input_ids=ids, position_ids=pos, labels=shard(labels)),
+             "logits_to_keep": dict(input_ids=ids, position_ids=pos, logits_to_keep=1),
+             "cache_object": dict(input_ids=ids, position_ids=pos, use_cache=False,
+                                  cache=transformers.DynamicCache(config=m.config)),
+             "inner_padding": dict(input_ids=ids, position_ids=pos, attention_mask=shard(right_padding))}
     out = {}
     for name, kwargs in cases.items():
         start = time.monotonic()
         try:
-            m(**kwargs)
+            (m.model if name.startswith("inner") else m)(**kwargs)   # inner: the base model called directly
             out[name] = {"error": None}
         except ValueError as e:
             out[name] = {"error": str(e), "seconds": time.monotonic() - start}

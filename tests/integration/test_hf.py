@@ -3,8 +3,9 @@
 Spawned gloo ranks (one launch per world size, hf_ranks.suite): a tiny LlamaForCausalLM (GQA) at CP = 2 and 4 for
 every backend (hybrid: ulysses_size 2), a bidirectional Llama and a tiny Qwen2 (q/k/v biases, GQA, init std 0.1,
 float64) against HF's own sdpa attention on one rank: loss, logits (gathered) and every parameter gradient; inputs
-ctx_plugin cannot honour (right padding held by one rank, caches, missing or packed positions, labels) raise the
-same error on every rank within seconds; models with other groups in one process keep their own.
+ctx_plugin cannot honour (right padding held by one rank, also given to the base model directly, caches, a cache
+object, missing or packed positions, labels, logits_to_keep) raise the same error on every rank within seconds;
+models with other groups in one process keep their own.
 
 The attention variants (sliding windows, also per layer and bidirectional, Gemma-2's softcap, gpt-oss's sinks)
 match HF's own attention at CP 2 and 4 with their gradients (the sinks' summed over the ranks, as every parameter's),
@@ -88,7 +89,10 @@ def test_packed_documents_match_hf_per_document(world, kind, backend, u, mix):
 
 REFUSAL_TEXT = {"padding": "cannot apply a padding/custom attention_mask", "cache": "use_cache=False",
                 "no_positions": "position_ids were not given", "packed": "restarting at 0 in each document",
-                "labels": "labels= makes transformers shift labels"}
+                "labels": "labels= makes transformers shift labels",
+                "logits_to_keep": "call the model with logits_to_keep=0",
+                "cache_object": "a KV cache built from context-parallel shards",
+                "inner_padding": "cannot apply a padding/custom attention_mask"}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -105,6 +109,7 @@ def test_bad_inputs_raise_the_same_error_on_every_rank(world):
         # right padding sits on one rank only: the last for the contiguous ring, rank 0 for zigzag
         holder = world - 1 if backend.startswith("ring") else 0
         assert f"(CP ranks [{holder}])" in per_rank[0]["padding"]["error"]
+        assert f"(CP ranks [{holder}])" in per_rank[0]["inner_padding"]["error"]     # model.model(...) directly
 
 
 def test_models_with_other_groups_keep_their_own():

@@ -1,0 +1,111 @@
+"""Checks of :mod:`ctx_plugin.hf` that read a transformers config or module: options whose result depends on the
+length a rank sees (its shard, not the sequence), sliding windows that a model applies only through its mask, and
+which modules' forwards the input check guards (:func:`checked_modules`, once per forward: :class:`Running`).
+
+A context-parallel rank holds a shard of the sequence, so anything transformers computes from the length or the
+positions of what one forward sees is computed from the shard:
+
+- RoPE types ``dynamic`` (NTK, rebuilding ``inv_freq``) and ``longrope`` (short or long factors) pick their
+  frequencies from ``max(position_ids) + 1`` (``modeling_rope_utils.dynamic_rope_update``): the shard's;
+- Llama-4's ``attn_temperature_tuning`` scales the queries of NoPE layers by their positions ``arange(local_len)``.
+
+Both are refused by :func:`config_problems` (at :func:`ctx_plugin.hf.enable`), never approximated.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def _rope_types(params) -> list[tuple[str, str]]:
+    """(where, rope type) of a ``rope_parameters`` / ``rope_scaling`` value: one dict with ``rope_type`` (or the
+    legacy ``type``), or a dict of such dicts per layer type (``{"full_attention": {...}, ...}``)."""
+    if not isinstance(params, dict):
+        return []
+    if "rope_type" in params or "type" in params:
+        return [("", str(params.get("rope_type", params.get("type"))))]
+    return [(f"[{key!r}]", str(value.get("rope_type", value.get("type"))))
+            for key, value in params.items() if isinstance(value, dict) and ("rope_type" in value or "type" in value)]
+
+
+def _length_dependent(rope_type: str) -> bool:
+    """Whether transformers recomputes the RoPE frequencies from a forward's largest position id
+    (``dynamic_rope_update`` tests ``"dynamic" in rope_type``, so every dynamic variant, and ``longrope``)."""
+    return rope_type == "longrope" or "dynamic" in rope_type
+
+
+def config_problems(config) -> list[tuple[str, str]]:
+    """(option, text) for each setting of ``config`` whose result would come from a rank's shard."""
+    found = []
+    seen = set()
+    for attr in ("rope_parameters", "rope_scaling"):
+        for where, rope_type in _rope_types(getattr(config, attr, None)):
+            if _length_dependent(rope_type) and (where, rope_type) not in seen:
+                seen.add((where, rope_type))
+                found.append((f"rope_type{where}", f"{attr}{where}['rope_type']={rope_type!r} (RoPE frequencies chosen "
+                              f"from the largest position id a forward sees, under context parallelism each "
+                              f"rank's shard, not the sequence; use a config whose rope_type does not depend on "
+                              f"the length, e.g. 'default', 'linear', 'llama3' or 'yarn')"))
+    no_rope = getattr(config, "no_rope_layers", None) or []
+    if getattr(config, "attn_temperature_tuning", False) and any(not use_rope for use_rope in no_rope):
+        found.append(("attn_temperature_tuning", "attn_temperature_tuning=True with NoPE layers (no_rope_layers "
+                      "0): their queries are scaled by the positions within each rank's shard, not the sequence's; "
+                      "set attn_temperature_tuning=False"))
+    return found
+
+
+def windowed_without_keyword(module, kwargs: dict) -> str | None:
+    """Why ``module`` should attend through a sliding window that its call does not pass (``sliding_window``
+    absent or ``None``), or ``None``. transformers windows a layer through the mask it builds when its config has
+    ``sliding_window`` and no ``layer_types`` (every layer), or ``layer_types[layer_idx] == "sliding_attention"``;
+    ctx_plugin's attention takes no mask, so the window would be lost (e.g. PhiMoE)."""
+    if kwargs.get("sliding_window") is not None:
+        return None
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if layer_types is None:
+        if window is None:
+            return None
+        where = f"config.sliding_window={window!r} and no layer_types (every layer is windowed)"
+    elif isinstance(index, int) and 0 <= index < len(layer_types):
+        if layer_types[index] != "sliding_attention":
+            return None
+        where = f"config.layer_types[{index}] is 'sliding_attention' (sliding_window={window!r})"
+    elif "sliding_attention" in layer_types:
+        where = f"config.layer_types has 'sliding_attention' layers and {type(module).__name__} has no layer_idx"
+    else:
+        return None
+    return (f"{type(module).__name__} is a sliding-window layer ({where}) but the model does not pass "
+            f"sliding_window= to the attention interface (transformers applies the window through its mask, which "
+            f"ctx_plugin's attention does not take), so the window would be dropped; use a model that passes it "
+            f"(Mistral, Qwen2, Gemma-2/3, gpt-oss, ...), or a config with sliding_window=None if the model is "
+            f"meant to attend to the whole sequence")
+
+
+class Running:
+    """Which of a model's checked modules (the model, its base model, its decoder) runs the forward whose inputs were
+    checked: the modules it calls skip their check (one check, one all-reduce, per forward); the forward hook clears
+    it, also when the forward raises. Calling the inner module directly (PEFT calls ``model.forward``, which skips
+    the model's hooks) checks there."""
+
+    def __init__(self):
+        self.module = None
+
+    def __call__(self, module, args, output):
+        if self.module is module:
+            self.module = None
+
+
+def checked_modules(model) -> list:
+    """The model and the modules its forward calls that take the same inputs (``base_model``, ``get_decoder()``),
+    each once, those whose forward takes ``position_ids``."""
+    found = [model, getattr(model, "base_model", model)]
+    try:
+        found.append(model.get_decoder())
+    except (AttributeError, NotImplementedError, ValueError, TypeError):
+        pass
+    unique = {id(m): m for m in found if isinstance(m, torch.nn.Module)}
+    return [m for m in unique.values() if "position_ids" in inspect.signature(m.forward).parameters]

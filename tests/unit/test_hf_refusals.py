@@ -1,0 +1,254 @@
+"""Hugging Face models whose result under context parallelism would depend on what one rank sees are refused with a
+ValueError naming the setting (one CP rank in this process; the references are transformers' own code):
+
+- length-dependent RoPE (``dynamic``, ``longrope``; also per layer type and as the legacy ``rope_scaling``) and
+  Llama-4's ``attn_temperature_tuning`` with NoPE layers, at enable — HF's own rotary embedding on a shard differs
+  from the one on the whole sequence for exactly those types;
+- a sliding-window layer whose model does not pass ``sliding_window=`` (PhiMoE), at its forward, while the models
+  that pass it (or have no window) give HF's sdpa logits in float64;
+- the input check also on the inner model (``model.model(...)``, ``model.forward(...)``), once per forward;
+- a cache passed as ``cache=`` (transformers 5.24's name) or ``past_key_values=``, and a nonzero ``logits_to_keep``.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
+
+import torch  # noqa: E402
+
+import ctx_plugin  # noqa: E402
+import ctx_plugin.hf as cphf  # noqa: E402
+from ctx_plugin.hf_checks import config_problems  # noqa: E402
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _one_rank():
+    cfg = ctx_plugin.CPConfig(backend="ring", kernel="torch")
+    return cfg, ctx_plugin.build_cp_groups(cfg)
+
+
+def _dynamic(**extra):
+    return {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4, **extra}
+
+
+def _longrope():
+    return {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [4.0] * 4,
+            "original_max_position_embeddings": 16}
+
+
+ROPE_REFUSED = {
+    "phi3_longrope": (lambda: transformers.Phi3Config(**COMMON, original_max_position_embeddings=16, pad_token_id=0,
+                                                      rope_parameters=_longrope()), "'longrope'"),
+    "llama_dynamic": (lambda: transformers.LlamaConfig(**COMMON, rope_parameters=_dynamic()), "'dynamic'"),
+    "llama_legacy_rope_scaling": (lambda: transformers.LlamaConfig(**COMMON, rope_scaling={
+        "type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "'dynamic'"),
+    "gemma3_per_layer_type": (lambda: transformers.Gemma3TextConfig(**COMMON, rope_parameters={
+        "full_attention": _dynamic(), "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        "rope_parameters['full_attention']['rope_type']='dynamic'"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_REFUSED))
+def test_length_dependent_rope_is_refused_at_enable(case):
+    make_config, text = ROPE_REFUSED[case]
+    model = transformers.AutoModelForCausalLM.from_config(make_config(), attn_implementation="eager")
+    with pytest.raises(ValueError, match="does not implement these options") as e:
+        cphf.enable(model, *_one_rank())
+    assert text in str(e.value) and "rope_type does not depend on the length" in str(e.value)
+    assert model.config._attn_implementation == "eager"                 # nothing changed
+
+
+def test_legacy_rope_scaling_attribute_is_read():
+    """A config (remote code) carrying only the legacy ``rope_scaling`` attribute."""
+    assert [o for o, _ in config_problems(SimpleNamespace(rope_scaling={"type": "longrope"}))] == ["rope_type"]
+    assert config_problems(SimpleNamespace(rope_scaling={"type": "linear", "factor": 2.0})) == []
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 1e4},
+                                  {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                                  {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
+                                   "original_max_position_embeddings": 32}], ids=["default", "linear", "yarn"])
+def test_length_independent_rope_is_accepted(rope):
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, rope_parameters=rope))
+    assert cphf.enable(model, *_one_rank()) == model.config._attn_implementation
+
+
+@pytest.mark.parametrize("rope,differs", [(_longrope(), True), (_dynamic(), True),
+                                          ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, False)],
+                         ids=["longrope", "dynamic", "linear"])
+def test_hf_rotary_on_a_shard_differs_exactly_for_the_refused_types(rope, differs):
+    """Why: transformers' own rotary embedding of rank 0's shard (positions 0..15 of 32, a fresh module as on that
+    rank) against the whole sequence's, for the same positions."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 16}, rope_parameters=rope)
+    x, pos = torch.zeros(1, 32, 8, dtype=torch.float64), torch.arange(32)[None]
+    full = LlamaRotaryEmbedding(config)(x, pos)[0]
+    shard = LlamaRotaryEmbedding(config)(x[:, :16], pos[:, :16])[0]
+    assert ((shard - full[:, :16]).abs().max().item() > 1e-3) is differs
+    assert bool(config_problems(config)) is differs
+
+
+def _llama4(**extra):
+    return transformers.Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, intermediate_size_mlp=64,
+                                         num_local_experts=2, attention_chunk_size=None, floor_scale=2,
+                                         attn_scale=0.5, **extra)
+
+
+def test_llama4_temperature_tuning_with_nope_layers_is_refused_at_enable():
+    config = _llama4()
+    assert config.attn_temperature_tuning and 0 in config.no_rope_layers     # transformers' defaults
+    model = transformers.Llama4ForCausalLM(config)
+    with pytest.raises(ValueError, match="set attn_temperature_tuning=False"):
+        cphf.enable(model, *_one_rank())
+    for ok in (_llama4(attn_temperature_tuning=False), _llama4(no_rope_layers=[1, 1, 1, 1])):
+        model = transformers.Llama4ForCausalLM(ok)
+        assert cphf.enable(model, *_one_rank()) == model.config._attn_implementation
+
+
+# ---- sliding windows the model does not pass -----------------------------------------------------------------
+
+def _phimoe(window):
+    return transformers.PhimoeConfig(**{k: v for k, v in COMMON.items() if k != "head_dim"}, num_local_experts=2,
+                                     num_experts_per_tok=1, sliding_window=window)
+
+
+WINDOWED = {
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+    "mistral_window": lambda: transformers.MistralConfig(**COMMON, sliding_window=5),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=False),
+    "qwen2_window": lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=5,
+                                                     max_window_layers=0),
+    "gemma3": lambda: transformers.Gemma3TextConfig(**COMMON, sliding_window=5),
+    "phimoe_no_window": lambda: _phimoe(None),
+}
+
+
+def _pair(config):
+    """The same weights under HF's sdpa (the reference) and under ctx_plugin, float64."""
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa",
+                                                        experts_implementation="eager")   # grouped_mm: no float64
+    ref = ref.double().eval()
+    model = copy.deepcopy(ref)
+    cphf.enable(model, *_one_rank())
+    return ref, model
+
+
+def _tokens(n=16):
+    return torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(5)), torch.arange(n).expand(2, n)
+
+
+def test_a_window_the_model_does_not_pass_is_refused():
+    """PhiMoE masks with config.sliding_window but passes no sliding_window= (and its module has no attribute):
+    HF's sdpa and ctx_plugin's attention would differ, so its forward is an error naming the setting."""
+    ref, model = _pair(_phimoe(4))
+    ids, pos = _tokens()
+    whole = copy.deepcopy(ref)
+    whole.config.sliding_window = None                                   # the premise: the window matters here
+    want, without = (m(input_ids=ids, position_ids=pos).logits for m in (ref, whole))
+    assert (want - without).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"sliding-window layer \(config.sliding_window=4 and no layer_types"):
+        model(input_ids=ids, position_ids=pos)
+
+
+def test_a_window_declared_by_layer_types_is_refused_without_the_keyword():
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, use_sliding_window=False)).double()
+    name = cphf.enable(model, *_one_rank())
+    fn = transformers.AttentionInterface()[name]
+    module = model.model.layers[1].self_attn
+    module.config.layer_types = ["full_attention", "sliding_attention"]
+    module.config.sliding_window = 4
+    q = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    k = v = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"config.layer_types\[1\] is 'sliding_attention'"):
+        fn(module, q, k, v, None)
+    fn(model.model.layers[0].self_attn, q, k, v, None)                   # a full layer needs no keyword
+    fn(module, q, k, v, None, sliding_window=4)                          # passed: applied
+
+
+@pytest.mark.parametrize("kind", list(WINDOWED))
+def test_models_that_pass_their_window_match_hf_sdpa(kind):
+    ref, model = _pair(WINDOWED[kind]())
+    ids, pos = _tokens()
+    want = ref(input_ids=ids, position_ids=pos).logits
+    have = model(input_ids=ids, position_ids=pos).logits
+    torch.testing.assert_close(have, want, rtol=1e-10, atol=1e-10)
+
+
+# ---- the input check: inner model, caches, logits_to_keep ------------------------------------------------------
+
+def _llama():
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+    cphf.enable(model, *_one_rank())
+    return model
+
+
+def test_the_inner_model_is_checked_once_per_forward(monkeypatch):
+    model = _llama()
+    ids, pos = _tokens(8)
+    pad = torch.ones_like(ids)
+    pad[0, -3:] = 0
+    calls = []
+    original = cphf._InputCheck._flags
+    monkeypatch.setattr(cphf._InputCheck, "_flags", lambda self, m, *a: calls.append(type(m).__name__) or
+                        original(self, m, *a))
+    for call in (model.model, model.get_decoder(), model.forward):       # PEFT's tuner calls model.forward
+        with pytest.raises(ValueError, match="cannot apply a padding/custom attention_mask"):
+            call(input_ids=ids, position_ids=pos, attention_mask=pad)
+        with pytest.raises(ValueError, match="position_ids were not given"):
+            call(input_ids=ids)
+    assert calls == ["LlamaModel"] * 6
+    calls.clear()
+    model(input_ids=ids, position_ids=pos)
+    model.model(input_ids=ids, position_ids=pos)
+    assert calls == ["LlamaForCausalLM", "LlamaModel"]                   # one check per forward, not two
+    calls.clear()
+    with pytest.raises(IndexError):                                      # checked, then fails inside the model
+        model(input_ids=ids + 64, position_ids=pos)
+    with pytest.raises(ValueError, match="cannot apply a padding"):      # a failed forward leaves nothing behind
+        model.model(input_ids=ids, position_ids=pos, attention_mask=pad)
+    assert calls == ["LlamaForCausalLM", "LlamaModel"]
+
+
+def test_enable_again_keeps_one_check_per_module():
+    model = _llama()
+    cphf.enable(model, *_one_rank())
+    assert len(model._forward_pre_hooks) == len(model.model._forward_pre_hooks) == 1
+    assert len(model._forward_hooks) == len(model.model._forward_hooks) == 1
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_a_cache_object_is_refused_under_either_name(keyword):
+    from transformers import DynamicCache
+
+    model = _llama()
+    ids, pos = _tokens(8)
+    cache = DynamicCache(config=model.config)
+    for call in (model, model.model):
+        with pytest.raises(ValueError, match="a KV cache built from context-parallel shards"):
+            call(input_ids=ids, position_ids=pos, use_cache=False, **{keyword: cache})
+    assert cache.get_seq_length() == 0                                   # nothing was written into it
+
+
+@pytest.mark.parametrize("keep", [1, torch.tensor([3, 7])], ids=["last", "indices"])
+def test_a_nonzero_logits_to_keep_is_refused(keep):
+    model = _llama()
+    ids, pos = _tokens(8)
+    with pytest.raises(ValueError, match="logits_to_keep=0"):
+        model(input_ids=ids, position_ids=pos, logits_to_keep=keep)
+    assert model(input_ids=ids, position_ids=pos, logits_to_keep=0).logits.shape[1] == 8
