@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .api import cp_attention, sequence_positions
 from .config import CPConfig
 from .groups import CPGroups
-from .hf_checks import Running, checked_modules, config_problems, windowed_without_keyword
+from .hf_checks import Running, checked_modules, config_problems, refuse_shard_loss, windowed_without_keyword
 from .packing import DOCUMENTS_KEYWORD, HF_DOCUMENT_KEYWORDS, hf_documents
 from .rules import SettingNames, check_documents_fit, check_heads
 
@@ -375,4 +375,5 @@ def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None
                                                 with_kwargs=True),
                     m.register_forward_hook(running, always_call=True)]
     model._ctx_plugin_input_check = tuple(handles)
+    refuse_shard_loss(model, _InputCheck.PROBLEMS["labels"])
     return name

@@ -109,3 +109,22 @@ def checked_modules(model) -> list:
         pass
     unique = {id(m): m for m in found if isinstance(m, torch.nn.Module)}
     return [m for m in unique.values() if "position_ids" in inspect.signature(m.forward).parameters]
+
+
+class ShardLossRefused:
+    """The ``loss_function`` :func:`ctx_plugin.hf.enable` gives the model: transformers' causal-LM loss would shift
+    ``labels`` inside a rank's shard (wrong targets at its edges). The model's input check refuses ``labels=``; a call
+    that skips that check (``model.forward(..., labels=...)``, as PEFT's tuner calls it) reaches this instead."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __call__(self, *args, **kwargs):
+        raise ValueError(f"ctx_plugin: {self.why} (labels= reached the model's loss function through a call that "
+                         f"skipped its input check, e.g. model.forward(...) as PEFT calls it)")
+
+
+def refuse_shard_loss(model, why: str) -> None:
+    """Replaces ``model.loss_function`` (transformers' settable property) by :class:`ShardLossRefused`."""
+    if isinstance(getattr(type(model), "loss_function", None), property):
+        model.loss_function = ShardLossRefused(why)

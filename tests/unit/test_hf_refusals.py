@@ -252,3 +252,16 @@ def test_a_nonzero_logits_to_keep_is_refused(keep):
     with pytest.raises(ValueError, match="logits_to_keep=0"):
         model(input_ids=ids, position_ids=pos, logits_to_keep=keep)
     assert model(input_ids=ids, position_ids=pos, logits_to_keep=0).logits.shape[1] == 8
+
+
+def test_labels_through_a_call_that_skips_the_check_are_refused_at_the_loss():
+    """model.forward(..., labels=) (PEFT's tuner) skips the model's hooks, so its input check never sees labels; the
+    loss transformers would then compute shifts them inside the shard: the model's loss function refuses."""
+    model = _llama()
+    ids, pos = _tokens(8)
+    with pytest.raises(ValueError, match="labels= makes transformers shift labels inside this rank's shard"):
+        model(input_ids=ids, position_ids=pos, labels=ids)                  # the input check
+    with pytest.raises(ValueError, match="reached the model's loss function through a call that skipped its input "
+                                         "check"):
+        model.forward(input_ids=ids, position_ids=pos, labels=ids)
+    assert model.forward(input_ids=ids, position_ids=pos).loss is None     # without labels: no loss, no error
