@@ -19,6 +19,7 @@ public names are importable from here.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -131,12 +132,11 @@ def _without_config(args):
     return args
 
 
-def _sharded_io(engine, groups: CPGroups, section: ContextParallelSection, default_collate_fn, *, replicas: int,
-                replica: int):
+def _sharded_io(engine, sharded, default_collate_fn):
     """What replaces ``engine.deepspeed_io``: DeepSpeed's would split samples over every rank it counts as data
     parallel, the ranks of a context-parallel group included (each would get a different, unsharded sample). This
     gives a :class:`ShardedLoader` instead, shuffled on DeepSpeed's training route as DeepSpeed's is; what it cannot
-    honour is a ValueError."""
+    honour is a ValueError. ``sharded(dataset, batch_size, **loader_options)``: this rank's :class:`ShardedLoader`."""
     from deepspeed.runtime.constants import ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN
 
     def deepspeed_io(dataset, batch_size=None, route=ROUTE_TRAIN, pin_memory=True, data_sampler=None,
@@ -151,11 +151,10 @@ def _sharded_io(engine, groups: CPGroups, section: ContextParallelSection, defau
             raise ValueError(f'engine.deepspeed_io under "{SECTION}" needs a map-style dataset (__getitem__ and '
                              f"__len__), got {type(dataset).__name__}: its samples are split per data-parallel "
                              "replica by index; shard an iterable's batches with ctx_plugin.deepspeed.shard_batch")
-        return ShardedLoader(dataset, batch_size or engine.train_micro_batch_size_per_gpu(), groups,
-                             replicas=replicas, replica=replica, pad_documents=section.pad_documents,
-                             collate_fn=collate_fn if collate_fn is not None else default_collate_fn,
-                             drop_last=engine.dataloader_drop_last(), shuffle=route not in (ROUTE_EVAL, ROUTE_PREDICT),
-                             pin_memory=pin_memory, num_workers=num_local_io_workers or 0)
+        return sharded(dataset, batch_size or engine.train_micro_batch_size_per_gpu(),
+                       collate_fn=collate_fn if collate_fn is not None else default_collate_fn,
+                       shuffle=route not in (ROUTE_EVAL, ROUTE_PREDICT), pin_memory=pin_memory,
+                       num_workers=num_local_io_workers or 0)
 
     return deepspeed_io
 
@@ -228,11 +227,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         lr_scheduler=lr_scheduler, mpu=ContextParallelMPU(alone), dist_init_required=False, config=config)
     engine.ctx_plugin_groups = groups
     engine.ctx_plugin_recompute = section.recompute
-    replicas, replica = world // section.size, dist.get_rank() // section.size
-    engine.deepspeed_io = _sharded_io(engine, groups, section, collate_fn, replicas=replicas, replica=replica)
+    sharded = functools.partial(ShardedLoader, groups=groups, replicas=world // section.size,
+                                replica=dist.get_rank() // section.size, pad_documents=section.pad_documents,
+                                drop_last=engine.dataloader_drop_last())
+    engine.deepspeed_io = _sharded_io(engine, sharded, collate_fn)
     loader = None
     if training_data is not None:
-        loader = ShardedLoader(training_data, engine.train_micro_batch_size_per_gpu(), groups, replicas=replicas,
-                               replica=replica, collate_fn=collate_fn, pad_documents=section.pad_documents,
-                               drop_last=engine.dataloader_drop_last())
+        loader = sharded(training_data, engine.train_micro_batch_size_per_gpu(), collate_fn=collate_fn)
     return engine, optimizer, loader, lr_scheduler
