@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import comm, hf, hf_loss
 from .deepspeed_config import (SECTION, ContextParallelSection, _load_config, _refuse_curriculum,
-                               _refuse_patched_linear, _zero_config, batch_sizes, parse_section)
+                               _refuse_ds_checkpointing, _refuse_patched_linear, _zero_config, batch_sizes, parse_section)
 from .deepspeed_data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, tiled_causal_lm_loss
 from .groups import CPGroups, build_cp_groups
 from .names import Recompute
@@ -198,6 +198,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                          "attention call ctx_plugin.cp_attention(q, k, v, config=groups.config, groups=groups)")
     if attention is not None and not callable(attention):
         raise TypeError(f"attention= must be a callable taking the CPGroups, got {type(attention).__name__}")
+    if attention is None:
+        _refuse_ds_checkpointing(config)
     layer_preset = section.recompute.for_layers          # +tile_loss is the loss's (lm_loss / tiled_causal_lm_loss)
     layers = None if layer_preset == RecomputeConfig() else _decoder_layers(model)
     if layers is not None:

@@ -208,3 +208,27 @@ def _refuse_curriculum(config: dict) -> None:
                          "DeepSpeed's curriculum sampler would give the ranks sharing a sequence different samples, "
                          "and ctx_plugin's loader does not implement curriculum sampling; set its \"enabled\" to "
                          f'false (or drop it), or train without "{SECTION}"')
+
+
+_DS_CHECKPOINTING = "activation_checkpointing"
+_DS_CHECKPOINTING_DEFAULTS = {"partition_activations": False, "contiguous_memory_optimization": False,
+                              "cpu_checkpointing": False, "number_checkpoints": None,
+                              "synchronize_checkpoint_boundary": False, "profile": False}
+
+
+def _refuse_ds_checkpointing(config: dict) -> None:
+    """DeepSpeed's ``"activation_checkpointing"`` section configures ``deepspeed.checkpointing.checkpoint`` only
+    (``deepspeed.checkpointing.configure``); the engine never applies it, and Hugging Face models call
+    ``torch.utils.checkpoint``, so for them a setting there (``cpu_checkpointing``, ``partition_activations``, ...)
+    would be accepted and do nothing: a ValueError naming the section's recompute that does it."""
+    section = config.get(_DS_CHECKPOINTING)
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise TypeError(f'"{_DS_CHECKPOINTING}" must be a JSON object, got {type(section).__name__}')
+    changed = sorted(key for key, value in section.items() if _DS_CHECKPOINTING_DEFAULTS.get(key, object()) != value)
+    if changed:
+        raise ValueError(f'"{_DS_CHECKPOINTING}" {changed} has no effect on a Hugging Face model: DeepSpeed applies '
+                         "that section only where a model calls deepspeed.checkpointing.checkpoint, and Hugging Face "
+                         f'models do not; recompute through "{SECTION}": {{"recompute": ...}} instead (e.g. "full", '
+                         '"full+offload:<GiB>" for cpu_checkpointing), and drop the section or leave its defaults')

@@ -172,7 +172,7 @@ def _batch_check(config: dict, world: int, size: int) -> None:
 def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: str) -> str:
     """Checks a DeepSpeed job: the config file and its ``"context_parallel"`` section for ``world`` ranks, and
     the program (``script.py ...`` or ``-m module ...``) that ``torchrun`` starts; returns the layout."""
-    from ..deepspeed_config import SECTION, parse_section
+    from ..deepspeed_config import SECTION, _refuse_curriculum, _refuse_ds_checkpointing, parse_section
 
     path = _file(ds_config, "--ds-config")
     try:
@@ -189,6 +189,7 @@ def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: s
         raise ValueError(f'{world} ranks (nodes × processes per node) are not a multiple of "{SECTION}.size" '
                          f"{section.size}")
     _batch_check(config, world, section.size)
+    _refuse_curriculum(config)
     if not program:
         raise ValueError("give the training program after '--': a script (train.py ...) or a module (-m name ...)")
     if "--deepspeed_config" in program or "--deepspeed-config" in program:
@@ -199,6 +200,7 @@ def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: s
             raise ValueError(f"-m {program[1] if len(program) > 1 else ''}: no such module in this Python")
         if program[1] == "ctx_plugin.train_hf":
             from ..train_hf import check_job, parse_args
+            _refuse_ds_checkpointing(config)                # train_hf trains a Hugging Face model
             check_job(parse_args(program[2:]), section.cp_config, section.size)
     else:
         _file(program[0], "training script")

@@ -124,3 +124,30 @@ def test_sharded_loader_drops_the_last_incomplete_batch_when_asked():
     kept = ShardedLoader(data, 2, groups, replicas=1, replica=0)
     dropped = ShardedLoader(data, 2, groups, replicas=1, replica=0, drop_last=True)
     assert (len(kept), len(list(kept)), len(dropped), len(list(dropped))) == (3, 3, 2, 2)
+
+
+def test_deepspeed_activation_checkpointing_is_refused_for_hugging_face_models():
+    """DeepSpeed applies "activation_checkpointing" only inside deepspeed.checkpointing.checkpoint, which Hugging Face
+    models never call: a non-default setting there would do nothing, so it is refused; defaults pass, and so does
+    a custom model (attention=fn) that may call DeepSpeed's checkpoint itself."""
+    pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed import initialize
+
+    class Hf(torch.nn.Linear):
+        def set_attn_implementation(self, name):
+            pass
+
+    base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
+    for setting in ({"cpu_checkpointing": True}, {"partition_activations": True}, {"number_checkpoints": 4}):
+        with pytest.raises(ValueError, match=rf'"activation_checkpointing" \[{next(iter(setting))!r}\] has no effect '
+                                             r'on a Hugging Face model: .*"full\+offload:<GiB>"'):
+            initialize(model=Hf(2, 2), config={**base, "activation_checkpointing": setting})
+    with pytest.raises(TypeError, match='"activation_checkpointing" must be a JSON object'):
+        initialize(model=Hf(2, 2), config={**base, "activation_checkpointing": True})
+    defaults = {"partition_activations": False, "cpu_checkpointing": False, "number_checkpoints": None}
+    for model, attention in ((Hf(2, 2), None), (torch.nn.Linear(2, 2), lambda groups: None),
+                             (Hf(2, 2), lambda groups: None)):
+        checkpointing = defaults if attention is None else {"cpu_checkpointing": True}
+        full = {**base, "context_parallel": {"size": 2, "recompute": "full"}, "activation_checkpointing": checkpointing}
+        with pytest.raises(ValueError, match="cannot find the model's decoder layers"):   # passed: the next check
+            initialize(model=model, config=full, attention=attention)

@@ -298,6 +298,9 @@ def test_deepspeed_script_program(tmp_path, ds_config):
         deepspeed([str(script), "--lr", "1"], ds_config(GOOD_DS))
     script.write_text("print(1)\n")
     assert "CP 2" in deepspeed([str(script), "--lr", "1"], ds_config(GOOD_DS))
+    # a script's own model may call deepspeed.checkpointing.checkpoint: DeepSpeed's section passes
+    config = {**GOOD_DS, "activation_checkpointing": {"cpu_checkpointing": True}}
+    assert "CP 2" in deepspeed([str(script)], ds_config(config))
 
 
 @pytest.mark.parametrize("config,message", [
@@ -317,7 +320,12 @@ def test_deepspeed_script_program(tmp_path, ds_config):
     ({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 2}},
      r'"train_batch_size" \(4\) with "train_micro_batch_size_per_gpu" \(2\) and no "gradient_accumulation_steps" is '
      r'ambiguous'),
-], ids=["json", "no-section", "unknown-key", "world", "batch-3-1", "batch-gas", "batch-6-2", "no-batch", "ambiguous"])
+    ({**GOOD_DS, "data_efficiency": {"data_sampling": {"curriculum_learning": {"enabled": True}}}},
+     r'"data_efficiency.data_sampling.curriculum_learning" cannot be combined with "context_parallel"'),
+    ({**GOOD_DS, "activation_checkpointing": {"cpu_checkpointing": True}},
+     r"\"activation_checkpointing\" \['cpu_checkpointing'\] has no effect on a Hugging Face model"),
+], ids=["json", "no-section", "unknown-key", "world", "batch-3-1", "batch-gas", "batch-6-2", "no-batch", "ambiguous",
+        "curriculum", "ds-checkpointing"])
 def test_deepspeed_config_errors(config, message, ds_config, model_json):
     with pytest.raises(ValueError, match=message):
         deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(config))
