@@ -17,166 +17,21 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from contextlib import ExitStack, contextmanager
 from functools import partial
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from ..names import Recompute
 from . import pinning
-from .pinning import Recording, Reusable
 from .offload import HostOffload, attach, detach
 from .presets import RecomputeConfig, regions
+from .checkpointing import Region, tiled_selective_policy
 from .tiling import TilingState, check_mlp, tiled_forward
 
 _ORIGINAL = "_ctx_plugin_original_forward"
-_aten = torch.ops.aten
-# What "selective" keeps: matrix products and fused attention kernels (costly to recompute), nothing else.
-_SAVE_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-                       _aten._scaled_mm.default, _aten._scaled_dot_product_flash_attention.default,
-                       _aten._scaled_dot_product_cudnn_attention.default,
-                       _aten._scaled_dot_product_efficient_attention.default,
-                       _aten._scaled_dot_product_flash_attention_for_cpu.default})
-
-
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Save matmul and fused-attention outputs; recompute every other op, communication included.
-
-    The context-parallel attention needs no saving: it is pinned (recorded in forward, its output replayed in
-    backward, see :mod:`ctx_plugin.recompute.pinning`), so its ring / all-to-all traffic runs once whatever this says. Any
-    other collective inside a layer belongs to the framework around it, and caching its result is wrong:
-    torch.distributed's collectives write into buffers their caller owns and frees or refills, e.g. ZeRO-3
-    all-gathers each module's parameters into a buffer it releases after the module ran, so a saved gather hands
-    stale memory to the recomputation (NaN gradients at data parallel 2). Re-running them is what such
-    frameworks expect (ZeRO-3 gathers the parameters again for backward anyway)."""
-    if pinning.in_attention():      # the pinned attention is replayed whole, never op by op
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _tiled_selective_policy(tiling: TilingState, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """:func:`_selective_policy`, recomputing everything inside a tiled MLP (its chunks are checkpointed
-    themselves; saving their matrix products would keep every chunk's tokens × ffn outputs)."""
-    if tiling.active:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return _selective_policy(ctx, op, *args, **kwargs)
-
-
-@contextmanager
-def _entered(*managers):
-    with ExitStack() as stack:
-        for m in managers:
-            stack.enter_context(m)
-        yield
-
-
-def _hidden(out):
-    return out if isinstance(out, torch.Tensor) else out[0]
-
-
-def _input(args: tuple, kwargs: dict):
-    """The hidden states a layer is called with: the first positional argument, or ``hidden_states=``
-    (Megatron's TransformerBlock passes it by keyword)."""
-    return args[0] if args else kwargs.get("hidden_states")
-
-
-def _with_input(hidden, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    if args:
-        return (hidden, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": hidden}
-
-
-class _Region:
-    """Layers ``forwards`` checkpointed as one region: only the region's input is stored (plus the pinned
-    attention); in backward the region's forward runs again with attention replayed. ``pinned=False``
-    (``+recompute_attn``): the attention is part of the region, re-run (communication included) with it.
-    ``policy``: the selective policy (``selective`` regions only)."""
-
-    def __init__(self, layers: list[nn.Module], selective: bool, *, pinned: bool = True,
-                 policy=None, offload: HostOffload | None = None) -> None:
-        self.layers, self.forwards = layers, [layer.forward for layer in layers]
-        self.selective, self.pinned = selective, pinned
-        self.offload = offload          # +offload/+offload_attn: the region's input (and attention) in host memory
-        self.policy = policy if policy is not None else _selective_policy
-        self.last = None
-
-    def _contexts(self, hooks=None):
-        if not self.pinned:
-            return pinning.unpinned(), Reusable(pinning.unpinned)
-        # One Recording per forward run (several may be in flight before their backwards); the recompute context
-        # is entered once per backward (more than once with retain_graph=True), so it is built anew each time.
-        run = Recording(once=self.selective, hooks=hooks)    # hooks: how the attention keeps its tensors (offload)
-        record = pinning.recording(run)
-        if not self.selective:
-            return record, Reusable(partial(pinning.replaying, run))
-        sac_fwd, sac_recompute = create_selective_checkpoint_contexts(self.policy)
-        return _entered(sac_fwd, record), Reusable(lambda: _entered(pinning.replaying(run), sac_recompute))
-
-    def _body(self, *args, **kwargs):
-        out = None
-        for layer, fwd in zip(self.layers, self.forwards):
-            with _restored_if_cut_short(layer):
-                out = fwd(*args, **kwargs)
-            args, kwargs = _with_input(_hidden(out), args, kwargs)
-        return out
-
-    def run(self, *args, **kwargs):
-        if torch.is_grad_enabled() and self.offload is not None:
-            out = self.offload.checkpoint(self, self._body, self._contexts, args, kwargs)
-        elif torch.is_grad_enabled():
-            out = checkpoint(self._body, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
-        else:
-            out = self._body(*args, **kwargs)
-        self.last = out if len(self.forwards) > 1 else None
-        return out
-
-    def pass_through(self, position: int, *args, **kwargs):
-        """A later layer of the region: its work is already done; hand on the region's output, as the tensor this
-        layer was called with. That is the output itself, or an alias of it made by module hooks: ZeRO-3 passes
-        every module's inputs and outputs through autograd functions (to fetch and release parameters in
-        backward), and handing on what the layer got keeps those functions in the gradient's path."""
-        out, hidden = self.last, _input(args, kwargs)
-        if out is None or not _aliases(_hidden(out), hidden):
-            raise RuntimeError("a layer inside a multi-layer recompute region was called with something other than "
-                               "the previous layer's output; apply full:uniform:N / sqrt only to layers the model "
-                               "calls one after another")
-        if position == len(self.forwards) - 1:
-            self.last = None
-        return hidden if isinstance(out, torch.Tensor) else (hidden, *out[1:])
-
-
-@contextmanager
-def _restored_if_cut_short(layer: nn.Module):
-    """Undoes what a layer's forward assigned to the layer's own attributes when it does not finish.
-
-    PyTorch's non-reentrant checkpoint stops a region's recomputation once it has re-made the last tensor backward
-    needs (early stop: an exception raised inside the layer's forward), so the end of the last layer's forward never
-    runs again in backward. A layer that keeps an intermediate tensor on itself until its forward ends would keep
-    the recomputed tensor, and the recomputed autograd graph behind it, alive until its next forward: megatron-core's
-    ``TransformerLayer`` holds the hidden states after attention in ``self.mlp_norm_manager`` from its pre-MLP norm
-    until after the MLP's residual add, which kept a finished region's recomputed attention (norm, QKV, RoPE'd q/k,
-    output, LSE) and, through the residual, its earlier layers, into every later region's backward. Only the
-    layer's own ``__dict__`` is restored (its submodules' state and their hooks' bookkeeping, e.g. ZeRO-3's, are
-    untouched; the layer's own hooks do not run inside a region)."""
-    before = dict(vars(layer))
-    try:
-        yield
-    except BaseException:
-        state = vars(layer)
-        for name in [name for name in state if name not in before]:
-            del state[name]
-        state.update(before)
-        raise
-
-
-def _aliases(out: torch.Tensor, x) -> bool:
-    """Whether ``x`` is ``out`` or views all of its memory the same way (e.g. ``out.detach()``)."""
-    return isinstance(x, torch.Tensor) and (x is out or (
-        x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() and x.device == out.device
-        and x.dtype == out.dtype and x.shape == out.shape and x.stride() == out.stride()
-        and x.storage_offset() == out.storage_offset()))
+_REGION = "_ctx_plugin_region_layers"     # on each layer of a multi-layer region: how many layers it holds
 
 
 def _hf_checkpointing(layer: nn.Module) -> bool:
@@ -285,24 +140,35 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
             patch(layer, _core_recompute(layer.forward), index=i)
         return
     if preset == Recompute.SELECTIVE:
-        policy = partial(_tiled_selective_policy, tiling) if config.tile_mlp else None
+        policy = partial(tiled_selective_policy, tiling) if config.tile_mlp else None
         for i, layer in enumerate(layers):
-            patch(layer, _Region([layer], selective=True, policy=policy).run, index=i)
+            patch(layer, Region([layer], selective=True, policy=policy).run, index=i)
         return
     offload = HostOffload.from_config(config)      # one host budget for the whole stack
     for start, stop in regions(config, len(layers)):      # full, full:uniform:N, full:block:N, sqrt
-        region = _Region(layers[start:stop], selective=False,
+        region = Region(layers[start:stop], selective=False,
                          pinned=not config.recompute_attention, offload=offload)
         attach(layers[start:stop], offload)
         patch(layers[start], region.run, index=start)
         for position in range(1, stop - start):
             patch(layers[start + position], partial(region.pass_through, position), index=start + position)
+        if stop - start > 1:
+            for layer in layers[start:stop]:
+                setattr(layer, _REGION, stop - start)
+
+
+def in_multi_layer_region(module: nn.Module) -> bool:
+    """Whether :func:`apply` put ``module`` (a layer) into a region of several layers, whose inner layers hand on
+    the region's output instead of their own (module hooks on them see that)."""
+    return getattr(module, _REGION, 1) > 1
 
 
 def remove(layers: Sequence[nn.Module]) -> None:
     """Undoes :func:`apply` on ``layers`` (no-op for layers without a preset)."""
     for layer in layers:
         detach(layer)
+        if hasattr(layer, _REGION):
+            delattr(layer, _REGION)
         for module in (layer, getattr(layer, "mlp", None)):
             if module is not None and hasattr(module, _ORIGINAL):
                 del module.forward           # the instance attribute; the class's forward shows again

@@ -45,6 +45,20 @@ _ATTR = "_ctx_plugin_offload"
 _GIB = 2 ** 30
 
 
+def hidden_first(body: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple, dict]:
+    """``(fn, args, kwargs)`` with ``fn(*args, **kwargs) == body(*args, **kwargs)`` and the hidden states first
+    among ``args``, also for a layer called with ``hidden_states=`` only (Megatron's TransformerBlock).
+    ``torch.utils.checkpoint`` saves and restores the device RNG state (dropout masks in the recomputation) of the
+    devices of its *positional* tensor arguments only, and offload moves the first one."""
+    if args or not isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return body, args, kwargs
+    rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+    def run(hidden, **more):
+        return body(hidden_states=hidden, **more)
+    return run, (kwargs["hidden_states"],), rest
+
+
 class _Group:
     """One region's forward run: its entries (weakly: an entry lives as long as autograd holds it) and the
     previous region of the same forward pass (weakly), brought back one region ahead in backward."""
@@ -102,28 +116,20 @@ class HostOffload:
         """``torch.utils.checkpoint(body, *args, **kwargs)`` of ``region`` with its hidden states (the first
         positional argument, else ``hidden_states=``) offloaded; ``contexts(hooks)`` builds the checkpoint's
         context managers, ``hooks`` being the saved-tensor hooks for the pinned attention (``None``: kept)."""
-        keyword = not args
-        hidden = kwargs.get("hidden_states") if keyword else args[0]
+        run, args, kwargs = hidden_first(body, args, kwargs)
+        hidden = args[0] if args else None
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(f"{self.flag} offloads a region's hidden states: the layer's first argument (or "
                             f"hidden_states=) must be a tensor, got {type(hidden).__name__}")
-        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"} if keyword else kwargs
         group = self._open(region)
         hooks = (lambda t: self.pack(group, t), self.unpack) if self.attention else None
-
-        def run(h, *rest_args, **rest_kwargs):
-            if keyword:
-                return body(*rest_args, hidden_states=h, **rest_kwargs)
-            return body(h, *rest_args, **rest_kwargs)
-
         target = weakref.ref(hidden)        # autograd keeps the pack hook with what it packed: no strong reference
 
         def pack_input(t: torch.Tensor):
             return self.pack(group, t) if t is target() else t
 
         with torch.autograd.graph.saved_tensors_hooks(pack_input, self.unpack):
-            return checkpoint(run, hidden, *(args[1:] if args else ()), use_reentrant=False,
-                              context_fn=lambda: contexts(hooks), **rest)
+            return checkpoint(run, *args, use_reentrant=False, context_fn=lambda: contexts(hooks), **kwargs)
 
     def _open(self, region) -> _Group:
         if id(region) in self._chain:            # this region ran already: a new forward pass begins

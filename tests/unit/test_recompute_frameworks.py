@@ -11,7 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import ctx_plugin
 from ctx_plugin import hf, recompute
-from ctx_plugin.recompute.apply import _selective_policy
+from ctx_plugin.recompute.checkpointing import selective_policy
 
 PRESETS = ["attn_out", "selective", "core_attn", "mlp", "full", "full:uniform:2", "full:block:1", "sqrt"]
 
@@ -137,7 +137,7 @@ def test_hf_gradient_checkpointing_alone_is_left_alone():
 def test_selective_saves_matmuls_and_no_collective():
     """Collectives are recomputed: the CP attention is pinned, and a saved torch.distributed collective aliases a
     buffer its owner frees or refills (ZeRO-3's parameter gathers gave NaN gradients)."""
-    policy = [_selective_policy(None, op) for op in (
+    policy = [selective_policy(None, op) for op in (
         torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
         torch.ops.c10d._allgather_base_.default, torch.ops.c10d.allreduce_.default,
         torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.all_reduce.default,
