@@ -14,8 +14,8 @@ per-head attention sinks (``s_aux``) arrive as keywords of the attention interfa
 Nothing is dropped silently. :func:`enable` refuses models with attention options ctx_plugin does not implement
 (dropout, chunked attention, non-attention token mixers, attention outside transformers' interface, settings computed
 from a rank's shard: :mod:`ctx_plugin.hf_checks`); before every forward of the model, or of its base model called
-directly, the inputs are checked once (padding masks, caches, position ids, labels, logits_to_keep)
-and the ranks of the context-parallel group share their findings (one small all-reduce), so a problem on any rank
+directly, the inputs are checked once (padding masks, caches, position ids, labels, logits_to_keep, hidden states
+under multi-layer recompute regions: :mod:`ctx_plugin.hf_inputs`) and the ranks of the context-parallel group share their findings (one small all-reduce), so a problem on any rank
 is the same ``ValueError`` on every rank; and the attention function refuses every keyword it does not know to be
 harmless (:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`: the README's table).
 """
@@ -25,14 +25,14 @@ import inspect
 import weakref
 
 import torch
-import torch.distributed as dist
 
-from .api import cp_attention, sequence_positions
+from .api import cp_attention
 from .config import CPConfig
 from .groups import CPGroups
 from .hf_checks import Running, checked_modules, config_problems, refuse_shard_loss, windowed_without_keyword
-from .packing import DOCUMENTS_KEYWORD, HF_DOCUMENT_KEYWORDS, hf_documents
-from .rules import SettingNames, check_documents_fit, check_heads
+from .hf_inputs import InputCheck
+from .packing import DOCUMENTS_KEYWORD, hf_documents
+from .rules import SettingNames, check_heads
 
 HONOURED = {"scaling": "softmax scale (default head_dim**-0.5)",
             "is_causal": "causal or bidirectional (default: the module's is_causal, else causal)",
@@ -55,7 +55,8 @@ MUST_BE_UNSET = {"sinks": "per-token attention sinks",
 """Keywords that change the math or the result: accepted only as ``None`` (or ``False``), refused otherwise."""
 HARMLESS = {"position_ids": "RoPE is applied before attention; the model's input check verifies them",
             "output_router_logits": "MoE router output, not attention",
-            "output_hidden_states": "model output selection, not attention",
+            "output_hidden_states": "model output selection, not attention (refused with a multi-layer "
+                                    "recompute region: the model's input check)",
             "num_items_in_batch": "loss normalisation, not attention"}
 """Keywords that do not affect attention. Any keyword in none of the three tables is refused by name."""
 
@@ -84,7 +85,9 @@ class _Attention:
 
     def __init__(self, cp_config: CPConfig, groups: CPGroups):
         self.cp_config, self.groups = cp_config, groups
-        self.modules: weakref.WeakSet = weakref.WeakSet()
+        self.modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """The modules of the models :func:`enable` switched to this attention, each with its model's
+        :class:`ctx_plugin.hf_checks.Running` (what the forward under way checked)."""
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if module not in self.modules:
@@ -127,6 +130,8 @@ class _Attention:
             raise ValueError(f"ctx_plugin's attention takes s_aux as one sink logit per query head (shape "
                              f"[{query.shape[1]}]), got {tuple(getattr(sinks, 'shape', ())) or type(sinks).__name__}")
         documents = hf_documents(kwargs, query.shape[2] * self.groups.size)
+        if documents is None:       # a layer that drops the forward's keywords (StableLM, Nemotron): the check's
+            documents = self.modules[module].documents
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
                            groups=self.groups, causal=causal, softmax_scale=scaling,
                            window=hf_window(kwargs.get("sliding_window"), given, causal),
@@ -242,108 +247,6 @@ def _check_heads(model, cp_config: CPConfig, cp: int) -> None:
                                                            kv_heads="num_key_value_heads"))
 
 
-class _InputCheck:
-    """Forward pre-hook: refuses inputs ctx_plugin cannot honour. Every rank computes its flags, the CP group sums
-    them (one all-reduce of problems × ranks), and every rank raises the same error."""
-
-    PROBLEMS = {
-        "mask": "cannot apply a padding/custom attention_mask under context parallelism; pass attention_mask=None "
-                "with unpadded sequences (mask padded labels with -100 instead)",
-        "cache": "a KV cache built from context-parallel shards is not a model's cache; ctx_plugin runs "
-                 "training/prefill only: call the model with use_cache=False",
-        "no_positions": "position_ids were not given, so transformers would number each rank's tokens from 0 "
-                        "(wrong positions); pass this rank's share of the global positions (ctx_plugin."
-                        "shard_sequence of torch.arange(seq_len), or ctx_plugin.sequence_positions)",
-        "documents": "the packed documents (ctx_plugin_documents, or cu_seq_lens_q/cu_seq_lens_k with max_length_q/"
-                     "max_length_k) are not valid documents of the global sequence (this rank's length × CP size) "
-                     "that the backend can split: give the whole packed sequence's cumulative lengths, the same on "
-                     "every rank, each document a multiple of ctx_plugin.rules.document_unit (pad_documents)",
-        "positions": "position_ids are not this rank's share of the global positions 0..seq_len-1, or with packed "
-                     "documents of the positions restarting at 0 in each document (ctx_plugin.shard_sequence of "
-                     "the global position_ids, or ctx_plugin.sequence_positions(..., documents=))",
-        "labels": "labels= makes transformers shift labels inside this rank's shard (wrong targets at the shard "
-                  "edges); shift labels before sharding and compute the loss from the logits (see the README)",
-        "logits_to_keep": "a nonzero logits_to_keep keeps the last tokens (or the indices) of this rank's shard, "
-                          "not of the global sequence; call the model with logits_to_keep=0 and pick the logits "
-                          "after ctx_plugin.gather_sequence",
-    }
-
-    def __init__(self, cp_config: CPConfig, groups: CPGroups, signature: inspect.Signature, running: Running):
-        self.cp_config, self.groups, self.signature, self.running = cp_config, groups, signature, running
-        self.var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-
-    def _documents(self, arguments: dict, tokens):
-        """(documents, whether they are invalid) of this forward, from the keywords that reach the attention."""
-        extra = {**arguments, **arguments.get(self.var_keyword, {})} if self.var_keyword else arguments
-        if not any(extra.get(k) is not None for k in (DOCUMENTS_KEYWORD, *HF_DOCUMENT_KEYWORDS)):
-            return None, False
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
-            return None, True
-        try:
-            docs = hf_documents(extra, tokens.shape[1] * self.groups.size)
-            check_documents_fit(self.cp_config, docs, self.groups.size)
-        except (TypeError, ValueError):
-            return None, True
-        return docs, False
-
-    def _flags(self, model, arguments: dict, tokens, device: torch.device, documents, bad_documents: bool) -> list:
-        mask, positions = arguments.get("attention_mask"), arguments.get("position_ids")
-        extra = arguments.get(self.var_keyword) or {} if self.var_keyword else {}
-        use_cache = arguments.get("use_cache")
-        use_cache = getattr(model.config, "use_cache", False) if use_cache is None else use_cache
-        keep = arguments.get("logits_to_keep")
-        flags = {"mask": False if mask is None else
-                 (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or (mask == 0).any()),
-                 # transformers 5.24 names the cache `cache` (past_key_values: deprecated, arrives in **kwargs)
-                 "cache": bool(use_cache) or any(where.get(name) is not None for where in (arguments, extra)
-                                                 for name in ("cache", "past_key_values")),
-                 "documents": bad_documents, "no_positions": positions is None, "positions": False,
-                 "labels": arguments.get("labels") is not None,
-                 "logits_to_keep": keep is not None and (isinstance(keep, torch.Tensor) or keep != 0)}
-        if isinstance(positions, torch.Tensor) and isinstance(tokens, torch.Tensor) \
-                and positions.shape[-1] != tokens.shape[1]:
-            flags["positions"] = True
-        elif isinstance(positions, torch.Tensor):
-            try:
-                want = sequence_positions(positions.shape[-1] * self.groups.size, config=self.cp_config,
-                                          groups=self.groups, device=positions.device, documents=documents)
-                flags["positions"] = (positions != want).any()
-            except ValueError:
-                flags["positions"] = True
-        return [torch.as_tensor(flags[k], device=device) for k in self.PROBLEMS]
-
-    def __call__(self, model, args, kwargs):
-        if self.running.module is not None:     # inside the forward of a model whose check ran (model.model(...))
-            return None
-        arguments = self.signature.bind_partial(*args, **kwargs).arguments
-        tokens = arguments.get("input_ids")
-        tokens = arguments.get("inputs_embeds") if tokens is None else tokens
-        groups = self.groups
-        # The CPU-side group of the rank-agreement check when there is one (no GPU synchronisation), else the
-        # context-parallel group itself, on a device its backend serves.
-        group, device = groups.check_group, torch.device("cpu")
-        if group is None:
-            group = groups.group
-            device = tokens.device if isinstance(tokens, torch.Tensor) else device
-            if groups.size > 1 and device.type not in groups.device_types:
-                device = torch.device("cpu")
-        documents, bad_documents = self._documents(arguments, tokens)
-        mine = torch.stack(self._flags(model, arguments, tokens, device, documents, bad_documents)).to(torch.int32)
-        flags = torch.zeros(len(self.PROBLEMS), groups.size, dtype=torch.int32, device=device)
-        flags[:, groups.rank] = mine
-        if groups.size > 1:
-            dist.all_reduce(flags, group=group)
-        found = [f"{text} (CP ranks {[r for r, f in enumerate(row) if f]})"
-                 for text, row in zip(self.PROBLEMS.values(), flags.tolist()) if any(row)]
-        if found:
-            raise ValueError("ctx_plugin: " + "; ".join(found))
-        self.running.module = model
-        if documents is not None:     # read once per forward: every layer's attention gets them as one object
-            kwargs = {k: v for k, v in kwargs.items() if k not in HF_DOCUMENT_KEYWORDS}
-            return args, {**kwargs, DOCUMENTS_KEYWORD: documents}
-        return None
-
-
 def check_model(model, cp_config: CPConfig, cp_size: int) -> None:
     """What :func:`enable` checks of a model before it changes anything: the options ctx_plugin's attention does not
     implement and the head split over ``cp_size`` ranks (``ValueError`` naming them). Modules and configs only: a
@@ -359,7 +262,6 @@ def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None
     and checks every forward's inputs on all ranks of the group together. Returns the attention's name."""
     check_model(model, cp_config, groups.size)
     name, fn = _register(cp_config, groups, name)
-    fn.modules.update(model.modules())
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
         raise ValueError(f"transformers did not switch {type(model).__name__} to {name!r} (it uses "
@@ -368,12 +270,13 @@ def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None
     for previous in getattr(model, "_ctx_plugin_input_check", ()):  # enabled again (e.g. other groups): the new one
         previous.remove()
     running, handles = Running(), []
+    fn.modules.update((m, running) for m in model.modules())
     for m in checked_modules(model):
         if getattr(m, "config", None) is not None:
             m.config.use_cache = False
-        handles += [m.register_forward_pre_hook(_InputCheck(cp_config, groups, inspect.signature(m.forward), running),
+        handles += [m.register_forward_pre_hook(InputCheck(cp_config, groups, inspect.signature(m.forward), running),
                                                 with_kwargs=True),
                     m.register_forward_hook(running, always_call=True)]
     model._ctx_plugin_input_check = tuple(handles)
-    refuse_shard_loss(model, _InputCheck.PROBLEMS["labels"])
+    refuse_shard_loss(model, InputCheck.PROBLEMS["labels"])
     return name

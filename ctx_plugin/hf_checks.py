@@ -93,10 +93,14 @@ class Running:
 
     def __init__(self):
         self.module = None
+        self.documents = None
+        """The packed documents the check read for this forward (None: none), which the model's attention calls
+        apply also when the model does not pass them on (StableLM and Nemotron decoder layers call their attention
+        without the forward's keywords)."""
 
     def __call__(self, module, args, output):
         if self.module is module:
-            self.module = None
+            self.module = self.documents = None
 
 
 def checked_modules(model) -> list:

@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 import ctx_plugin  # noqa: E402
 import ctx_plugin.hf as cphf  # noqa: E402
+import ctx_plugin.hf_inputs as hf_inputs  # noqa: E402
 from ctx_plugin.hf_checks import config_problems  # noqa: E402
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -204,8 +205,8 @@ def test_the_inner_model_is_checked_once_per_forward(monkeypatch):
     pad = torch.ones_like(ids)
     pad[0, -3:] = 0
     calls = []
-    original = cphf._InputCheck._flags
-    monkeypatch.setattr(cphf._InputCheck, "_flags", lambda self, m, *a: calls.append(type(m).__name__) or
+    original = hf_inputs.InputCheck._flags
+    monkeypatch.setattr(hf_inputs.InputCheck, "_flags", lambda self, m, *a: calls.append(type(m).__name__) or
                         original(self, m, *a))
     for call in (model.model, model.get_decoder(), model.forward):       # PEFT's tuner calls model.forward
         with pytest.raises(ValueError, match="cannot apply a padding/custom attention_mask"):
@@ -265,3 +266,90 @@ def test_labels_through_a_call_that_skips_the_check_are_refused_at_the_loss():
                                          "check"):
         model.forward(input_ids=ids, position_ids=pos, labels=ids)
     assert model.forward(input_ids=ids, position_ids=pos).loss is None     # without labels: no loss, no error
+
+
+# ---- packed documents reach every attention call; hidden states under multi-layer regions ----------------------
+
+@pytest.mark.parametrize("model_type", ["llama", "stablelm", "nemotron"])
+def test_packed_documents_reach_layers_that_drop_the_forwards_keywords(model_type):
+    """StableLM and Nemotron decoder layers call their attention without the forward's keywords, so the documents
+    the input check read (from cu_seq_lens_q/k) must reach the attention another way: the packed logits equal HF's
+    own sdpa on each document alone (float64)."""
+    config = transformers.AutoConfig.for_model(model_type, **COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
+    model = copy.deepcopy(ref)
+    cphf.enable(model, *_one_rank())
+    cu = [0, 5, 8, 16]
+    ids = torch.randint(3, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])[None]
+    bounds = torch.tensor(cu, dtype=torch.int32)
+    with torch.no_grad():
+        alone = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(cu, cu[1:])], 1)
+        got = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=8,
+                    max_length_k=8).logits
+    assert (got - alone).abs().max() < 1e-12
+
+
+def _stack_llama(preset):
+    from ctx_plugin import recompute
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 4}))
+    model.double()
+    cphf.enable(model, *_one_rank())
+    if preset is not None:
+        recompute.apply(model.model.layers, preset)
+    return model
+
+
+def test_hidden_states_are_refused_with_multi_layer_regions_and_exact_without():
+    """Inside a multi-layer region every layer hands on the region's output, which transformers would record as
+    each inner layer's hidden state: refused (keyword or config); one layer per region records them exactly."""
+    ids, pos = _tokens(8)
+    torch.manual_seed(0)
+    want = _stack_llama(None)
+    state = want.state_dict()
+    ref = want(input_ids=ids, position_ids=pos, output_hidden_states=True).hidden_states
+    for preset in ("full:uniform:2", "sqrt"):
+        model = _stack_llama(preset)
+        model.load_state_dict(state)
+        with pytest.raises(ValueError, match="output_hidden_states with a multi-layer recompute region"):
+            model(input_ids=ids, position_ids=pos, output_hidden_states=True)
+        model.config.output_hidden_states = True
+        with pytest.raises(ValueError, match="output_hidden_states with a multi-layer recompute region"):
+            model(input_ids=ids, position_ids=pos)
+        assert model(input_ids=ids, position_ids=pos, output_hidden_states=False).hidden_states is None
+    model = _stack_llama("full")
+    model.load_state_dict(state)
+    got = model(input_ids=ids, position_ids=pos, output_hidden_states=True).hidden_states
+    assert len(got) == len(ref) == 5 and all(torch.equal(g, r) for g, r in zip(got, ref))
+
+
+def test_multi_layer_regions_refuse_layers_called_with_their_own_arguments():
+    """Gemma-3 gives its sliding-window and full-attention layers different position_embeddings; a multi-layer
+    region would run them all with the first layer's: refused at the first layer that differs. One layer per region
+    matches the model without a preset (float64, gradients included)."""
+    from ctx_plugin import recompute
+
+    config = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, sliding_window=6,
+                                           layer_types=["sliding_attention", "full_attention"] * 2,
+                                           attention_dropout=0.0, use_cache=False)
+    ids, pos = _tokens(16)
+
+    def run(preset):
+        torch.manual_seed(0)
+        model = transformers.Gemma3ForCausalLM(copy.deepcopy(config)).double()
+        cphf.enable(model, *_one_rank())
+        if preset is not None:
+            recompute.apply(model.model.layers, preset)
+        loss = model(input_ids=ids, position_ids=pos).logits.pow(2).mean()
+        loss.backward()
+        return loss, [p.grad for p in model.parameters()]
+
+    want_loss, want_grads = run(None)
+    for preset in ("full:uniform:2", "sqrt"):
+        with pytest.raises(ValueError, match=r"layer 1 of a multi-layer recompute region .* another "
+                                             r"position_embeddings= than the region's first layer"):
+            run(preset)
+    loss, grads = run("full")
+    assert loss == want_loss and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
