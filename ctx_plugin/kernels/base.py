@@ -114,3 +114,32 @@ def keep_mask(sq: int, sk: int, causal: bool, window: Window, device: torch.devi
     if left is not None:
         keep &= diff >= -left
     return keep
+
+
+def fa2_window(sq: int, sk: int, causal: bool, window: Window) -> Window | None:
+    """``window`` as FlashAttention-2 must be given it for an ``sq`` × ``sk`` block (bottom-right aligned; None: a
+    side left unbounded), or None when it bounds nothing beyond ``causal`` (plain attention then).
+
+    FlashAttention-2 (``flash_api.cpp``: ``mha_fwd``/``mha_bwd``, then ``set_params_fprop``; torch's copy alike)
+    reads a side ``>= Sk`` as unbounded, and then gives an unbounded right side next to a bounded left one the value
+    Sk. Both are exact for every row only when ``Sq <= Sk + 1`` (a right side of Sk reaches the last key from row
+    ``Sq − Sk − 1`` on). A non-causal block with more queries than that whose window bounds the left side, or bounds
+    the right side at ``>= Sk`` where some row still sees fewer keys, is a LookupError: run it on a kernel that
+    takes the mask as it is (the torch kernel)."""
+    left = None if window[0] is None or window[0] >= sk - 1 else int(window[0])   # reaches key 0 from every row
+    right = None if causal or window[1] is None or window[1] >= sq - 1 else int(window[1])
+    if left is None and right is None:
+        return None
+    if not causal and sq > sk + 1 and (right is None or right >= sk):       # right None: left is bounded
+        raise LookupError(f"FlashAttention-2 cannot apply window {window} to a non-causal {sq} × {sk} block")
+    return left, right
+
+
+def fa2_max_seqlen_k(max_q: int, max_k: int, causal: bool, window: Window) -> int:
+    """The ``max_seqlen_k`` to give FlashAttention-2's varlen call: at least ``max_q − 1`` when the window bounds the
+    left side and not the right of a non-causal call, so the value it gives that right side (``max_seqlen_k``, see
+    :func:`fa2_window`) reaches every sequence's last key from its first row; the actual longest key sequence
+    otherwise (the argument is an upper bound; a larger one changes no result)."""
+    if not causal and window[0] is not None and window[1] is None:
+        return max(max_k, max_q - 1)
+    return max_k

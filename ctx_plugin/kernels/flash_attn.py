@@ -35,6 +35,11 @@ Signatures verified from source (stored public copies, read with the search tool
 * Varlen (:mod:`.flash_attn_varlen`, which lists signatures, LSE layouts and sources): FA2 >= 2.6.0's
   ``_flash_attn_varlen_forward/_backward`` (LSE ``[H, total_q]`` from v2.6.0, padded before: not bound) and FA3's
   functions above with ``cu_seqlens_q/k`` (2025 builds on); a build without gets no ``forward_varlen``.
+* Windows: FlashAttention-3 reads a left side ``>= Sk - 1`` and a right side ``>= Sq - 1`` as unbounded (exact);
+  FlashAttention-2 reads a side ``>= Sk`` as unbounded and sets an unbounded right side next to a bounded left one
+  to Sk, which hides keys from the first rows of a non-causal block with ``Sq > Sk + 1``: such a block runs on the
+  torch kernel (:func:`.base.fa2_window`), and FA2's varlen calls get a ``max_seqlen_k`` that keeps it exact
+  (:func:`.base.fa2_max_seqlen_k`).
 
 Not run against a real GPU build here: binding and output picking are tested with stand-ins of these signatures.
 """
@@ -51,7 +56,8 @@ from typing import Any, Callable
 import torch
 
 from . import flash_attn_support as support
-from .base import FULL, Window, accum_dtype, check_block, describe, is_windowed
+from .base import FULL, Window, accum_dtype, check_block, describe, fa2_window, is_windowed
+from .torch_math import TorchKernel
 
 _FA2_MODULES = ("flash_attn.flash_attn_interface",)
 _FA3_MODULES = ("flash_attn_interface", "flash_attn_3.flash_attn_interface")
@@ -346,16 +352,28 @@ class FlashAttnKernel:
             self.forward_varlen, self.backward_varlen = calls.forward, calls.backward
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, causal: bool, window: Window,
-               softcap: float | None) -> None:
+               softcap: float | None) -> Window | None:
+        """The window to pass, or None where FlashAttention-2 cannot apply it to this block (:func:`.base.fa2_window`:
+        the torch kernel runs it)."""
         check_block(q, k, causal, window, softcap)
         needed = frozenset({"window"} if is_windowed(window) else ()) | frozenset(
             {"softcap"} if softcap is not None else ())
         if needed - self.features:
             raise ValueError(_lacks(self.info, needed - self.features))
+        if self.info.generation != 2:
+            return window                   # FlashAttention-3 reads a side >= Sk - 1 (right: Sq - 1) as unbounded
+        try:
+            sides = fa2_window(q.shape[1], k.shape[1], causal, window)
+        except LookupError:
+            return None
+        return FULL if sides is None else sides
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                 window: Window = FULL, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check(q, k, causal, window, softcap)
+        passed = self._check(q, k, causal, window, softcap)
+        if passed is None:
+            return TorchKernel().forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+        window = passed
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         values = {**_settings(scale, causal, window, softcap), "q": q, "k": k, "v": v}
         out, lse = _pick(self._fwd(**{n: values.get(n) for n in self._fwd_names}), q)
@@ -364,7 +382,11 @@ class FlashAttnKernel:
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float, window: Window = FULL,
                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self._check(q, k, causal, window, softcap)
+        passed = self._check(q, k, causal, window, softcap)
+        if passed is None:
+            return TorchKernel().backward(dout, q, k, v, out, lse, causal=causal, scale=scale, window=window,
+                                          softcap=softcap)
+        window = passed
         dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         # flash-attn 2.x requires the gradient buffers; 2.6.3+ and FA3 custom ops return only softmax_d.
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))

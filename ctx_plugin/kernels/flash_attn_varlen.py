@@ -54,7 +54,7 @@ from typing import Any, Callable
 import torch
 
 from . import flash_attn_support as support
-from .base import accum_dtype, check_block, is_windowed
+from .base import accum_dtype, check_block, fa2_max_seqlen_k, is_windowed
 from .flash_attn import (_BWD_TENSORS, _FA3_UNUSED, _FWD_TENSORS, FlashAttnInfo, _lacks, _last_dim_contiguous,
                          _pick, _plan, _settings)
 from .varlen import Varlen
@@ -127,7 +127,9 @@ class VarlenCalls:
             raise ValueError(_lacks(self._info, needed - self._features))
         cu_q, cu_k = batch.cu_seqlens(q.device)
         return {**_settings(scale, batch.causal, batch.window, softcap), "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
-                "max_seqlen_q": max(batch.max_q, self._b.min_max_q), "max_seqlen_k": batch.max_k}
+                "max_seqlen_q": max(batch.max_q, self._b.min_max_q),
+                "max_seqlen_k": batch.max_k if self._info.generation != 2 else
+                fa2_max_seqlen_k(batch.max_q, batch.max_k, batch.causal, batch.window)}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varlen, *, scale: float,
                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,9 +39,11 @@ tensors and an fp32 LSE ``[H, Tq]`` (torch's meta kernel says so).
 D]`` tensors, ``cum_seq_q/k`` None and ``max_q/k`` = Sq/Sk for a dense batch, fp32 LSE ``[B, H, Sq]``, outputs
 ``(out, lse, rng_state, unused, debug_mask)``) with ``window_size_left/right``, FlashAttention-2's bottom-right
 local mask (query a sees keys ``a + Sk − Sq − left .. a + Sk − Sq + right``, -1 unbounded), the convention of
-base.py. FlashAttention-2 treats a side ``>= Sk`` as unbounded; that is exact for the left side, and for the right
-side whenever ``Sq <= Sk + 1``: the rare non-causal block with more queries than that and a right side of at
-least Sk that still bounds some row runs on the torch kernel (:func:`_flash_window`). No softcap: refused.
+base.py. FlashAttention-2 treats a side ``>= Sk`` as unbounded and gives an unbounded right side next to a bounded
+left one the value Sk; both are exact whenever ``Sq <= Sk + 1``: the rare non-causal block with more queries than
+that whose window bounds its left side, or its right side at ``>= Sk``, runs on the torch kernel
+(:func:`.base.fa2_window`); varlen calls get a ``max_seqlen_k`` of at least ``max_q − 1`` there
+(:func:`.base.fa2_max_seqlen_k`). No softcap: refused.
 The kernels' own masks (FlashAttention-2's, is_causal included) are bottom-right aligned for Sq != Sk (torch's SDPA
 refuses non-square causal flash calls for that reason), so a windowed block is one call whatever its shape; the
 ``prefix`` windowed cases of ``tests/gpu/test_kernels_gpu.py`` check that on a GPU (not run yet).
@@ -56,7 +58,7 @@ import functools
 
 import torch
 
-from .base import FULL, Window, accum_dtype, check_block, is_windowed
+from .base import FULL, Window, accum_dtype, check_block, fa2_max_seqlen_k, fa2_window, is_windowed
 from .torch_math import TorchKernel
 from .varlen import Varlen
 
@@ -186,24 +188,6 @@ class CudnnKernel(_SdpaKernel):
             causal, scale=scale)
 
 
-def _flash_window(sq: int, sk: int, causal: bool, window: Window) -> tuple[int, int] | None:
-    """``window`` as FlashAttention-2's ``(window_size_left, window_size_right)`` for an ``sq`` × ``sk`` block (-1:
-    unbounded; causal: right 0), or None when it bounds nothing beyond ``causal`` (the plain ops then run).
-    Raises LookupError for the one mask the op cannot express (see the module docstring)."""
-    # A side is unbounded when it reaches past the block for every row: left >= Sk - 1, right >= Sq - 1.
-    left = -1 if window[0] is None or window[0] >= sk - 1 else int(window[0])
-    if causal:
-        right = 0
-    else:
-        right = -1 if window[1] is None or window[1] >= sq - 1 else int(window[1])
-    if left == -1 and (right == 0 if causal else right == -1):
-        return None
-    if right >= sk:
-        # FlashAttention-2 would read it as unbounded, yet some row sees fewer keys (only when sq > sk + 1).
-        raise LookupError(f"window_size_right={right} >= Sk={sk} with Sq={sq}")
-    return left, right
-
-
 class FlashKernel(_SdpaKernel):
     """torch's FlashAttention-2; windowed blocks through ``aten::_flash_attention_forward/_backward``."""
 
@@ -215,9 +199,12 @@ class FlashKernel(_SdpaKernel):
             raise ValueError(f"kernel {self.name!r} applies no softcap (softcap={softcap}): use kernel='auto', "
                              f"'torch' or 'flash_attn'")
         try:
-            return _flash_window(q.shape[1], k.shape[1], causal, window)
+            sides = fa2_window(q.shape[1], k.shape[1], causal, window)
         except LookupError:
             return "torch"
+        if sides is None:
+            return None
+        return (-1 if sides[0] is None else sides[0]), (0 if causal else -1 if sides[1] is None else sides[1])
 
     def forward(self, q, k, v, *, causal: bool, scale: float, window: Window = FULL, softcap: float | None = None):
         sides = self._check(q, k, causal, window, softcap)
@@ -261,7 +248,8 @@ class FlashKernel(_SdpaKernel):
         cu_q, cu_k = batch.cu_seqlens(q.device)
         left = -1 if batch.window[0] is None else int(batch.window[0])  # >= Sk reads as unbounded: exact (left)
         sides = {"window_size_left": left, "window_size_right": 0 if batch.causal else -1}
-        args = (cu_q, cu_k, batch.max_q, batch.max_k, 0.0, batch.causal)
+        max_k = fa2_max_seqlen_k(batch.max_q, batch.max_k, batch.causal, batch.window)
+        args = (cu_q, cu_k, batch.max_q, max_k, 0.0, batch.causal)
         return g, (_last_dim_unit(k), _last_dim_unit(v)), args, sides
 
     def forward_varlen(self, q, k, v, batch: Varlen, *, scale: float, softcap: float | None = None):

@@ -79,6 +79,20 @@ def _scores(q, k, scale, causal, window=(-1, -1), softcap=0.0):
     return s.masked_fill(~keep, float("-inf")), t
 
 
+def _fa2_reading(window, causal, seqlen_k):
+    """The window FlashAttention-2 applies for the sides it is given (``flash_api.cpp``: ``mha_fwd`` and
+    ``mha_varlen_fwd`` with seqlen_k its ``max_seqlen_k``, then ``set_params_fprop``): a side >= seqlen_k is
+    unbounded, causal sets the right side to 0, then an unbounded side next to a bounded one becomes seqlen_k."""
+    left, right = window
+    left = -1 if left >= seqlen_k else left
+    right = 0 if causal else -1 if right >= seqlen_k else right
+    if left < 0 and right >= 0:
+        left = seqlen_k
+    if left >= 0 and right < 0:
+        right = seqlen_k
+    return left, right
+
+
 def _fwd_math(q, k, v, scale, causal, window=(-1, -1), softcap=0.0, dropout_p=0.0):
     _require(q, k, v)
     if dropout_p != 0.0:
@@ -168,6 +182,7 @@ def _varlen_fwd_math(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, s
     if fa2 and max_q == 1 and h > k.shape[1] and window[0] < 0 and window[1] < 0 and tq != len(seqs):
         raise RuntimeError(f"shape '[{len(seqs)}, {k.shape[1]}, {h // k.shape[1]}, {d}]' is invalid for input of "
                            f"size {q.numel()}")
+    window = _fa2_reading(window, causal, max_k) if fa2 else window
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     lse = torch.full((h, tq), float("nan"), dtype=torch.float32)
     for q0, q1, k0, k1 in seqs:
@@ -183,7 +198,7 @@ def _varlen_fwd_math(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, s
 
 
 def _varlen_bwd_math(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal, window,
-                     softcap, *, dropout_p=0.0):
+                     softcap, *, dropout_p=0.0, fa2=True):
     """Writes dq/dk/dv like flash-attn's varlen backward, from the lse read as raw float32 ``[H, Tq]`` memory:
     dq 0 for rows of a sequence without keys, dk = dv = 0 for keys of a sequence without rows; rows past
     ``max_seqlen_q`` / keys past ``max_seqlen_k`` of a sequence are not written (garbage, NaN here)."""
@@ -192,6 +207,7 @@ def _varlen_bwd_math(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max
     if dropout_p != 0.0:
         raise AssertionError("the adapter must not ask for dropout")
     assert all(type(x) is int for x in (max_q, max_k, *window)), "sizes and window sides are ints"
+    window = _fa2_reading(window, causal, max_k) if fa2 else window
     tq, h, _ = q.shape
     seqs = _sequences(cu_q, cu_k, tq, k.shape[0])
     raw = _raw_varlen_lse(lse, h, tq)
@@ -233,25 +249,29 @@ def fa20_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_sca
 # ---------------------------------------------------------------- 2.5: window_size tuple + alibi, 8 outputs
 def fa25_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
     assert alibi_slopes is None
-    out, lse = _fwd_math(q, k, v, softmax_scale, causal, window_size, dropout_p=dropout_p)
+    out, lse = _fwd_math(q, k, v, softmax_scale, causal, _fa2_reading(window_size, causal, k.shape[1]),
+                         dropout_p=dropout_p)
     return out, q, k, v, out, lse, _empty(q), _rng()
 
 
 def fa25_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
              alibi_slopes, deterministic, rng_state=None):
-    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal,
+                  _fa2_reading(window_size, causal, k.shape[1]))
     return dq, dk, dv, d
 
 
 # ---------------------------------------------------------------- 2.6.0-2.6.2: + softcap, still 8 outputs
 def fa260_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
-    out, lse = _fwd_math(q, k, v, softmax_scale, causal, window_size, softcap, dropout_p)
+    out, lse = _fwd_math(q, k, v, softmax_scale, causal, _fa2_reading(window_size, causal, k.shape[1]), softcap,
+                         dropout_p)
     return out, q, k, v, out, lse, _empty(q), _rng()
 
 
 def fa260_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
               softcap, alibi_slopes, deterministic, rng_state=None):
-    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, softcap)
+    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal,
+                  _fa2_reading(window_size, causal, k.shape[1]), softcap)
     return dq, dk, dv, d
 
 
@@ -263,7 +283,8 @@ def fa27_ops():
             causal: bool, window_size_left: int, window_size_right: int, softcap: float,
             alibi_slopes: Optional[torch.Tensor], return_softmax: bool
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        out, lse = _fwd_math(q, k, v, softmax_scale, causal, (window_size_left, window_size_right), softcap,
+        out, lse = _fwd_math(q, k, v, softmax_scale, causal,
+                             _fa2_reading((window_size_left, window_size_right), causal, k.shape[1]), softcap,
                              dropout_p)
         return out, lse, _empty(q), _rng()
 
@@ -274,7 +295,7 @@ def fa27_ops():
             window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
             deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
         return _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal,
-                         (window_size_left, window_size_right), softcap)
+                         _fa2_reading((window_size_left, window_size_right), causal, k.shape[1]), softcap)
 
     return fwd, bwd
 
@@ -388,7 +409,7 @@ def _fa3_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, ma
              causal, window, softcap):
     if _fa3_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         return _varlen_bwd_math(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, scale, causal, tuple(window), softcap)
+                                max_seqlen_k, scale, causal, tuple(window), softcap, fa2=False)
     return _bwd_math(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap)
 
 
@@ -924,7 +945,9 @@ WINDOWS = [("causal-inside", 8, 8, True, (3, 0)), ("causal-left-only", 8, 8, Tru
            ("causal-prefix-sk>sq", 4, 10, True, (3, None)), ("full-left-right", 8, 8, False, (2, 3)),
            ("full-right-only", 8, 8, False, (None, 2)), ("full-left-only", 6, 9, False, (1, None)),
            ("full-sq>sk", 8, 5, False, (1, 4)), ("causal-larger-than-block", 8, 8, True, (20, 0)),
-           ("plain-causal", 8, 8, True, (None, None))]
+           ("plain-causal", 8, 8, True, (None, None)),
+           # Sq > Sk + 1, not causal: FlashAttention-2 would bound the right side at Sk / unbound a right side >= Sk
+           ("full-left-only-sq>sk+1", 12, 4, False, (1, None)), ("full-right>=sk-sq>sk+1", 12, 4, False, (None, 9))]
 CAP = 1.0
 
 

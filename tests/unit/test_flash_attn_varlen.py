@@ -114,6 +114,22 @@ def test_softcap_and_windows_reach_the_varlen_call(build, causal, window):
     assert rel_err(plain, want[0]) > 1e-2                           # the softcap changed the result
 
 
+def test_a_left_window_stays_exact_when_a_sequence_has_more_rows_than_keys(build):
+    """Not causal, window (2, None), a sequence of 10 rows and 3 keys (the longest key sequence: 5): FlashAttention-2
+    sets the unbounded right side to max_seqlen_k (the stand-ins do), which must reach every row's keys."""
+    from ctx_plugin.kernels.varlen import Varlen
+
+    call = Varlen(((0, 10, 0, 3), (10, 14, 3, 8)), False, (2, None), 2)
+    h = _tensors(14, 8, 4, 2, torch.float16, seed=12)
+    want = reference(*h, call, SCALE)
+    kern = _kernel()
+    out, lse = kern.forward_varlen(*h[:3], call, scale=SCALE)
+    assert rel_err(out, want[0]) < 1e-2 and (lse - want[1]).abs().max() < 1e-5
+    grads = kern.backward_varlen(h[3], *h[:3], want[0].half(), want[1].float(), call, scale=SCALE)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want[2:]):
+        assert rel_err(got, ref) < 2e-2, f"{name}: {rel_err(got, ref):.2e}"
+
+
 def test_varlen_calls_refuse_what_chains_never_build(build):
     call, tq, tk = _call(False, (None, None))
     h = _tensors(tq, tk, 4, 2, torch.float16, seed=1)

@@ -202,12 +202,15 @@ def test_dense_bshd_copies_only_what_is_not_laid_out_densely():
 
 # ---------------------------------------------------------------- sliding windows: aten::_flash_attention_*
 def _flash_semantics(sq, sk, is_causal, left, right):
-    """FlashAttention-2's reading of its window arguments (mha_fwd/mha_bwd): causal sets right to 0, a side
-    >= Sk is unbounded, -1 is unbounded; as the torch kernel's (left, right) with None for unbounded."""
-    if is_causal:
-        right = 0
+    """FlashAttention-2's reading of its window arguments (flash_api.cpp: mha_fwd/mha_bwd, then
+    set_params_fprop): a side >= Sk is unbounded, causal sets right to 0, then an unbounded side next to a bounded
+    one becomes Sk; as the torch kernel's (left, right) with None for unbounded."""
     left = -1 if left >= sk else left
-    right = -1 if right >= sk else right
+    right = 0 if is_causal else -1 if right >= sk else right
+    if left < 0 and right >= 0:
+        left = sk
+    if left >= 0 and right < 0:
+        right = sk
     return (None if left < 0 else left, None if right < 0 else right)
 
 
@@ -338,3 +341,46 @@ def test_simulated_ranks_with_windows_on_the_flash_kernel(windowed, recorder, mo
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.dtype == torch.float16 and rel_err(g, w) < 5e-3, f"{name}: {rel_err(g, w):.2e}"
     assert windowed.calls["fwd"] > 0 and windowed.calls["bwd"] > 0
+
+
+def test_fa2_window_is_what_flashattention2_applies_or_a_lookup_error():
+    """For every small block shape and window: the sides fa2_window passes, read as FlashAttention-2 reads them
+    (_flash_semantics: flash_api.cpp), keep exactly the keys the window keeps; where no sides can, LookupError —
+    and then only for non-causal blocks with Sq > Sk + 1."""
+    from ctx_plugin.kernels.base import fa2_window, keep_mask
+
+    sides = [None, 0, 1, 2, 3, 5, 8]
+    refused = 0
+    for sq in range(1, 9):
+        for sk in range(1, 9):
+            for causal in (False, True):
+                for window in ((a, b) for a in sides for b in sides):
+                    if causal and window[1] is not None:
+                        continue
+                    want = keep_mask(sq, sk, causal, window, torch.device("cpu"))
+                    want = torch.ones(sq, sk, dtype=torch.bool) if want is None else want
+                    try:
+                        passed = fa2_window(sq, sk, causal, window)
+                    except LookupError:
+                        refused += 1
+                        assert not causal and sq > sk + 1, (sq, sk, causal, window)
+                        continue
+                    left, right = (-1, 0 if causal else -1) if passed is None else (
+                        -1 if passed[0] is None else passed[0], 0 if causal else -1 if passed[1] is None else passed[1])
+                    got = keep_mask(sq, sk, causal, _flash_semantics(sq, sk, causal, left, right),
+                                    torch.device("cpu"))
+                    got = torch.ones(sq, sk, dtype=torch.bool) if got is None else got
+                    assert torch.equal(got, want), (sq, sk, causal, window, passed)
+    assert refused > 0
+
+
+def test_flash_kernel_takes_the_torch_kernel_where_flash_would_bound_the_unbounded_right_side(windowed):
+    """Sq = 24 > Sk + 1 = 9, window (2, None), not causal: FlashAttention-2 would set the right side to Sk, which
+    hides keys from the first rows; the torch kernel runs the block."""
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, s, 2, 16, generator=g).to(torch.float16) for s in (24, 8))
+    out, lse = sdpa.FlashKernel().forward(q, k, k, causal=False, scale=0.25, window=(2, None))
+    want, _ = TorchKernel().forward(q.double(), k.double(), k.double(), causal=False, scale=0.25, window=(2, None))
+    assert rel_err(out, want) < 4e-3 and windowed.calls["fwd"] == 0
+    grads = sdpa.FlashKernel().backward(q, q, k, k, out, lse, causal=False, scale=0.25, window=(2, None))
+    assert all(g.shape == t.shape for g, t in zip(grads, (q, k, k))) and windowed.calls["bwd"] == 0

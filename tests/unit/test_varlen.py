@@ -29,13 +29,14 @@ HALF = (torch.float16, torch.bfloat16)
 def _keep(batch: Varlen, tq: int, tk: int) -> torch.Tensor:
     """``[Tq, Tk]``: row a of a sequence sees key b of the same sequence under its bottom-right causal/window."""
     keep = torch.zeros(tq, tk, dtype=torch.bool)
-    left = batch.window[0]
+    left, right = batch.window
     for q0, q1, k0, k1 in batch.seqs.tolist():
         sq, sk = q1 - q0, k1 - k0
         for a in range(sq):
             for b in range(sk):
                 last = a + sk - sq                           # the diagonal, bottom-right aligned
-                ok = (b <= last if batch.causal else True) and (left is None or b >= last - left)
+                ok = (b <= last if batch.causal else right is None or b <= last + right) and (
+                    left is None or b >= last - left)
                 keep[q0 + a, k0 + b] = ok
     return keep
 
@@ -161,7 +162,9 @@ class VarlenFlash:
     then swaps query heads into the sequence dimension, assuming one row per sequence), int32 ``cum_seq_q/k`` with
     ``max_q/max_k`` their longest sequences, window sides ints >= -1 (causal: right 0), an fp32 LSE ``[H, Tq]``
     returned with **+inf** for rows without keys and output 0 there (FlashAttention-2's early exit), and the LSE
-    handed to backward read as raw contiguous fp32 ``[H, Tq]`` memory."""
+    handed to backward read as raw contiguous fp32 ``[H, Tq]`` memory. ``max_k`` may exceed the longest key sequence
+    (an upper bound); a bounded left side next to the unbounded right one of a non-causal call makes that right side
+    ``max_k`` (FlashAttention-2's ``set_params_fprop``), which the stand-ins apply."""
 
     def __init__(self) -> None:
         self.calls = {"fwd": 0, "bwd": 0}
@@ -176,10 +179,12 @@ class VarlenFlash:
         cq, ck = cum_q.tolist(), cum_k.tolist()
         assert cq[0] == ck[0] == 0 and cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
         seqs = tuple(zip(cq, cq[1:], ck, ck[1:]))
-        assert max_q == max(b - a for a, b, _, _ in seqs) and max_k == max(b - a for _, _, a, b in seqs)
+        assert max_q == max(b - a for a, b, _, _ in seqs) and max_k >= max(b - a for _, _, a, b in seqs)
         assert type(left) is int and type(right) is int and left >= -1 and right >= -1
         assert right == (0 if is_causal else -1), "chains carry no bounded right side"
-        return Varlen(seqs, is_causal, (None if left < 0 else left, None), 0)
+        left = -1 if left >= max_k else left                        # mha_varlen_fwd, then set_params_fprop
+        implied = max_k if left >= 0 and not is_causal else None
+        return Varlen(seqs, is_causal, (None if left < 0 else left, implied), 0)
 
     def fwd(self, q, k, v, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale,
             window_size_left, window_size_right):
@@ -238,6 +243,21 @@ def test_the_flash_kernel_runs_a_varlen_call_on_the_flash_op(varlen_flash, causa
     assert varlen_flash.kv_heads == [kv_heads, kv_heads], "GQA K/V reach the op unexpanded"
     with pytest.raises(ValueError, match="applies no softcap"):
         kern.forward_varlen(*h[:3], call, scale=0.3, softcap=5.0)
+
+
+def test_the_flash_kernel_keeps_a_left_window_exact_when_a_sequence_has_more_rows_than_keys(varlen_flash):
+    """Not causal, window (2, None), a sequence of 10 rows and 3 keys where the longest key sequence holds 5:
+    FlashAttention-2 sets the unbounded right side to max_seqlen_k, which would hide keys from that sequence's first
+    rows, so the call passes a max_seqlen_k of at least max_q - 1 (an upper bound, as the op allows)."""
+    call = Varlen(((0, 10, 0, 3), (10, 14, 3, 8)), False, (2, None), 2)
+    h = _tensors(14, 8, 4, 2, torch.bfloat16, seed=11)
+    want = reference(*h, call, 0.3)
+    kern = sdpa.FlashKernel()
+    out, lse = kern.forward_varlen(*h[:3], call, scale=0.3)
+    grads = kern.backward_varlen(h[3], *h[:3], want[0].to(torch.bfloat16), want[1].float(), call, scale=0.3)
+    assert rel_err(out, want[0]) < 1e-2 and (lse - want[1]).abs().max() < 1e-5
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want[2:]):
+        assert got.shape == ref.shape and rel_err(got, ref) < 2e-2, f"{name}: {rel_err(got, ref):.2e}"
 
 
 def test_the_flash_kernel_expands_gqa_kv_for_one_row_sequences(varlen_flash):
