@@ -13,7 +13,8 @@ from . import hf_loss
 from .api import shard_sequence
 from .deepspeed_config import SECTION
 from .groups import CPGroups
-from .packing import DOCUMENTS_KEYWORD, HF_DOCUMENT_KEYWORDS, documents_of_batch, pad_packed_batch, shift_labels
+from .packing import (DOCUMENTS_KEYWORD, HF_DOCUMENT_KEYWORDS, SEQ_IDX, documents_of_batch, pad_packed_batch,
+                      shift_labels)
 from .recompute import RecomputeConfig
 from .rules import SettingNames, check_documents_fit, padding_units
 from .tiled_loss import lm_loss_sum, upcast
@@ -25,8 +26,8 @@ def shard_batch(batch: dict, groups: CPGroups, *, pad_documents: bool = False) -
     refused). Per-sample values pass through.
 
     A packed batch — several documents in one sequence: ``position_ids`` that restart at 0 in each (Hugging Face's
-    ``DataCollatorWithFlattening``), ``cu_seq_lens_q``/``cu_seq_lens_k`` of the whole sequence, or a ``documents``
-    entry (:class:`ctx_plugin.Documents`) — is sharded per document (:func:`ctx_plugin.packing.documents_of_batch`),
+    ``DataCollatorWithFlattening``), ``cu_seq_lens_q``/``cu_seq_lens_k`` of the whole sequence, its ``seq_idx``, or a
+    ``documents`` entry (:class:`ctx_plugin.Documents`) — is sharded per document (:func:`ctx_plugin.packing.documents_of_batch`),
     its labels stop at every document's end, and the result carries ``documents`` (the model gets them as
     ``ctx_plugin_documents``). Documents the layout cannot split are an error unless ``pad_documents``: then each one
     is padded at its end to the layout's unit (:func:`ctx_plugin.packing.pad_packed_batch`; padding is masked out of
@@ -50,7 +51,7 @@ def shard_batch(batch: dict, groups: CPGroups, *, pad_documents: bool = False) -
     shard = functools.partial(shard_sequence, config=cfg, groups=groups, dim=1, documents=documents)
     out = {}
     for key, value in batch.items():
-        if key in ("input_ids", "labels", "position_ids", "attention_mask", "documents", *HF_DOCUMENT_KEYWORDS):
+        if key in ("input_ids", "labels", "position_ids", "attention_mask", "documents", SEQ_IDX, *HF_DOCUMENT_KEYWORDS):
             continue
         per_token = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == seq
         out[key] = shard(value) if per_token else value
@@ -77,9 +78,11 @@ class ShardedLoader:
                  collate_fn=None, pad_documents: bool = False, drop_last: bool = False, shuffle: bool = False,
                  pin_memory: bool = False, num_workers: int = 0) -> None:
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=shuffle)
+        # its own generator: iterating draws the workers' base seed from it, not from the global RNG, which the
+        # model's dropout reads (a resumed run restores that state, and a new iterator would shift it)
         self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                                                   collate_fn=collate_fn, drop_last=drop_last, pin_memory=pin_memory,
-                                                  num_workers=num_workers)
+                                                  num_workers=num_workers, generator=torch.Generator().manual_seed(0))
         self.groups, self.pad_documents = groups, pad_documents
 
     def __len__(self) -> int:
@@ -134,12 +137,23 @@ def tiled_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, engine, *, 
     return _global_mean(local, labels)
 
 
+_LM_KEYS = frozenset({"input_ids", "position_ids", "labels", "documents"})
+
+
 def lm_loss(engine, batch: dict) -> tuple[torch.Tensor, float]:
     """Forward and loss of a Hugging Face causal LM on this rank's ``batch`` (``input_ids``, ``position_ids``,
     pre-shifted ``labels`` and, packed, ``documents``, as :class:`ShardedLoader` gives them): (loss to backpropagate, global token-mean loss).
     With ``+tile_loss`` in the section the model's ``lm_head`` runs over chunks of tokens
     (:func:`ctx_plugin.hf_loss.hidden_states`, :func:`tiled_causal_lm_loss`), else on the whole logits."""
-    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    tokens = batch["input_ids"]
+    unused = sorted(key for key, value in batch.items() if key not in _LM_KEYS and isinstance(value, torch.Tensor)
+                    and value.dim() >= 2 and value.shape[:2] == tokens.shape[:2])
+    if unused:
+        raise ValueError(f"lm_loss uses the batch's input_ids, position_ids, labels and documents; its per-token "
+                         f"{unused} would be ignored: fold a loss mask into the labels before the loader shards the "
+                         f"batch (labels = -100 where the mask is 0), or run the model yourself and take the loss "
+                         f"with causal_lm_loss(logits, batch['labels'], engine)")
+    inputs = {"input_ids": tokens, "position_ids": batch["position_ids"]}
     if batch.get("documents") is not None:      # a packed batch (shard_batch)
         inputs[DOCUMENTS_KEYWORD] = batch["documents"]
     recompute = getattr(engine, "ctx_plugin_recompute", None)      # None: an engine without the section

@@ -18,6 +18,8 @@ DOCUMENTS_KEYWORD = "ctx_plugin_documents"
 """The model keyword (passed down to the attention function) that carries a batch's :class:`Documents`."""
 HF_DOCUMENT_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """transformers' attention keywords for packed sequences (``FlashAttentionKwargs``)."""
+SEQ_IDX = "seq_idx"
+"""``DataCollatorWithFlattening(return_seq_idx=True)``'s per-token document index (for state-space layers)."""
 
 
 def documents_from_positions(position_ids: torch.Tensor) -> Documents | None:
@@ -44,10 +46,30 @@ def documents_from_positions(position_ids: torch.Tensor) -> Documents | None:
     return None if len(bounds) == 2 else Documents(tuple(bounds))
 
 
+def documents_from_seq_idx(seq_idx: torch.Tensor) -> Documents:
+    """The documents of a packed sequence from its per-token document indices (``DataCollatorWithFlattening(
+    return_seq_idx=True)``'s ``seq_idx``, ``[seq]`` or ``[batch, seq]`` with equal rows): a document starts where the
+    index grows. ValueError for rows that differ or an index that falls back."""
+    if not isinstance(seq_idx, torch.Tensor) or seq_idx.dim() not in (1, 2) or seq_idx.shape[-1] == 0:
+        raise ValueError(f"seq_idx must be a non-empty [seq] or [batch, seq] tensor, got "
+                         f"{tuple(getattr(seq_idx, 'shape', ())) or type(seq_idx).__name__}")
+    rows = seq_idx.reshape(-1, seq_idx.shape[-1]).cpu()
+    if not bool((rows == rows[:1]).all()):
+        raise ValueError("packed batches must pack their documents identically in every row: the rows of seq_idx "
+                         "differ")
+    idx = rows[0]
+    if bool((idx[1:] < idx[:-1]).any()):
+        raise ValueError("seq_idx must number the packed documents in order (a document starts where it grows), "
+                         f"but it falls back at position {int((idx[1:] < idx[:-1]).nonzero()[0]) + 1}")
+    starts = (idx[1:] != idx[:-1]).nonzero().flatten() + 1
+    return Documents((0, *starts.tolist(), idx.numel()))
+
+
 def documents_of_batch(batch: dict) -> Documents | None:
     """The packed documents of a global batch (before sharding): its ``documents`` entry (:class:`Documents` or
     cumulative lengths), else its ``cu_seq_lens_q`` (equal to ``cu_seq_lens_k`` when given), else restarts in its
-    ``position_ids``; ``None`` for an unpacked batch. The sources given must agree."""
+    ``position_ids``, else its ``seq_idx`` (:func:`documents_from_seq_idx`); ``None`` for an unpacked batch. The
+    sources given must agree."""
     seq = batch["input_ids"].shape[1]
     found = []
     if batch.get("documents") is not None:
@@ -58,6 +80,8 @@ def documents_of_batch(batch: dict) -> Documents | None:
     if batch.get("position_ids") is not None:
         found.append(("position_ids", documents_from_positions(batch["position_ids"])
                       or Documents((0, seq))))
+    if batch.get(SEQ_IDX) is not None:
+        found.append((SEQ_IDX, check_documents(documents_from_seq_idx(batch[SEQ_IDX]), seq)))
     if not found:
         return None
     (name, docs), *others = found

@@ -39,6 +39,43 @@ def test_documents_of_batch_reads_every_source_and_refuses_conflicts():
         documents_of_batch({"input_ids": ids, "cu_seq_lens_q": cu})
 
 
+def test_documents_from_seq_idx_as_hugging_faces_collator_writes_it():
+    """DataCollatorWithFlattening(return_position_ids=False, return_seq_idx=True) marks documents only by seq_idx:
+    read from it (equal to what its position ids would say), never silently one document."""
+    transformers = pytest.importorskip("transformers")
+    collator = transformers.DataCollatorWithFlattening(return_position_ids=False, return_seq_idx=True)
+    batch = collator([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}, {"input_ids": [4, 3, 2, 1]}])
+    assert "position_ids" not in batch and "seq_idx" in batch
+    assert documents_of_batch(batch) == Documents((0, 3, 5, 9))
+    with_positions = transformers.DataCollatorWithFlattening(return_seq_idx=True)(
+        [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}, {"input_ids": [4, 3, 2, 1]}])
+    assert documents_of_batch(with_positions) == Documents((0, 3, 5, 9))        # both sources, agreeing
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="position_ids and seq_idx describe different documents"):
+        documents_of_batch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]]),
+                            "seq_idx": torch.tensor([[0, 0, 1, 1, 1, 1]])})
+    with pytest.raises(ValueError, match="falls back at position 4"):
+        documents_of_batch({"input_ids": ids, "seq_idx": torch.tensor([[0, 0, 1, 1, 0, 0]])})
+    with pytest.raises(ValueError, match="rows of seq_idx differ"):
+        documents_of_batch({"input_ids": ids.expand(2, 6), "seq_idx": torch.tensor([[0, 0, 1, 1, 1, 1],
+                                                                                    [0, 1, 1, 1, 1, 1]])})
+    assert documents_of_batch({"input_ids": ids, "seq_idx": torch.zeros(1, 6, dtype=torch.int32)}) is None
+    groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig(backend="ring", kernel="torch"))
+    out = shard_batch({**batch, "labels": batch["input_ids"]}, groups)
+    assert out["documents"] == Documents((0, 3, 5, 9)) and "seq_idx" not in out
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+
+
+def test_lm_loss_refuses_per_token_entries_it_would_ignore():
+    from ctx_plugin.deepspeed_data import lm_loss
+
+    batch = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "position_ids": torch.arange(6)[None],
+             "labels": torch.zeros(1, 6, dtype=torch.long), "loss_mask": torch.ones(1, 6), "sample_id": torch.ones(1)}
+    with pytest.raises(ValueError, match=r"its per-token \['loss_mask'\] would be ignored: fold a loss mask into the "
+                                         r"labels"):
+        lm_loss(None, batch)
+
+
 def test_shift_labels_stop_at_document_ends_and_skip_padding():
     labels = torch.tensor([[10, 11, 12, 20, 21, 30]])
     assert shift_labels(labels, None).tolist() == [[11, 12, 20, 21, 30, -100]]
