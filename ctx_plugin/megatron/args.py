@@ -127,7 +127,7 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     layers = recompute.for_layers           # +tile_loss is the loss's: spec.prepare_model installs it on the model
     if layers.preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN) \
             and not layers.has_modifiers:      # Megatron has no tiling or offload: ctx_plugin applies those
-        megatron_fields = to_megatron(layers, args.num_layers)
+        megatron_fields = to_megatron(layers, args.num_layers, moe=bool(getattr(args, "num_experts", None)))
     padding = None
     if getattr(args, "cp_pad_documents", False):
         from .mask_documents import document_padding
@@ -138,13 +138,33 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
                               document_padding=padding)
 
 
+def _own_equivalent(args: argparse.Namespace) -> str:
+    """The --cp-recompute preset closest to Megatron's own recompute flags (for the error that refuses them)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity == "full":
+        method, layers = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None) or 1
+        if method == "block":
+            return f"full:block:{layers}"
+        return "full" if layers == 1 else f"full:uniform:{layers}"
+    modules = set(getattr(args, "recompute_modules", None) or ["core_attn"])
+    if modules <= {"mlp", "moe"} and not getattr(args, "recompute_activations", False):
+        return "mlp"
+    return "selective (or core_attn, mlp)"
+
+
 def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfig:
     recompute = RecomputeConfig.parse(args.cp_recompute)
     own = [f"--{name.replace('_', '-')}" for name in ("recompute_granularity", "recompute_method",
-                                                       "recompute_num_layers") if getattr(args, name, None)]
+                                                       "recompute_num_layers", "recompute_activations",
+                                                       "moe_layer_recompute") if getattr(args, name, None)]
     if own and recompute.preset != Recompute.NONE:
         raise ValueError(f"--cp-recompute {recompute} and {', '.join(own)} both set what to recompute; keep one "
                          f"(--cp-recompute maps onto Megatron's fields where Megatron can express it)")
+    if own:          # --cp-recompute none writes Megatron's fields too: its own flags would be dropped
+        raise ValueError(f"{', '.join(own)}: ctx_plugin sets Megatron's recompute fields from --cp-recompute "
+                         f"(default none), so Megatron's own flags would be dropped; use --cp-recompute "
+                         f"{_own_equivalent(args)} instead (its full presets keep the context-parallel attention "
+                         f"pinned, so backward does not repeat its communication)")
     if recompute.preset != Recompute.BUDGET or not resolve_budget:
         return recompute
     missing = [name for name in ("padded_vocab_size", "data_parallel_size") if not getattr(args, name, None)]

@@ -13,17 +13,20 @@ def _apply_instead(config: RecomputeConfig, framework: str, why: str) -> ValueEr
                       f"ctx_plugin {framework} integration does this for you)")
 
 
-def to_megatron(config: RecomputeConfig | str, num_layers: int) -> dict:
+def to_megatron(config: RecomputeConfig | str, num_layers: int, *, moe: bool = False) -> dict:
     """megatron-core ``TransformerConfig`` fields for ``config``.
 
     Megatron's own full recompute re-runs the core attention, so full presets are not mapped (ctx_plugin
-    applies them itself, attention pinned); op-level ``selective`` has no Megatron equivalent."""
+    applies them itself, attention pinned); op-level ``selective`` has no Megatron equivalent. ``moe``: the model
+    has MoE layers, whose MLP Megatron recomputes under the module name ``"moe"`` (``"mlp"`` is its dense MLP)."""
     config = RecomputeConfig.parse(config)
     if config.has_modifiers:
         raise _apply_instead(config, "Megatron", "its recompute settings have no sequence tiling or offload")
     off = {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None}
     if config.preset in (Recompute.NONE, Recompute.ATTN_OUT):
         return off
+    if config.preset == Recompute.MLP and moe:
+        return {**off, "recompute_granularity": "selective", "recompute_modules": ["mlp", "moe"]}
     if config.preset in (Recompute.CORE_ATTN, Recompute.MLP):
         return {**off, "recompute_granularity": "selective", "recompute_modules": [config.preset.value]}
     if config.preset == Recompute.SELECTIVE:

@@ -114,6 +114,8 @@ def test_flags_with_megatrons_parser(monkeypatch):
     assert str(s.recompute) == "mlp"
     assert s.megatron_recompute == {"recompute_granularity": "selective", "recompute_method": None,
                                     "recompute_num_layers": None, "recompute_modules": ["mlp"]}
+    moe = settings_from_args(_parse(monkeypatch, "--cp-recompute", "mlp", "--num-experts", "4"))
+    assert moe.megatron_recompute["recompute_modules"] == ["mlp", "moe"]    # MoE layers: Megatron's "moe" module
     window = _parse(monkeypatch, "--window-size", "(4,0)", "--window-attn-skip-freq", "[1,0,1,0]",
                     "--softmax-type", "learnable")         # honoured (test_gpt_model_matches_megatron)
     assert (window.window_size, window.window_attn_skip_freq, window.softmax_type) == ((4, 0), [1, 0, 1, 0],
@@ -154,6 +156,16 @@ BAD = [
     (["--context-parallel-size", "3", "--seq-length", "4096"], ValueError,
      "--seq-length must be a positive multiple of 6, got 4096"),
     (["--cp-recompute", "full", "--recompute-granularity", "full"], ValueError, "both set what to recompute"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], ValueError,
+     r"--recompute-granularity, --recompute-method, --recompute-num-layers: ctx_plugin sets Megatron's recompute "
+     r"fields from --cp-recompute (default none), so Megatron's own flags would be dropped; use --cp-recompute "
+     r"full:uniform:2 instead"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"], ValueError,
+     "use --cp-recompute full:block:3 instead"),
+    (["--recompute-granularity", "full"], ValueError, "use --cp-recompute full instead"),
+    (["--recompute-activations"], ValueError, "use --cp-recompute selective (or core_attn, mlp) instead"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp"], ValueError,
+     "use --cp-recompute mlp instead"),
     (["--cp-recompute", "full:sideways:2"], ValueError, "method must be one of"),
     (["--attention-dropout", "0.1"], ValueError, "set --attention-dropout 0 (got 0.1)"),
     (["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"], ValueError,

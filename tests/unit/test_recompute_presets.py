@@ -120,6 +120,9 @@ def test_megatron_mapping():
     assert recompute.to_megatron("mlp", 8) == {"recompute_granularity": "selective", "recompute_method": None,
                                               "recompute_num_layers": None, "recompute_modules": ["mlp"]}
     assert recompute.to_megatron("core_attn", 8)["recompute_modules"] == ["core_attn"]
+    # megatron-core recomputes an MoE layer's MLP under "moe" ("mlp" is only the dense layers')
+    assert recompute.to_megatron("mlp", 8, moe=True)["recompute_modules"] == ["mlp", "moe"]
+    assert recompute.to_megatron("core_attn", 8, moe=True)["recompute_modules"] == ["core_attn"]
     for text in ("selective", "full", "full:block:2", "sqrt"):
         with pytest.raises(ValueError, match="Megatron cannot express"):
             recompute.to_megatron(text, 8)
