@@ -9,10 +9,11 @@ writes a JSON report.
 
 Stop and resume: on ``SIGUSR1`` (SLURM's time-limit warning, which ``launch/deepspeed.sbatch`` passes to every
 rank) or ``SIGTERM``, every rank finishes its optimizer step, the ranks agree on the step to stop after, save a
-DeepSpeed checkpoint (``save_checkpoint``: model, optimizer, the step and the losses so far) under
-``--checkpoint-dir`` and exit 0. ``--resume`` continues from the latest checkpoint there (the same losses as an
-uninterrupted run: the data is not shuffled, the next micro-batch is the one after the last trained), or starts
-afresh when there is none, so a requeued job can pass it on every attempt. Under the job scripts each rank records
+checkpoint (:mod:`ctx_plugin.train_hf_checkpoint`: DeepSpeed's ``save_checkpoint`` with the losses so far, each
+rank's RNG states, a completion marker) under ``--checkpoint-dir`` and exit 0. ``--resume`` continues from the
+newest complete checkpoint there (the same losses as an uninterrupted run, dropout included: the data is not
+shuffled, the next micro-batch is the one after the last trained; another layout is refused), or starts afresh when
+there is none, so a requeued job can pass it on every attempt. Under the job scripts each rank records
 the signals its handler got in the attempt's ``signals/rank-<r>.txt``, and a rank stopped on another rank's signal
 waits (after saving, at most 30 s) for its own (:class:`ctx_plugin.slurm.signals.StopRequest`).
 """
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from . import deepspeed as cpds
+    from . import train_hf_checkpoint as checkpoints
 
     model, data = load_model(args), load_data(args)
     engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(), training_data=data,
@@ -196,14 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--pack-eos packs each sample's own documents: set train_micro_batch_size_per_gpu to 1 (got "
                          f"{engine.train_micro_batch_size_per_gpu()}) and raise gradient_accumulation_steps instead")
     rank, accumulation = dist.get_rank(), engine.gradient_accumulation_steps()
+    run_layout = checkpoints.layout(engine, engine.ctx_plugin_groups.size)
     losses = []
     if args.resume:
-        path, state = engine.load_checkpoint(str(ckpt))
-        if path is None:
-            print(f"rank {rank}: no checkpoint in {ckpt}: starting afresh", flush=True)
-        else:
-            losses = list(state["losses"])
-            print(f"rank {rank}: resumed from {path} after step {len(losses) - 1}", flush=True)
+        try:
+            losses = checkpoints.resume(engine, ckpt, run_layout, engine.device)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     micro_losses, tokens, start = [], 0, time.perf_counter()
     batches = micro_batches(loader, len(losses) * accumulation)
     while len(losses) < args.steps:
@@ -224,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             if ckpt is None:
                 saved = "no --checkpoint-dir, nothing saved"
             else:
-                engine.save_checkpoint(str(ckpt), tag=f"step{len(losses)}", client_state={"losses": losses})
-                saved = f"saved {ckpt}/step{len(losses)}"
+                saved = f"saved {checkpoints.save(engine, ckpt, losses, run_layout)}"
             stop.await_own()
             print(f"rank {rank}: stopped by {stop.describe()} after step {len(losses) - 1}; {saved}", flush=True)
             break
