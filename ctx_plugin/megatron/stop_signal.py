@@ -12,8 +12,15 @@ point swaps in :func:`recording` of the class: after each ``__enter__`` the rank
 calls it, and ``signals_received`` tells the record whether the ranks stop, so a rank stopped by another rank's
 signal waits at exit for its own. Megatron's handling — its flag, the agreement, the save, ``release()`` restoring
 the earlier handler — is unchanged. Outside the job scripts (no ``$CTX_ATTEMPT_DIR``) nothing is put in front.
+
+Preemption. Megatron's handler takes one signal, the job's ``--exit-signal SIGUSR1`` (the time-limit warning), but a
+preempted job's ranks get SIGTERM (SLURM's, and torchrun's), which would end them without saving. Under the job
+scripts the rank's SIGTERM therefore sets the same flag (recorded too), so the ranks agree, save and stop within the
+GraceTime as on the warning; ``release()`` restores SIGTERM's earlier handler as well.
 """
 from __future__ import annotations
+
+import signal
 
 from ..slurm.signals import OwnSignalRecord
 
@@ -27,7 +34,21 @@ def recording(base: type, record: OwnSignalRecord) -> type:
         def __enter__(self):
             entered = super().__enter__()
             record.chain(self.sig)
+            self._ctx_term = None
+            if self.sig != signal.SIGTERM and record.active():
+                self._ctx_term = signal.getsignal(signal.SIGTERM)
+
+                def on_term(signum, frame):
+                    self._signal_received = True
+                signal.signal(signal.SIGTERM, on_term)
+                record.chain(signal.SIGTERM)
             return entered
+
+        def release(self):
+            released = super().release()
+            if released and self._ctx_term is not None:
+                signal.signal(signal.SIGTERM, self._ctx_term)
+            return released
 
         def signals_received(self):
             received = super().signals_received()

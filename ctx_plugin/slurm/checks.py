@@ -72,7 +72,7 @@ def _megatron_parser() -> argparse.ArgumentParser:
                  "--hierarchical-context-parallel-sizes"):
         p.add_argument(flag, nargs="*", default=None)
     for flag in ("--group-query-attention", "--swiglu", "--bf16", "--fp16", "--sequence-parallel",
-                 "--use-distributed-optimizer", "--mock-data", "--exit-signal-handler",
+                 "--use-distributed-optimizer", "--mock-data", "--exit-signal-handler", "--recompute-activations",
                  "--reset-attention-mask", "--sft", "--dataloader-inter-document-masking"):     # options.check_reset_data
         p.add_argument(flag, action="store_true")
     p.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
@@ -207,6 +207,27 @@ def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: s
     return (f"DeepSpeed: {world} ranks = CP {section.size} ({section.cp_config.backend}) × DP {world // section.size}, "
             f"ZeRO {config.get('zero_optimization', {}).get('stage', 0)}, recompute {section.recompute}, "
             f"{device}")
+
+
+def check_requeue(framework: str, program: list[str]) -> None:
+    """A job that requeues itself must resume in each attempt, else every attempt trains again from the start (and
+    overwrites the checkpoints with earlier steps): Megatron's ``--load`` must be its ``--save`` (with
+    ``--exit-signal-handler``, which saves on the warning); ``ctx_plugin.train_hf`` needs ``--resume``. A script of
+    your own must resume itself (not checkable here). ``ValueError`` naming the flag."""
+    if framework == "megatron":
+        args, _ = _megatron_parser().parse_known_args(program)
+        if not args.exit_signal_handler or not args.save:
+            raise ValueError("--requeue: the ranks must save when the time-limit warning comes, or the requeued "
+                             "attempt has nothing to resume: add --exit-signal-handler --exit-signal SIGUSR1 --save DIR "
+                             "--load DIR")
+        if not args.load or Path(args.load).expanduser().resolve() != Path(args.save).expanduser().resolve():
+            raise ValueError(f"--requeue: each attempt must resume from what the previous one saved: give --load "
+                             f"{args.save} (the --save directory; it may not exist before the first save), not "
+                             f"{'no --load' if not args.load else '--load ' + args.load}")
+    elif program[:2] == ["-m", "ctx_plugin.train_hf"] and "--resume" not in program:
+        raise ValueError("--requeue: ctx_plugin.train_hf starts from step 0 without --resume (and a later stop would "
+                         "overwrite the checkpoints with earlier steps): add --resume, which starts afresh when "
+                         "there is no checkpoint yet")
 
 
 CHECKS = {"megatron": check_megatron, "deepspeed": check_deepspeed}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cliargs import option_value, parse_strict
-from .checks import CHECKS
+from .checks import CHECKS, check_requeue
 from .preflight import check_rendezvous, free_port
 from .records import write_records
 
@@ -157,6 +157,9 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
     requeue_env = env.get("CTX_REQUEUE", "")
     if requeue_env not in ("", "0", "1"):
         raise ValueError(f"CTX_REQUEUE={requeue_env!r} (site file): give 1 (requeue on the time-limit warning) or 0")
+    requeue = args.requeue or requeue_env == "1"
+    if requeue:
+        check_requeue(framework, rest)
     restarts = env.get("SLURM_RESTART_COUNT") or "0"
     if not restarts.isdigit():
         raise ValueError(f"SLURM_RESTART_COUNT={restarts!r} is not a count")
@@ -164,7 +167,7 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
     return Job(framework=framework, nodes=nodes, nproc_per_node=nproc, device=device,
                threads=max(1, cpus // nproc), port=args.master_port or 20000 + int(job_id or 0) % 20000,
                run_dir=run_dir(framework, args.run_dir, env), program=program, summary=summary, dry_run=args.dry_run,
-               requeue=args.requeue or requeue_env == "1", attempt=int(restarts) + 1)
+               requeue=requeue, attempt=int(restarts) + 1)
 
 
 def render(job: Job, env=os.environ) -> str:

@@ -149,14 +149,15 @@ class OwnSignalRecord:
         self._pid = os.getpid()
         self._waits = False
 
-    def _active(self) -> bool:
+    def active(self) -> bool:
+        """Under the job scripts, in the process that made the record (the rank, not a forked worker)."""
         return self._rank.path is not None and os.getpid() == self._pid
 
     def chain(self, sig: int) -> None:
         """Records ``sig`` in front of the handler now installed for it; nothing when that is not a Python function
         (the default action or ignored: there is no framework handler to keep)."""
         handler = signal.getsignal(sig)
-        if not self._active() or not callable(handler):
+        if not self.active() or not callable(handler):
             return
 
         def record_then_handle(signum, frame):
@@ -170,7 +171,7 @@ class OwnSignalRecord:
     def stopping(self, any_signal: bool) -> None:
         """The ranks' agreement: when some rank got a signal and this one has none of its own yet, it waits for its
         own when it exits (registered once, with ``atexit``)."""
-        if any_signal and not self.came and not self._waits and self._active():
+        if any_signal and not self.came and not self._waits and self.active():
             self._waits = True
             atexit.register(self.await_own)
 

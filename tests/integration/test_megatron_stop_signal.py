@@ -56,3 +56,31 @@ def test_outside_the_job_scripts_megatrons_handler_is_left_alone(usr1):
     os.kill(os.getpid(), signal.SIGUSR1)
     assert handler._signal_received
     handler.release()
+
+
+@pytest.fixture
+def term():
+    saved = signal.getsignal(signal.SIGTERM)
+    yield saved
+    signal.signal(signal.SIGTERM, saved)
+
+
+def test_a_preempted_ranks_sigterm_stops_megatron_like_the_warning(tmp_path, usr1, term, monkeypatch):
+    """Under the job scripts SIGTERM (preemption: SLURM's and torchrun's) sets Megatron's flag too, so the ranks save
+    and stop instead of dying unsaved; it is recorded, and release() restores SIGTERM's handler. Outside the job
+    scripts SIGTERM is left alone."""
+    monkeypatch.setattr(atexit, "register", lambda f: None)
+    seen = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))       # what was there before
+    before = signal.getsignal(signal.SIGTERM)
+    record = OwnSignalRecord(env={"CTX_ATTEMPT_DIR": str(tmp_path), "RANK": "0", "SLURMD_NODENAME": "n1"},
+                             step=lambda: 5)
+    handler = recording(DistributedSignalHandler, record)(signal.SIGUSR1).__enter__()
+    assert handler.signals_received() == [False]
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert handler.signals_received() == [True] and seen == []          # Megatron's flag, not the old handler
+    assert "signal=SIGTERM step=5" in (tmp_path / "signals" / "rank-0.txt").read_text()
+    assert handler.release() and signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGUSR1) is usr1
+    outside = recording(DistributedSignalHandler, OwnSignalRecord(env={"RANK": "0"}))(signal.SIGUSR1).__enter__()
+    assert signal.getsignal(signal.SIGTERM) is before
+    outside.release()

@@ -687,6 +687,35 @@ def test_main_requeued_attempt_and_busy_port(job_environ, monkeypatch):
     assert "attempt=2\n" in (attempt / "job.txt").read_text()
 
 
+def test_a_requeued_job_must_resume(tmp_path, ds_config, model_json):
+    """--requeue (or CTX_REQUEUE=1) without resuming would retrain every attempt from the start: Megatron needs the
+    stop flags and --load equal to --save, ctx_plugin.train_hf needs --resume; a script of its own passes."""
+    env = in_job(tmp_path)
+    ck = str(tmp_path / "ck")
+    stops = ["--exit-signal-handler", "--exit-signal", "SIGUSR1", "--save", ck]
+    for program, message in (
+            (MEGATRON_CP8, "must save when the time-limit warning comes"),
+            ([*MEGATRON_CP8, *stops], "give --load .*ck .*not no --load"),
+            ([*MEGATRON_CP8, *stops, "--load", str(tmp_path)], f"not --load {tmp_path}")):
+        with pytest.raises(ValueError, match=f"--requeue: .*{message}"):
+            plan_megatron(env, "--requeue", program=program)
+        plan_megatron(env, program=program)                             # without requeue: fine
+    assert plan_megatron(env, "--requeue", program=[*MEGATRON_CP8, *stops, "--load", ck]).requeue
+    assert plan_megatron({**env, "CTX_REQUEUE": "1"}, program=[*MEGATRON_CP8, *stops, "--load", ck]).requeue
+    with pytest.raises(ValueError, match="--requeue: .*must save"):
+        plan_megatron({**env, "CTX_REQUEUE": "1"})
+    pytest.importorskip("transformers")
+    ds = ds_config(GOOD_DS)
+    train = ["-m", "ctx_plugin.train_hf", "--model", str(model_json)]
+    with pytest.raises(ValueError, match="--requeue: ctx_plugin.train_hf starts from step 0 without --resume"):
+        slurm_job.plan_job("deepspeed", ["--requeue", "--ds-config", str(ds), "--", *train], env=env)
+    assert slurm_job.plan_job("deepspeed", ["--requeue", "--ds-config", str(ds), "--", *train, "--resume"],
+                              env=env).requeue
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    assert slurm_job.plan_job("deepspeed", ["--requeue", "--ds-config", str(ds), "--", str(script)], env=env).requeue
+
+
 def test_main_rendezvous_host_must_resolve(job_environ, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_NODELIST", "no-such-node-ctx.invalid,node2")
     rc = slurm_job.main(["megatron", "--megatron-lm", str(FAKE_MEGATRON), "--", *MEGATRON_CP8])
@@ -792,7 +821,9 @@ def test_cli_launch_dry_run_reads_the_site_file(no_submit, capsys, monkeypatch, 
     site.write_text(f'CTX_PY=/site/python\nCTX_EXEC_PREFIX="apptainer exec img.sif"\nCTX_RUNS_DIR={tmp_path}/r\n'
                     "CTX_REQUEUE=1\n")
     monkeypatch.setenv("CTX_SITE", str(site))
-    rc = cli.main(["launch", "--dry-run", *launch_line("-N", "1", "--gpus-per-node", "2")])
+    resumes = [*GOOD, "--exit-signal-handler", "--exit-signal", "SIGUSR1", "--save", str(tmp_path / "ck"), "--load",
+               str(tmp_path / "ck")]
+    rc = cli.main(["launch", "--dry-run", *launch_line("-N", "1", "--gpus-per-node", "2", program=resumes)])
     out = capsys.readouterr().out
     assert rc == 0
     assert f"source {site}" in out and "apptainer exec img.sif /site/python -m torch.distributed.run" in out
