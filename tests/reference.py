@@ -86,3 +86,17 @@ def documents_with_grads(q, k, v, dout, docs, *, causal: bool, sinks=None, **var
     out.backward(dout)
     grads = (q.grad, k.grad, v.grad)
     return (out.detach(), *grads) + ((s.grad,) if s is not None else ())
+
+
+def fa2_window_reading(left: int, right: int, causal: bool, seqlen_k: int) -> tuple[int, int]:
+    """The window FlashAttention-2 applies for the sides it is given, in its own convention (-1 unbounded;
+    ``flash_api.cpp``: ``mha_fwd``/``mha_varlen_fwd``, seqlen_k the varlen call's ``max_seqlen_k``, then
+    ``set_params_fprop``): a side >= seqlen_k is unbounded, causal sets the right side to 0, then an unbounded side
+    next to a bounded one becomes seqlen_k. The stand-ins of torch's and flash-attn's FlashAttention-2 apply it."""
+    left = -1 if left >= seqlen_k else left
+    right = 0 if causal else -1 if right >= seqlen_k else right
+    if left < 0 and right >= 0:
+        left = seqlen_k
+    if left >= 0 and right < 0:
+        right = seqlen_k
+    return left, right

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from ctx_plugin.kernels import flash_attn as fa
-from tests.reference import rel_err
+from tests.reference import fa2_window_reading, rel_err
 
 NAMES = ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn_interface", "flash_attn_3",
          "flash_attn_3.flash_attn_interface")
@@ -80,17 +80,7 @@ def _scores(q, k, scale, causal, window=(-1, -1), softcap=0.0):
 
 
 def _fa2_reading(window, causal, seqlen_k):
-    """The window FlashAttention-2 applies for the sides it is given (``flash_api.cpp``: ``mha_fwd`` and
-    ``mha_varlen_fwd`` with seqlen_k its ``max_seqlen_k``, then ``set_params_fprop``): a side >= seqlen_k is
-    unbounded, causal sets the right side to 0, then an unbounded side next to a bounded one becomes seqlen_k."""
-    left, right = window
-    left = -1 if left >= seqlen_k else left
-    right = 0 if causal else -1 if right >= seqlen_k else right
-    if left < 0 and right >= 0:
-        left = seqlen_k
-    if left >= 0 and right < 0:
-        right = seqlen_k
-    return left, right
+    return fa2_window_reading(*window, causal, seqlen_k)
 
 
 def _fwd_math(q, k, v, scale, causal, window=(-1, -1), softcap=0.0, dropout_p=0.0):

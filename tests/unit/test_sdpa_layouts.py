@@ -20,7 +20,7 @@ from ctx_plugin.bench.harness import simulated_outputs
 from ctx_plugin.kernels import sdpa
 from ctx_plugin.kernels.torch_math import TorchKernel
 from ctx_plugin.names import Backend, Kernel
-from tests.reference import dense_with_grads, rel_err
+from tests.reference import dense_with_grads, fa2_window_reading, rel_err
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -202,15 +202,9 @@ def test_dense_bshd_copies_only_what_is_not_laid_out_densely():
 
 # ---------------------------------------------------------------- sliding windows: aten::_flash_attention_*
 def _flash_semantics(sq, sk, is_causal, left, right):
-    """FlashAttention-2's reading of its window arguments (flash_api.cpp: mha_fwd/mha_bwd, then
-    set_params_fprop): a side >= Sk is unbounded, causal sets right to 0, then an unbounded side next to a bounded
-    one becomes Sk; as the torch kernel's (left, right) with None for unbounded."""
-    left = -1 if left >= sk else left
-    right = 0 if is_causal else -1 if right >= sk else right
-    if left < 0 and right >= 0:
-        left = sk
-    if left >= 0 and right < 0:
-        right = sk
+    """FlashAttention-2's reading of its window arguments (tests.reference.fa2_window_reading) as the torch kernel's
+    (left, right), None for unbounded."""
+    left, right = fa2_window_reading(left, right, is_causal, sk)
     return (None if left < 0 else left, None if right < 0 else right)
 
 
