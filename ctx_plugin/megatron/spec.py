@@ -88,6 +88,17 @@ def _check_seams(args, settings: MegatronCPSettings) -> None:
                         f"chunks this Megatron shards batches into (get_batch_on_this_cp_rank) and slices RoPE by; "
                         f"run through the entry point, apply patches/megatron-core-0.19-cp-layout-hook.patch, or use "
                         f"--cp-backend zigzag or allgather (Megatron's zigzag layout)")
+    sft, inter_document = getattr(args, "sft", False), getattr(args, "dataloader_inter_document_masking", False)
+    if cp > 1 and inter_document and not sft:
+        problems.append("--dataloader-inter-document-masking without --sft: Megatron-LM's get_batch shards its batches "
+                        "zigzag over the whole sequence (use_per_sequence_balancing), while their PackedSeqParams "
+                        "describe documents, which ctx_plugin's attention and Megatron's THD RoPE read per document; "
+                        "run through the entry point (its batch sharder shards per document)")
+    elif cp > 1 and sft and not _is_megatron_zigzag(settings.cp_config, args.seq_length, cp):
+        problems.append(f"--sft: Megatron shards packed batches zigzag per document (Transformer Engine's "
+                        f"thd_get_partitioned_indices, which the layout-hook patch does not reach), while --cp-backend "
+                        f"{settings.cp_config.backend} holds other tokens of each document; run through the entry "
+                        f"point, or use --cp-backend zigzag or allgather")
     if getattr(args, "create_attention_mask_in_dataloader", False):
         problems.append("Megatron's dataloader builds an attention mask that only ctx_plugin's batch sharder checks "
                         "and drops (its core attention refuses mask tensors); run through the entry point, or pass "

@@ -246,6 +246,12 @@ def test_spec_alone_with_megatrons_zigzag_layout(monkeypatch, backend):
     (["--cp-backend", "zigzag"], "pass --no-create-attention-mask-in-dataloader"),
     (["--cp-backend", "zigzag", "--no-create-attention-mask-in-dataloader", "--cp-recompute", "selective"],
      "--cp-recompute selective is applied by ctx_plugin's entry point"),
+    # packed batches: Megatron's get_batch shards them its own way, whatever the layout hook says
+    (["--cp-backend", "zigzag", "--dataloader-inter-document-masking"],
+     "--dataloader-inter-document-masking without --sft: Megatron-LM's get_batch shards its batches zigzag over the "
+     "whole sequence"),
+    (["--cp-backend", "allgather", "--dataloader-inter-document-masking", "--position-embedding-type",
+      "learned_absolute"], "--dataloader-inter-document-masking without --sft"),
 ])
 def test_spec_alone_refuses_what_megatron_would_get_wrong(monkeypatch, flags, message):
     with pytest.raises(ValueError, match="without ctx_plugin's entry point") as e:
@@ -254,6 +260,21 @@ def test_spec_alone_refuses_what_megatron_would_get_wrong(monkeypatch, flags, me
     if "striped" in flags:
         assert "patches/megatron-core-0.19-cp-layout-hook.patch" in str(e.value)
         assert "--cp-backend zigzag" in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["ring", "striped", "ulysses"])
+def test_spec_with_the_layout_hook_refuses_sft_batches_off_megatrons_zigzag(monkeypatch, backend):
+    """--sft batches go through Megatron's per-document sharder (Transformer Engine's zigzag per document), which the
+    layout-hook patch does not reach: with the hook installed, only Megatron's zigzag layouts take them."""
+    import ctx_plugin.megatron.spec as spec_module
+
+    monkeypatch.setattr(spec_module, "_layout_hook_installed", lambda: True)
+    flags = ["--no-create-attention-mask-in-dataloader", "--sft", "--position-embedding-type", "learned_absolute"]
+    with pytest.raises(ValueError, match=f"--sft: Megatron shards packed batches zigzag per document .* --cp-backend "
+                                         f"{backend} holds other tokens"):
+        _layer_spec(monkeypatch, "--cp-backend", backend, *flags)
+    _layer_spec(monkeypatch, "--cp-backend", backend, "--no-create-attention-mask-in-dataloader")   # unpacked: fine
+    _layer_spec(monkeypatch, "--cp-backend", "zigzag", *flags)
 
 
 @pytest.mark.parametrize("flags,dropped", [(["--qk-l2-norm"], "--qk-l2-norm"), (["--num-experts", "2"], "--num-experts")])
