@@ -91,7 +91,14 @@ def tokens(text: str) -> int:
     value = _number(stripped[:-1] if scale > 1 else stripped, "a token count such as 131072 or 128k") * scale
     if value != value.to_integral_value() or value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens ≥ 1; give e.g. 4096 or 128k")
+    if value > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than {MAX_TOKENS:,} tokens (2⁴⁰), beyond any sequence a "
+                                         f"cluster holds; give e.g. 4096, 128k or 16m")
     return int(value)
+
+
+MAX_TOKENS = 2 ** 40
+"""The largest token count the command-line tools take (their arithmetic and plans stay meaningful below it)."""
 
 
 def non_negative_tokens(text: str) -> int:

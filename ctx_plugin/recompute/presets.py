@@ -220,6 +220,9 @@ def regions(config: RecomputeConfig, num_layers: int) -> list[tuple[int, int]]:
         return [(i, min(i + size, num_layers)) for i in range(0, num_layers, size)]
     if config.preset != Recompute.FULL:
         return []
+    if config.num_layers > num_layers:
+        raise ValueError(f"recompute preset {config} counts {config.num_layers} layers, but the stack has {num_layers} "
+                         f"(per pipeline stage); give N ≤ {num_layers}")
     if config.method == "block":
         return [(i, i + 1) for i in range(min(config.num_layers, num_layers))]
     return [(i, min(i + config.num_layers, num_layers)) for i in range(0, num_layers, config.num_layers)]

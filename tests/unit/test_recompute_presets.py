@@ -112,6 +112,10 @@ def test_regions():
     assert recompute.regions(RecomputeConfig.parse("full:block:2"), 5) == [(0, 1), (1, 2)]
     assert recompute.regions(RecomputeConfig.parse("sqrt"), 10) == [(0, 4), (4, 8), (8, 10)]
     assert recompute.regions(RecomputeConfig.parse("selective"), 4) == []
+    assert recompute.regions(RecomputeConfig.parse("full:uniform:5"), 5) == [(0, 5)]
+    for preset in ("full:block:6", "full:uniform:6"):         # more layers than the stack: refused, not clamped
+        with pytest.raises(ValueError, match=f"recompute preset {preset} counts 6 layers, but the stack has 5"):
+            recompute.regions(RecomputeConfig.parse(preset), 5)
 
 
 def test_megatron_mapping():
