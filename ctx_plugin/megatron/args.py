@@ -13,7 +13,7 @@ import torch
 
 from ..config import CPConfig
 from ..names import Backend, Kernel, Recompute
-from ..recompute import RecomputeConfig, to_megatron
+from ..recompute import RecomputeConfig, regions, to_megatron
 from ..rules import SettingNames, check_heads, check_seq_len, check_ulysses_size
 
 _USAGE = {
@@ -124,7 +124,10 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
         window(args.window_size, causal=True)           # GPT models' attention is causal
     recompute = _recompute(args, resolve_budget)
     megatron_fields = None
-    layers = recompute.for_layers           # +tile_loss is the loss's: spec.prepare_model installs it on the model
+    layers = recompute.for_layers
+    stage_layers = args.num_layers // max(getattr(args, "pipeline_model_parallel_size", 1) or 1, 1)
+    if layers.preset != Recompute.BUDGET:
+        regions(layers, stage_layers)           # full:block:N / full:uniform:N: N at most the stage's layers           # +tile_loss is the loss's: spec.prepare_model installs it on the model
     if layers.preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN) \
             and not layers.has_modifiers:      # Megatron has no tiling or offload: ctx_plugin applies those
         megatron_fields = to_megatron(layers, args.num_layers, moe=bool(getattr(args, "num_experts", None)))
@@ -165,7 +168,19 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
                          f"(default none), so Megatron's own flags would be dropped; use --cp-recompute "
                          f"{_own_equivalent(args)} instead (its full presets keep the context-parallel attention "
                          f"pinned, so backward does not repeat its communication)")
-    if recompute.preset != Recompute.BUDGET or not resolve_budget:
+    if recompute.preset != Recompute.BUDGET:
+        return recompute
+    if getattr(args, "num_experts", None):       # checked unresolved too: the launcher refuses what the job would
+        raise ValueError(f"--cp-recompute {recompute} with --num-experts {args.num_experts}: the memory model that "
+                         f"resolves budget:<GiB> covers dense decoders only (no expert parameters, gradients, "
+                         f"optimizer state or routing); give a concrete preset instead, e.g. --cp-recompute full")
+    kv_channels = getattr(args, "kv_channels", None)
+    if kv_channels and kv_channels * args.num_attention_heads != args.hidden_size:
+        raise ValueError(f"--cp-recompute {recompute} with --kv-channels {kv_channels}: {args.num_attention_heads} "
+                         f"heads × {kv_channels} is not --hidden-size {args.hidden_size}, and the memory model that "
+                         f"resolves budget:<GiB> sizes the attention --hidden-size wide; give a concrete preset "
+                         f"instead, e.g. --cp-recompute full (`ctx-plugin memory` to choose it)")
+    if not resolve_budget:
         return recompute
     missing = [name for name in ("padded_vocab_size", "data_parallel_size") if not getattr(args, name, None)]
     if missing:

@@ -79,28 +79,52 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict | str | Path) -> ModelSpec:
-        """From a Hugging Face ``config.json`` (a path or its parsed dict): Llama, Mistral, Qwen2 and the like, as
-        the ``hf`` block family (their layers' own saved tensors; ``attention_bias`` from the config, or True for
-        Qwen2, whose q/k/v projections always have biases)."""
+        """From a Hugging Face ``config.json`` (a path or its parsed dict) of a dense decoder whose ``model_type`` is
+        in :data:`HF_MODEL_TYPES` (which says its MLP and norm); gated RMSNorm models as the ``hf`` block family
+        (the saved tensors of Llama/Mistral/Qwen2 layers), the others as ``ctx_plugin``'s block. ``attention_bias``
+        from the config, or True for Qwen2, whose q/k/v projections always have biases. Refused: mixture-of-experts
+        configs, an explicit ``head_dim`` other than ``hidden_size / num_attention_heads`` (the model sizes the
+        attention projections ``hidden_size`` wide) and a ``num_key_value_heads`` that is not a positive divisor of
+        ``num_attention_heads`` (a missing key means multi-head attention)."""
         if isinstance(config, (str, Path)):
             config = json.loads(Path(config).read_text())
         if not isinstance(config, dict):
             raise ValueError(f"a Hugging Face config is a JSON object ({{\"num_hidden_layers\": ...}}), got a "
                              f"{type(config).__name__}")
+        for key in MOE_KEYS:
+            if config.get(key) not in (None, 0):
+                raise ValueError(f"the config sets {key!r} ({config[key]!r}): a mixture-of-experts model, but the "
+                                 f"memory model covers dense decoders only (no expert parameters, gradients, "
+                                 f"optimizer state or routing) and cannot estimate it: choose its recompute preset "
+                                 f"from measured memory")
+        model_type = config.get("model_type")
+        if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not one whose MLP and norm the memory model knows (known: "
+                             f"{', '.join(sorted(HF_MODEL_TYPES))}); use a preset ({_PRESET_HINT}) or "
+                             f"ModelSpec(layers=..., hidden=..., heads=..., kv_heads=..., ffn=..., vocab=..., "
+                             f"gated=..., norm=...) with its shape")
+        gated, norm = HF_MODEL_TYPES[model_type]
         try:
-            heads = config["num_attention_heads"]
-            spec = dict(layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
-                        kv_heads=config.get("num_key_value_heads") or heads, ffn=config["intermediate_size"],
-                        vocab=config["vocab_size"])
+            layers, hidden, heads, ffn, vocab = (_hf_int(config, key) for key in (
+                "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"))
         except KeyError as e:
             raise ValueError(f"the config has no {e.args[0]!r}: not a decoder-only transformer config") from None
-        act = config.get("hidden_act", "silu")
-        gated = act in ("silu", "swiglu", "gelu_pytorch_tanh") or "glu" in str(act)
-        norm = "rms" if "rms_norm_eps" in config else "layer"
-        bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
-        return cls(**spec, gated=gated, norm=norm, family="hf" if gated and norm == "rms" else "ctx_plugin",
-                   attention_bias=bias, tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   name=str(config.get("_name_or_path") or config.get("model_type", "hf-config")))
+        kv_heads = config.get("num_key_value_heads", heads)       # only a missing key means multi-head attention
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"num_key_value_heads must be a positive int dividing num_attention_heads ({heads}), got "
+                             f"{kv_heads!r}; leave the key out for multi-head attention")
+        head_dim = config.get("head_dim")
+        if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)
+                                     or heads * head_dim != hidden):
+            raise ValueError(f"head_dim {head_dim!r} × {heads} heads is not hidden_size ({hidden}): the memory model "
+                             f"sizes q/k/v/o, their bytes and FLOPs with head_dim = hidden_size / heads, so configs "
+                             f"with their own head_dim (Mistral-NeMo, Gemma) are not supported; the nearest estimate "
+                             f"is a preset of similar size ({_PRESET_HINT})")
+        bias = bool(config.get("attention_bias", model_type == "qwen2"))
+        return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, gated=gated,
+                   norm=norm, family="hf" if gated and norm == "rms" else "ctx_plugin", attention_bias=bias,
+                   tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   name=str(config.get("_name_or_path") or model_type))
 
     @classmethod
     def preset(cls, name: str, family: str = "ctx_plugin") -> ModelSpec:
@@ -120,6 +144,32 @@ MODEL_PRESETS: dict[str, dict] = {
     "mistral-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000),
     "qwen2-7b": dict(layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064),
 }
+
+
+# model_type → (gated MLP, norm), as each model's modeling_<type>.py (transformers 5.24) builds its decoder layer:
+# gated = gate_proj/up_proj/down_proj (or a fused gate_up_proj), whatever hidden_act says (Gemma's "gelu" is a
+# GeGLU; Starcoder2's "gelu_pytorch_tanh" a plain c_fc/c_proj MLP). Configs of other key names (gpt2, gptj, opt,
+# bloom, falcon: n_embd, n_layer, ffn_dim, ...) are not read.
+HF_MODEL_TYPES: dict[str, tuple[bool, str]] = {
+    **dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+                     "olmo2", "olmo3", "granite", "helium", "glm", "glm4", "exaone4", "smollm3", "seed_oss",
+                     "hunyuan_v1_dense", "ernie4_5"), (True, "rms")),
+    **dict.fromkeys(("olmo", "cohere", "cohere2", "stablelm"), (True, "layer")),  # LayerNorm (Olmo's without weights)
+    **dict.fromkeys(("arcee", "apertus"), (False, "rms")),                       # up_proj/down_proj: relu², xIELU
+    **dict.fromkeys(("gpt_neox", "phi", "starcoder2", "nemotron"), (False, "layer")),
+}
+
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+"""Config keys giving a mixture-of-experts model's experts (Mixtral, Qwen-MoE/OLMoE, DeepSeek, ERNIE-MoE, routing)."""
+
+_PRESET_HINT = f"--model {next(iter(MODEL_PRESETS))}; presets: {', '.join(MODEL_PRESETS)}"
+
+
+def _hf_int(config: dict, key: str) -> int:
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"the config's {key!r} must be a positive int, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)

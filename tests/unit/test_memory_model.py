@@ -74,7 +74,7 @@ def test_hf_config(tmp_path):
     assert spec.gated and spec.norm == "rms" and spec.family == "hf" and not spec.attention_bias
     assert ModelSpec.from_hf_config({**cfg, "model_type": "qwen2"}).attention_bias
     with pytest.raises(ValueError, match="not a decoder-only transformer config"):
-        ModelSpec.from_hf_config({"num_hidden_layers": 2})
+        ModelSpec.from_hf_config({"model_type": "llama", "num_hidden_layers": 2})
 
 
 def _cli(*args):
@@ -101,13 +101,14 @@ def test_memory_command_prints_every_preset_and_plots(tmp_path):
 def test_memory_command_from_hf_config_and_bad_input(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                                "intermediate_size": 128, "vocab_size": 100}))
+                                "intermediate_size": 128, "vocab_size": 100, "model_type": "gpt_neox"}))
     proc = _cli("--model", str(path), "--seq-len", "4096", "--cp", "2")
     assert proc.returncode == 0 and "sqrt" in proc.stdout, proc.stderr
-    assert "blocks: ctx_plugin" in proc.stdout          # LayerNorm (no rms_norm_eps): not a Llama-style block
+    assert "blocks: ctx_plugin" in proc.stdout          # GPT-NeoX's LayerNorm and plain MLP: not a Llama-style block
     llama = tmp_path / "llama.json"
     llama.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                                 "intermediate_size": 128, "vocab_size": 100, "rms_norm_eps": 1e-5}))
+                                 "intermediate_size": 128, "vocab_size": 100, "rms_norm_eps": 1e-5,
+                                 "model_type": "llama"}))
     proc = _cli("--model", str(llama), "--seq-len", "4096", "--cp", "2", "--recompute", "full+tile_loss+offload:8")
     assert proc.returncode == 0, proc.stderr
     assert "blocks: hf (Hugging Face" in proc.stdout and "full+tile_loss+offload:8" in proc.stdout

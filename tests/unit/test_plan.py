@@ -193,7 +193,8 @@ def test_cli_nothing_fits(capsys):
 
 def test_cli_hf_config_and_bench(tmp_path, capsys):
     cfg = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
-           "intermediate_size": 512, "vocab_size": 1000, "hidden_act": "silu", "rms_norm_eps": 1e-5}
+           "intermediate_size": 512, "vocab_size": 1000, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+           "model_type": "llama"}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     bench = tmp_path / "bench.json"

@@ -1,0 +1,58 @@
+"""``--cp-recompute budget:<GiB>`` under Megatron (its real parser, no processes): the dense model spec built from
+Megatron's flags is refused for what it cannot describe — MoE layers (``--num-experts``) and attention of another
+width than ``--hidden-size`` (``--kv-channels``) — resolved or not; a dense model resolves to a concrete preset."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.training", reason="needs megatron-core and Megatron-LM's training package")
+
+from ctx_plugin.names import Recompute  # noqa: E402
+
+BASE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "4096",
+        "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--attention-dropout", "0"]
+
+
+def _args(monkeypatch, *flags):
+    """Megatron's parsed flags, with the two values ``budget:`` needs from Megatron's later setup."""
+    from megatron.training.arguments import parse_args
+
+    from ctx_plugin.megatron.args import add_arguments
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *flags])
+    args = parse_args(extra_args_provider=add_arguments)
+    args.padded_vocab_size, args.data_parallel_size = 1024, 1
+    return args
+
+
+@pytest.mark.parametrize("resolve_budget", [True, False])
+def test_budget_with_experts_is_refused(monkeypatch, resolve_budget):
+    from ctx_plugin.megatron.args import settings_from_args
+
+    args = _args(monkeypatch, "--cp-recompute", "budget:80", "--num-experts", "4")
+    with pytest.raises(ValueError, match=r"--cp-recompute budget:80 with --num-experts 4: the memory model that "
+                                         r"resolves budget:<GiB> covers dense decoders only .* give a concrete "
+                                         r"preset instead, e\.g\. --cp-recompute full$"):
+        settings_from_args(args, resolve_budget=resolve_budget)
+    settings_from_args(_args(monkeypatch, "--cp-recompute", "full", "--num-experts", "4"))   # a preset: fine
+
+
+def test_budget_with_kv_channels_of_their_own_is_refused(monkeypatch):
+    from ctx_plugin.megatron.args import settings_from_args
+
+    args = _args(monkeypatch, "--cp-recompute", "budget:80", "--kv-channels", "64")
+    with pytest.raises(ValueError, match=r"--cp-recompute budget:80 with --kv-channels 64: 8 heads × 64 is not "
+                                         r"--hidden-size 256.*--cp-recompute full"):
+        settings_from_args(args)
+    same = settings_from_args(_args(monkeypatch, "--cp-recompute", "budget:80", "--kv-channels", "32"))
+    assert same.recompute.preset != Recompute.BUDGET
+
+
+def test_budget_resolves_for_a_dense_model(monkeypatch):
+    from ctx_plugin.megatron.args import settings_from_args
+
+    settings = settings_from_args(_args(monkeypatch, "--cp-recompute", "budget:80", "--swiglu",
+                                        "--normalization", "RMSNorm"))
+    assert settings.recompute.preset == Recompute.NONE        # a tiny model fits 80 GiB without recompute

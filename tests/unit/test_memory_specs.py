@@ -1,0 +1,127 @@
+"""``ModelSpec.from_hf_config`` on real Hugging Face configs (``transformers``' config classes): the MLP and norm come
+from the model type (checked against the model transformers builds), and what the memory model cannot describe —
+mixture-of-experts, a head_dim of its own, a malformed num_key_value_heads, an unknown model type — is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctx_plugin.memory import ModelSpec
+from ctx_plugin.memory.specs import HF_MODEL_TYPES
+
+transformers = pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
+
+SMALL = dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             intermediate_size=96, vocab_size=128)
+
+
+def hf_config(model_type: str, **fields) -> dict:
+    """The ``config.json`` transformers writes for ``model_type`` (its defaults, ``fields`` set)."""
+    return transformers.AutoConfig.for_model(model_type, **fields).to_dict()
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_MODEL_TYPES))
+def test_mlp_and_norm_follow_the_model_transformers_builds(model_type):
+    """Each known type's gated MLP (a gate projection next to up/down) and RMSNorm are those of its decoder layer."""
+    config = transformers.AutoConfig.for_model(model_type, **SMALL, pad_token_id=None)
+    with torch.device("meta"):
+        layer = transformers.AutoModelForCausalLM.from_config(config).base_model.layers[0]
+    gated = any("gate" in name for name, _ in layer.mlp.named_modules())
+    norms = {type(m).__name__ for name, m in layer.named_children() if "norm" in name}
+    assert norms, f"{model_type}: no norm in {[name for name, _ in layer.named_children()]}"
+    rms = all("RMS" in n for n in norms)
+    assert rms or not any("RMS" in n for n in norms), norms
+    spec = ModelSpec.from_hf_config(config.to_dict())
+    assert (spec.gated, spec.norm) == (gated, "rms" if rms else "layer"), (model_type, norms)
+    assert spec.family == ("hf" if gated and rms else "ctx_plugin")
+
+
+@pytest.mark.parametrize("model_type, act, gated", [
+    ("gemma", "gelu", True),                    # Gemma-7B's config.json: a GeGLU MLP, hidden_act "gelu"
+    ("starcoder2", "gelu_pytorch_tanh", False),  # c_fc → act → c_proj
+    ("phi", "gelu_new", False),
+    ("llama", "relu", True),                    # the activation never decides
+])
+def test_gated_does_not_follow_the_activation(model_type, act, gated):
+    """As the config.json files on the Hub say it (GemmaConfig itself rewrites "gelu" to "gelu_pytorch_tanh")."""
+    spec = ModelSpec.from_hf_config({**hf_config(model_type, **SMALL), "hidden_act": act})
+    assert spec.gated is gated
+
+
+@pytest.mark.parametrize("model_type, key", [
+    ("mixtral", "num_local_experts"), ("qwen2_moe", "num_experts"), ("qwen3_moe", "num_local_experts"),
+    ("olmoe", "num_experts"), ("deepseek_v3", "n_routed_experts"), ("ernie4_5_moe", "moe_num_experts"),
+    ("granitemoe", "num_local_experts"), ("phimoe", "num_local_experts"),
+])
+def test_mixture_of_experts_is_refused(model_type, key):
+    config = hf_config(model_type)
+    with pytest.raises(ValueError, match=rf"the config sets '{key}' \({config[key]}\): a mixture-of-experts model, "
+                                         r"but the memory model covers dense decoders only"):
+        ModelSpec.from_hf_config(config)
+
+
+def test_no_experts_is_dense():
+    config = hf_config("llama", **SMALL)
+    for none in (None, 0):
+        assert ModelSpec.from_hf_config({**config, "num_experts": none}).gated
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("mistral", dict(hidden_size=5120, num_attention_heads=32, head_dim=128, num_key_value_heads=8,  # Mistral-NeMo
+                     intermediate_size=14336, num_hidden_layers=40, vocab_size=131072)),
+    ("gemma", dict(hidden_size=3072, num_attention_heads=16, head_dim=256, num_key_value_heads=16)),  # Gemma-7B
+    ("gemma2", {}),                                                  # its defaults: hidden 2304, 8 heads of 256
+    ("qwen3", dict(hidden_size=1024, num_attention_heads=16, head_dim=128, num_key_value_heads=8)),  # Qwen3-0.6B
+])
+def test_head_dim_of_its_own_is_refused(model_type, fields):
+    config = hf_config(model_type, **fields)
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    assert heads * head_dim != config["hidden_size"]
+    with pytest.raises(ValueError, match=rf"head_dim {head_dim} × {heads} heads is not hidden_size "
+                                         rf"\({config['hidden_size']}\).*not supported.*--model llama3-8b"):
+        ModelSpec.from_hf_config(config)
+
+
+def test_head_dim_equal_to_hidden_over_heads_or_absent_is_accepted():
+    llama = hf_config("llama", **SMALL)
+    assert ModelSpec.from_hf_config(llama).head_dim == 16
+    assert ModelSpec.from_hf_config({**llama, "head_dim": None}).head_dim == 16   # Ministral writes null
+    no_key = dict(llama)
+    del no_key["head_dim"]
+    assert ModelSpec.from_hf_config(no_key).head_dim == 16
+    for bad in (16.0, "16", True):
+        with pytest.raises(ValueError, match="is not hidden_size"):
+            ModelSpec.from_hf_config({**llama, "head_dim": bad})
+
+
+@pytest.mark.parametrize("kv", [0, None, -2, 3, 2.0, "2", True])
+def test_num_key_value_heads_must_be_a_positive_divisor(kv):
+    config = {**hf_config("llama", **SMALL), "num_key_value_heads": kv}
+    with pytest.raises(ValueError, match=rf"num_key_value_heads must be a positive int dividing num_attention_heads "
+                                         rf"\(4\), got {kv!r}; leave the key out for multi-head attention"):
+        ModelSpec.from_hf_config(config)
+
+
+def test_missing_num_key_value_heads_is_multi_head():
+    config = hf_config("gpt_neox", **{k: v for k, v in SMALL.items() if k not in ("num_key_value_heads", "head_dim")})
+    assert "num_key_value_heads" not in config
+    assert ModelSpec.from_hf_config(config).kv_heads == 4
+    assert ModelSpec.from_hf_config(hf_config("llama", **SMALL)).kv_heads == 2
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(lambda: transformers.GPT2Config().to_dict(), id="gpt2"),     # n_embd, n_layer: keys not read
+    pytest.param(lambda: hf_config("bitnet", **SMALL), id="bitnet"),
+    pytest.param(lambda: {k: v for k, v in hf_config("llama", **SMALL).items() if k != "model_type"}, id="none"),
+])
+def test_unknown_model_type_is_refused(config):
+    with pytest.raises(ValueError, match=r"is not one whose MLP and norm the memory model knows \(known: apertus, "
+                                         r".*llama.*\); use a preset \(--model llama3-8b; presets: llama3-8b"):
+        ModelSpec.from_hf_config(config())
+
+
+def test_config_values_must_be_positive_ints():
+    with pytest.raises(ValueError, match=r"the config's 'hidden_size' must be a positive int, got '64'"):
+        ModelSpec.from_hf_config({**hf_config("llama", **SMALL), "hidden_size": "64"})
+    with pytest.raises(ValueError, match="the config has no 'vocab_size': not a decoder-only transformer config"):
+        ModelSpec.from_hf_config({k: v for k, v in hf_config("llama", **SMALL).items() if k != "vocab_size"})
