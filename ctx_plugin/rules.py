@@ -11,12 +11,17 @@ section, the demo, the benchmark, the memory model and the planner. The rules:
   backend, 2·P/u·u for the hybrid); nothing is padded.
 * **Head split** — over an all-to-all axis of u > 1 ranks, u divides the query heads, and the K/V heads either divide
   by u or divide u (each rank then gets a replicated K/V head).
+* **Sequence parallelism** — under Megatron's sequence parallelism over TP ranks, each CP rank's ``seq_len / cp``
+  tokens split evenly over its TP ranks: the sequence unit with ``tp`` (:func:`sequence_unit`) is a multiple of cp·tp.
+* **Tensor-parallel heads** — TP ranks split the query heads evenly, and the K/V heads either evenly or (megatron-core
+  replicating each K/V head) by dividing TP.
 * **Document unit** — with packed documents, every document's length is a multiple of the layout's document unit
   (:meth:`ctx_plugin.layouts.Layout.document_unit`: 2·P for zigzag and the all-gather backend, P for striped, 2·P/u
   for the hybrid, 1 for contiguous shards and Ulysses); :func:`ctx_plugin.documents.pad_documents` pads to it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .config import CPConfig
@@ -35,6 +40,7 @@ class SettingNames:
     ulysses_size: str = "ulysses_size"
     heads: str = "query heads"
     kv_heads: str = "kv_heads"
+    tp: str = "tensor-parallel size"
 
 
 API = SettingNames()
@@ -56,9 +62,11 @@ def check_ulysses_size(config: CPConfig, cp: int, names: SettingNames = API) -> 
                          f"{names.ulysses_size} values: {_divisors(cp)}")
 
 
-def sequence_unit(config: CPConfig, cp: int) -> int:
-    """The global sequence length must be a positive multiple of this (after :func:`check_ulysses_size`)."""
-    return shard_layout(config).unit(cp)
+def sequence_unit(config: CPConfig, cp: int, tp: int = 1) -> int:
+    """The global sequence length must be a positive multiple of this (after :func:`check_ulysses_size`). ``tp``:
+    the tensor-parallel size under Megatron's sequence parallelism (1 without it), which splits each CP rank's
+    ``seq_len / cp`` tokens over ``tp`` ranks, so the unit is also a multiple of cp·tp."""
+    return math.lcm(shard_layout(config).unit(cp), cp * tp)
 
 
 def check_seq_len(config: CPConfig, seq_len: int, cp: int, names: SettingNames = API) -> None:
@@ -68,6 +76,43 @@ def check_seq_len(config: CPConfig, seq_len: int, cp: int, names: SettingNames =
         raise ValueError(f"{names.seq_len} must be a positive multiple of {unit}, got {seq_len!r} ({config.backend} "
                          f"over {names.cp} {cp}); pad the sequence (and mask the padding out of the loss) to a "
                          f"multiple of {unit}")
+
+
+def check_sequence_parallel(config: CPConfig, seq_len: int, cp: int, tp: int, names: SettingNames = API) -> None:
+    """ValueError naming the fix when Megatron's sequence parallelism cannot split each CP rank's ``seq_len / cp``
+    tokens over ``tp`` ranks (it asserts "First dimension of the tensor should be divisible by tensor parallel
+    size"); call it only where sequence parallelism is on (:func:`check_seq_len` checks the layout's unit alone)."""
+    unit = sequence_unit(config, cp, tp)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0 or seq_len % unit:
+        near = f" (e.g. {seq_len // unit * unit} or {(seq_len // unit + 1) * unit})" if isinstance(seq_len, int) \
+            and not isinstance(seq_len, bool) and seq_len > unit else ""
+        raise ValueError(f"sequence parallelism splits each of the {names.cp} {cp} ranks' tokens over {names.tp} "
+                         f"{tp}: {names.seq_len} must be a positive multiple of {unit} ({config.backend}'s unit and "
+                         f"{names.cp} × {names.tp} = {cp * tp}), got {seq_len!r}; pad the sequence to a multiple of "
+                         f"{unit}{near}, or change {names.tp}")
+
+
+def check_tp_heads(heads: int, kv_heads: int, tp: int, names: SettingNames = API, *,
+                   replicate_kv: bool = True) -> None:
+    """ValueError naming the valid sizes when ``tp`` tensor-parallel ranks cannot split ``heads`` query and
+    ``kv_heads`` K/V heads as megatron-core (0.19) splits them: ``tp`` divides the query heads, and the K/V heads
+    divide by ``tp`` or (each K/V head then replicated on tp/kv_heads ranks, the QKV output all-gathered over TP)
+    divide ``tp``; megatron-core refuses anything else when it builds the model. ``replicate_kv=False`` refuses the
+    replication too: for the memory model and the planner, which count the K/V heads split ``tp`` ways and not the
+    gathered QKV output."""
+    def valid() -> list[int]:
+        return [k for k in _divisors(heads) if kv_heads % k == 0 or (replicate_kv and k % kv_heads == 0)]
+    if heads % tp:
+        raise ValueError(f"{names.heads} {heads} is not divisible by {names.tp} {tp} (tensor parallelism splits the "
+                         f"query heads evenly); valid {names.tp}: {valid()}")
+    if kv_heads % tp == 0 or (replicate_kv and tp % kv_heads == 0):
+        return
+    if tp % kv_heads:
+        raise ValueError(f"{names.kv_heads} {kv_heads} is neither divisible by {names.tp} {tp} nor a divisor of it "
+                         f"(megatron-core refuses it when it builds the model); valid {names.tp}: {valid()}")
+    raise ValueError(f"{names.kv_heads} {kv_heads} is not divisible by {names.tp} {tp}: the memory model splits the "
+                     f"K/V heads over the tensor-parallel ranks and does not model Megatron's replication of K/V "
+                     f"heads over them (its all-gathered QKV output); valid {names.tp}: {valid()}")
 
 
 def document_unit(config: CPConfig, cp: int) -> int:

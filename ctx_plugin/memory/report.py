@@ -11,11 +11,14 @@ import torch
 from ..cliargs import output_file, positive_float, positive_int, read_json_object, tokens
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig
+from ..rules import SettingNames, check_sequence_parallel, check_tp_heads
 from .flops import describe as describe_documents
 from .model import GiB, MemoryEstimate, estimate, resolve
 from .specs import FAMILIES, MODEL_PRESETS, ModelSpec, ParallelSpec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_NAMES = SettingNames(seq_len="--seq-len", cp="--cp", tp="--tp", ulysses_size="--ulysses-size", heads="query heads",
+                      kv_heads="K/V heads")
 
 
 def table_presets(layers: int) -> list[RecomputeConfig]:
@@ -162,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
         model = replace(model, family=family)
     parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
                             sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero)
+    check_tp_heads(model.heads, model.kv_heads, parallel.tp, _NAMES, replicate_kv=False)
+    if parallel.sequence_parallel:
+        check_sequence_parallel(parallel.cp_config, args.seq_len, parallel.cp, parallel.tp, _NAMES)
     dtype = DTYPES[args.dtype]
     documents = documents_from(args)
     kw = dict(seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=dtype, documents=documents)

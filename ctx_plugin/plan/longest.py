@@ -1,6 +1,8 @@
 """The longest sequence a model trains on a cluster, the fastest configuration at that length, and what binds.
 
-Lengths are multiples of every layout's unit (the least common multiple, so each length is valid for each layout).
+Lengths are multiples of every layout's unit (the least common multiple, so each length is valid for each layout;
+with tp > 1 the unit of sequence parallelism, :func:`ctx_plugin.rules.sequence_unit`). Only the combinations a
+framework runs are searched (:mod:`ctx_plugin.plan.frameworks`: tp > 1 at ZeRO 0 or 1, without optimizer offload).
 A length is feasible when some configuration — layout × recompute preset × modifiers × ZeRO stage × optimizer
 offload — fits in GPU memory and in host memory; by :mod:`ctx_plugin.plan.variants`' rule 1 it is enough to try
 each layout × preset with its memory-saving settings ("trials"). Memory grows with the length, so each trial fits
@@ -26,6 +28,7 @@ from ..memory.specs import ModelSpec, ParallelSpec
 from ..recompute.presets import RecomputeConfig, candidates
 from ..rules import sequence_unit
 from .cluster import Cluster
+from .frameworks import check_search, runnable, runnable_stages
 from .predict import Footprint, check_heads_split, predict
 from .prediction import Prediction
 from .search import _check_tp, divisors, layouts, rank_key
@@ -35,10 +38,15 @@ MAX_TOKENS = 2**34
 """The search gives up above this many tokens (a model that still fits there is not bounded by memory)."""
 
 
-def parallel_layouts(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int]) -> list[ParallelSpec]:
-    """Every layout (tp × cp × backend × Ulysses size, dp the rest) whose heads split; ZeRO stage 0."""
+def parallel_layouts(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int],
+                     zero_stages: Iterable[int] = (0,)) -> list[ParallelSpec]:
+    """Every layout (tp × cp × backend × Ulysses size, dp the rest) whose heads split and that a framework runs at
+    one of ``zero_stages`` (:mod:`.frameworks`: tp > 1 at ZeRO 0 or 1); ZeRO stage 0, sequence parallelism with
+    tp > 1."""
     out = []
     for tp in _check_tp(model, cluster, tp_options):
+        if not runnable_stages(tp, zero_stages):
+            continue
         for cp in divisors(cluster.gpus // tp):
             for backend, u in layouts(cp):
                 parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
@@ -52,8 +60,9 @@ def parallel_layouts(model: ModelSpec, cluster: Cluster, tp_options: Iterable[in
 
 
 def unit(parallels: Iterable[ParallelSpec]) -> int:
-    """The least common multiple of the layouts' sequence units."""
-    return math.lcm(*(sequence_unit(CPConfig(backend=p.backend, ulysses_size=p.ulysses_size), p.cp)
+    """The least common multiple of the layouts' sequence units (with sequence parallelism's cp·tp)."""
+    return math.lcm(*(sequence_unit(CPConfig(backend=p.backend, ulysses_size=p.ulysses_size), p.cp,
+                                    p.tp if p.sequence_parallel else 1)
                       for p in parallels))
 
 
@@ -105,7 +114,8 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
     presets = candidates(model.layers) if presets is None else [RecomputeConfig.parse(p) for p in presets]
     if not presets:
         raise ValueError("give at least one recompute preset")
-    parallels = parallel_layouts(model, cluster, tp_options)
+    check_search(_check_tp(model, cluster, tp_options), stages)
+    parallels = parallel_layouts(model, cluster, tp_options, stages)
     if not parallels:
         raise ValueError(f"no parallel layout splits {model.name}'s heads over {cluster.gpus} GPUs")
     step = unit(parallels)
@@ -113,9 +123,9 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
     # length; the answer is the largest of those. Take the trial that fits the current length with most room,
     # find its longest length (doubling, then bisection), then keep only the trials that fit one unit longer
     # and repeat until none does: every trial that fails a length is never tried again.
-    tops = [replace(p, zero_stage=stages[-1]) for p in parallels]
-    trials = [(tops[i], base, s) for i in range(len(tops)) for base in memory_presets(presets)
-              for s in saving_sets(base, optimizer=tops[i].zero_stage >= 1, offload=True)]
+    tops = [replace(p, zero_stage=runnable_stages(p.tp, stages)[-1]) for p in parallels]
+    trials = [(top, base, s) for top in tops for base in memory_presets(presets)
+              for s in saving_sets(base, optimizer=runnable(top.tp, top.zero_stage, True), offload=True)]
     checkers: dict[int, Checker] = {}
 
     def at(j: int, k: int):

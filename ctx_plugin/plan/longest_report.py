@@ -6,6 +6,7 @@ import argparse
 from ..memory.report import DTYPES, documents_from
 from ..memory.specs import ModelSpec
 from .cluster import Cluster
+from .frameworks import excluded
 from .longest import Longest, binding, longest
 from .prediction import Prediction
 from .table import print_header, print_table
@@ -56,6 +57,8 @@ def run_longest(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) ->
     print_header(model, cluster)
     print(f"search: micro-batch {args.micro_batch}, {args.dtype}, ZeRO {'/'.join(map(str, sorted(set(stages))))}, "
           f"tp {'/'.join(map(str, args.tp))}, every backend, recompute preset, modifier and optimizer offload")
+    if (note := excluded(args.tp, stages, True)) is not None:
+        print(note)
     print_documents(documents)
     print(summary(result, cluster))
     print(f"{len(result.plans)} configurations fit at {result.seq_len:,} tokens and may be fastest; top "

@@ -64,11 +64,15 @@ from ..memory.model import MemoryEstimate, estimate, layer_flops, layout_packing
 from ..memory.specs import ModelSpec, ParallelSpec, ceil_div
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig
-from ..rules import check_heads
+from ..rules import SettingNames, check_heads, check_sequence_parallel, check_tp_heads
 from .cluster import Cluster
 from .costs import (attention_recompute_layers, copy_exposed, mlp_chunks, optimizer_offload, region_layers,
                     tile_mlp_forwards)
+from .frameworks import check_runnable
 from .prediction import Prediction
+
+NAMES = SettingNames(seq_len="seq_len", cp="cp", tp="tp", heads="query heads", kv_heads="K/V heads")
+"""What the planner calls its settings in the split rules' messages."""
 
 BACKWARD = 2.5
 """Backward attention FLOPs relative to forward (flash-style: scores recomputed inside the kernel)."""
@@ -144,7 +148,9 @@ def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConf
               cluster: Cluster, micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16,
               offload_optimizer: bool = False, documents=None) -> Footprint:
     """Memory of one configuration on the GPU and the host, without timing it (what :func:`predict` fits; the
-    longest-sequence search checks only this); ValueError (naming the fix) when the configuration cannot run.
+    longest-sequence search checks only this); ValueError (naming the fix) when the configuration cannot run: no
+    framework runs it (:func:`ctx_plugin.plan.frameworks.check_runnable`), TP cannot split the heads, the layout
+    cannot split the sequence or its heads, or sequence parallelism cannot split each CP rank's tokens.
     ``documents`` change no byte, only the estimate's recompute FLOPs (:func:`ctx_plugin.memory.estimate`)."""
     recompute = RecomputeConfig.parse(recompute)
     if recompute.preset == Recompute.BUDGET:
@@ -152,10 +158,12 @@ def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConf
     if not isinstance(offload_optimizer, bool):
         raise TypeError(f"offload_optimizer must be True or False, got {offload_optimizer!r}")
     p, c = parallel, cluster
-    if offload_optimizer and p.zero_stage < 1:
-        raise ValueError("optimizer offload (DeepSpeed offload_optimizer) needs ZeRO stage 1, 2 or 3, not 0")
+    check_runnable(p.tp, p.zero_stage, offload_optimizer)
+    check_tp_heads(model.heads, model.kv_heads, p.tp, NAMES, replicate_kv=False)
     est = estimate(model, p, recompute, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, documents=documents)
     check_heads_split(model, p)
+    if p.sequence_parallel:
+        check_sequence_parallel(p.cp_config, seq_len, p.cp, p.tp, NAMES)
     if p.tp * p.cp * p.dp != c.gpus:
         raise ValueError(f"tp × cp × dp = {p.tp * p.cp * p.dp} must equal the cluster's {c.gpus} GPUs")
     if c.gpus_per_node % p.tp:

@@ -12,7 +12,8 @@ from ..memory.specs import MODEL_PRESETS, ModelSpec
 from .cluster import Cluster
 from .prediction import Prediction
 from .longest_report import run_longest
-from .search import best_per_layout, enumerate_plans, explain
+from .frameworks import excluded
+from .search import best_per_layout, enumerate_plans, explain, untried
 from .table import print_header, print_table
 
 _DEFAULTS = Cluster(nodes=1)
@@ -135,13 +136,15 @@ def run(args: argparse.Namespace) -> int:
     print_header(model, c)
     print(f"sequence: {args.seq_len:,} tokens × micro-batch {args.micro_batch}, {args.dtype}, ZeRO "
           f"{'/'.join(map(str, sorted(set(stages))))}" + (", with memory modifiers and offload" if args.modifiers else ""))
+    if (note := excluded(args.tp, stages, args.modifiers)) is not None:
+        print(note)
     print_documents(documents)
     rows = plans if args.all_presets else best_per_layout(plans)
     what = "every layout × preset" if args.all_presets else "each layout's best recompute preset"
     print(f"{len(plans)} configurations, {sum(p.fits for p in plans)} fit; top {min(args.top, len(rows))} "
           f"({what}); times per micro-batch step")
     print_table(rows, args.top)
-    print(explain(plans[0], plans))
+    print(explain(plans[0], plans, untried=untried(model, cluster, args.tp, stages, args.modifiers)))
     if args.plot:
         title = f"{model.name}, {args.seq_len:,} tokens, {c.nodes}×{c.gpus_per_node} GPUs"
         plot(plans, cluster, Path(args.plot), title=title)

@@ -5,7 +5,12 @@ splits them), cp over the divisors of GPUs/tp, dp = GPUs/(tp·cp); for cp > 1 ev
 :class:`ctx_plugin.names.Backend` (``ulysses_ring`` with every Ulysses size 1 < u < cp dividing cp), for cp = 1 one
 configuration without context parallelism. Each layout is tried with every recompute preset the memory model's
 ``budget`` chooses from (:func:`ctx_plugin.recompute.presets.candidates`). A layout the sequence length or the
-heads do not allow (the memory model's and the attention's own checks) is skipped.
+heads do not allow (the memory model's and the attention's own checks) is skipped. Every layout with tp > 1 runs
+Megatron's sequence parallelism (the memory model's ``sequence_parallel``, the TP collectives of the cost model), so
+its ``seq_len / cp`` tokens must split over its tp ranks (:func:`ctx_plugin.rules.check_sequence_parallel`), and it
+is tried only at the ZeRO stages a framework runs it at, without optimizer offload
+(:mod:`ctx_plugin.plan.frameworks`: Megatron's ZeRO 0 or 1; ZeRO-2/3 and optimizer offload are DeepSpeed's, which
+has no TP).
 
 Ranking: configurations that fit first, by throughput (tokens per second per GPU; equal to ordering by step time
 when dp is equal — a step with dp > 1 trains dp sequences at once, so raw step times of different dp are not
@@ -24,7 +29,9 @@ from ..config import CPConfig
 from ..memory.specs import ModelSpec, ParallelSpec
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig, candidates
-from .predict import Cluster, Prediction, check_heads_split, predict
+from ..rules import check_tp_heads
+from .frameworks import check_search, runnable_stages
+from .predict import NAMES, Cluster, Prediction, check_heads_split, predict
 from .variants import Checker, fitting
 
 
@@ -55,11 +62,24 @@ def _check_tp(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int]) -> 
     for tp in options:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor-parallel sizes must be positive ints, got {tp!r}")
-        valid = [k for k in divisors(cluster.gpus_per_node) if model.heads % k == 0 and model.kv_heads % k == 0]
-        if tp not in valid:
-            raise ValueError(f"tp={tp} must divide the GPUs per node ({cluster.gpus_per_node}), the heads "
-                             f"({model.heads}) and the K/V heads ({model.kv_heads}); valid tp: {valid}")
+        if cluster.gpus_per_node % tp:
+            raise ValueError(f"tp={tp} must divide the GPUs per node ({cluster.gpus_per_node}): TP stays inside a "
+                             f"node; valid tp: {tp_sizes(model, cluster)}")
+        check_tp_heads(model.heads, model.kv_heads, tp, NAMES, replicate_kv=False)
     return options
+
+
+def tp_sizes(model: ModelSpec, cluster: Cluster) -> list[int]:
+    """The tensor-parallel sizes the planner can try: they divide the GPUs of a node and split the heads
+    (:func:`ctx_plugin.rules.check_tp_heads`, K/V heads not replicated)."""
+    out = []
+    for k in divisors(cluster.gpus_per_node):
+        try:
+            check_tp_heads(model.heads, model.kv_heads, k, NAMES, replicate_kv=False)
+        except ValueError:
+            continue
+        out.append(k)
+    return out
 
 
 def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_batch: int = 1,
@@ -82,24 +102,28 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
     options = _check_tp(model, cluster, tp_options)
+    check_search(options, stages)
     presets = candidates(model.layers) if presets is None else [RecomputeConfig.parse(p) for p in presets]
     if not presets:
         raise ValueError("give at least one recompute preset")
     plans, skipped = [], []
     for tp in options:
+        tp_stages = runnable_stages(tp, stages)          # tp > 1: Megatron's ZeRO 0/1 only (plan.frameworks)
+        if not tp_stages:
+            continue
         for cp in divisors(cluster.gpus // tp):
             for backend, u in layouts(cp):
                 try:
                     parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
-                                            dp=cluster.gpus // (tp * cp), zero_stage=stages[-1])
+                                            dp=cluster.gpus // (tp * cp), zero_stage=tp_stages[-1])
                     check_heads_split(model, parallel)
                     if modifiers:
-                        row = _with_modifiers(model, parallel, presets, stages, seq_len, cluster, micro_batch, dtype,
-                                              documents)
+                        row = _with_modifiers(model, parallel, presets, tp_stages, seq_len, cluster, micro_batch,
+                                              dtype, documents)
                     else:
                         row = [predict(model, replace(parallel, zero_stage=z), preset, seq_len=seq_len,
                                        cluster=cluster, micro_batch=micro_batch, dtype=dtype, documents=documents)
-                               for z in stages for preset in presets]
+                               for z in tp_stages for preset in presets]
                 except ValueError as e:
                     skipped.append(f"{backend.value} cp={cp} tp={tp}: {e}")
                     continue
@@ -151,13 +175,42 @@ def _ring_text(p: Prediction) -> str:
             f"{p.min_tokens_to_hide:,} needed to hide it")
 
 
-def explain(winner: Prediction, plans: list[Prediction]) -> str:
-    """Why ``winner`` (normally ``plans[0]``) ranks first; for a winner that does not fit, what comes closest."""
+def untried(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int], zero_stages: Iterable[int],
+            modifiers: bool) -> list[str]:
+    """The options of ``ctx-plugin plan`` that save memory and that a search with these settings has not tried:
+    larger tensor-parallel sizes the planner can use (:func:`tp_sizes`), a higher ZeRO stage (with tp 1:
+    :mod:`.frameworks`), and the memory modifiers with offload."""
+    tps, stages = set(tp_options), set(zero_stages)
+    out = []
+    more_tp = [k for k in tp_sizes(model, cluster) if k > max(tps)]
+    if more_tp:
+        at = "" if runnable_stages(more_tp[0], stages) else " --zero 1"        # TP runs at ZeRO 0 or 1 only
+        out.append(f"more tensor parallelism (--tp {' '.join(map(str, more_tp))}{at})")
+    higher = list(range(max(stages) + 1, 4))
+    if higher:
+        zero = f"--zero {' '.join(map(str, higher))}"          # ZeRO-2/3 run with tp 1 only
+        if 1 not in tps:
+            zero = f"--tp 1 {zero}"
+        elif len(tps) > 1:
+            zero += ", with tp 1"
+        out.append(f"a higher ZeRO stage ({zero})")
+    if not modifiers:
+        out.append("the memory modifiers and offload (--modifiers)")
+    return out
+
+
+def explain(winner: Prediction, plans: list[Prediction], *, untried: Iterable[str] = ()) -> str:
+    """Why ``winner`` (normally ``plans[0]``) ranks first; for a winner that does not fit, what comes closest and
+    what may still make it fit: more nodes, a shorter sequence, and ``untried`` (:func:`untried`: the options the
+    search has not tried; none named by default)."""
     if not winner.fits:
         closest = min(plans, key=lambda p: p.memory_bytes)
+        tries = list(untried)
+        advice = "add nodes"
+        if tries:
+            advice += ", try " + (tries[0] if len(tries) == 1 else ", ".join(tries[:-1]) + " or " + tries[-1])
         return (f"nothing fits: the closest is {closest.layout} with recompute {closest.recompute}, which "
-                f"{closest.reason}; add nodes or tensor parallelism (--tp 2 4 8), raise the ZeRO stage (--zero 3), "
-                f"or shorten the sequence")
+                f"{closest.reason}; {advice}, or shorten the sequence")
     fitting = [p for p in plans if p.fits]
     why = [f"it has the highest throughput of the {len(fitting)} configurations that fit (of {len(plans)})"]
     def slower(p: Prediction) -> float:

@@ -15,6 +15,9 @@ Rules (each checked against a brute-force scan in ``tests/unit/test_plan_longest
    *minimal* ones can be fastest: a setting whose modifiers include a fitting setting's is never checked, and each
    setting takes the lowest ZeRO stage at which it fits.
 
+Only what a framework runs is tried (:mod:`ctx_plugin.plan.frameworks`): a layout with tp > 1 only at ZeRO 0 or 1
+and without optimizer offload.
+
 The activation offload budget is what a node's host memory leaves per rank after the reserve and the rank's
 optimizer offload (:func:`offload_budget_gib`); a configuration that fits is shown with the budget it needs (its
 offloaded bytes rounded up to 3 significant digits) when that is within what is left.
@@ -34,6 +37,7 @@ from ..names import Recompute
 from ..recompute.presets import RecomputeConfig
 from .cluster import Cluster
 from .costs import optimizer_offload
+from .frameworks import runnable, runnable_stages
 from .predict import Footprint, footprint
 
 _REGION = (Recompute.FULL, Recompute.SQRT)
@@ -175,12 +179,15 @@ def memory_presets(presets: Iterable[RecomputeConfig]) -> list[RecomputeConfig]:
 def can_fit(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeConfig],
             zero_stages: tuple[int, ...]) -> Config | None:
     """A fitting configuration of this layout (the first found by rule 1), or None when none fits."""
-    top = replace(layout, zero_stage=max(zero_stages))
+    stages = runnable_stages(layout.tp, zero_stages)
+    if not stages:
+        return None
+    top = replace(layout, zero_stage=stages[-1])
     block_failed = False
     for base in memory_presets(presets):
         if block_failed and base.method == "block":
             continue
-        for setting in saving_sets(base, optimizer=top.zero_stage >= 1, offload=True):
+        for setting in saving_sets(base, optimizer=runnable(top.tp, top.zero_stage, True), offload=True):
             found = check(top, setting, base)
             if found is not None and found[3].fits:
                 return found
@@ -191,14 +198,16 @@ def can_fit(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeCon
 def fitting(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeConfig],
             zero_stages: tuple[int, ...]) -> Iterator[Config]:
     """Every configuration of this layout that fits and may be fastest (rules 1 and 2), each at its lowest ZeRO
-    stage."""
-    stages = tuple(sorted(set(zero_stages)))
+    stage (only the stages and optimizer offload a framework runs the layout with: :mod:`.frameworks`)."""
+    stages = runnable_stages(layout.tp, zero_stages)
+    if not stages:
+        return
     top = replace(layout, zero_stage=stages[-1])
     block_failed = False
     for base in _ordered(presets):
         if block_failed and base.method == "block":
             continue
-        optimizer = top.zero_stage >= 1
+        optimizer = runnable(top.tp, top.zero_stage, True)
         if not any((f := check(top, s, base)) is not None and f[3].fits
                    for s in saving_sets(base, optimizer=optimizer, offload=True)):
             block_failed = base.method == "block"
@@ -213,7 +222,7 @@ def fitting(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeCon
             minimal.append(setting)
             found = check.tighten(found, setting, base)
             for z in stages:
-                if z < top.zero_stage and (z >= 1 or not setting.offload_optimizer):
+                if z < top.zero_stage and runnable(layout.tp, z, setting.offload_optimizer):
                     lower = check(replace(layout, zero_stage=z), setting, base, found[1].offload_gib)
                     if lower is not None and lower[3].fits:
                         found = lower

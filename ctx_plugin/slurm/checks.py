@@ -14,6 +14,10 @@ from ..megatron.args import add_arguments, settings_from_args
 from ..megatron.options import DATA_OPTIONS, MODEL_OPTIONS
 from ..megatron.pretrain_gpt import uses_megatron_pretrain
 from ..names import Recompute
+from ..rules import SettingNames, check_sequence_parallel, check_tp_heads
+
+_NAMES = SettingNames(seq_len="--seq-length", cp="--context-parallel-size", tp="--tensor-model-parallel-size",
+                      heads="--num-attention-heads", kv_heads="--num-query-groups")
 
 
 def _file(path: str, what: str) -> Path:
@@ -132,9 +136,9 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
                          f"{tp} × {pp} × {cp} = {tp * pp * cp}: change the node count, the processes per node or "
                          f"--tensor-model-parallel-size/--pipeline-model-parallel-size/--context-parallel-size")
     dp = world // (tp * pp * cp)
-    if args.num_attention_heads % tp:
-        raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
+    kv_heads = args.num_query_groups if args.group_query_attention and args.num_query_groups else \
+        args.num_attention_heads                  # as settings_from_args reads them
+    check_tp_heads(args.num_attention_heads, kv_heads, tp, _NAMES)
     gbs = args.global_batch_size
     if gbs is not None and gbs % (args.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size × DP = "
@@ -145,6 +149,8 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
     # the --cp-* checks the job itself makes at start; budget:<GiB> needs the vocabulary, which only a given
     # --vocab-size tells before the job builds its tokenizer
     settings = settings_from_args(args, resolve_budget=args.padded_vocab_size is not None)
+    if args.sequence_parallel:                    # each CP rank's tokens split over its TP ranks
+        check_sequence_parallel(settings.cp_config, args.seq_length, cp, tp, _NAMES)
     for prefix in _data_prefixes(args.data_path) + _data_prefixes(args.train_data_path) + \
             _data_prefixes(args.valid_data_path) + _data_prefixes(args.test_data_path):
         for suffix in (".bin", ".idx"):

@@ -37,6 +37,13 @@ CASES = [
     ([*MEMORY, "--micro-batch", "0"], "--micro-batch"),
     ([*MEMORY, "--cp", "-2"], "--cp"),
     ([*MEMORY, "--tp", "1.5"], "not a whole number"),
+    ([*MEMORY, "--tp", "16"], "K/V heads 8 is not divisible by --tp 16"),      # not one replicated K/V head per rank
+    (["memory", "--model", "qwen2-7b", "--seq-len", "4k", "--tp", "7"], "K/V heads 4 is neither divisible by --tp 7"),
+    (["memory", "--model", "llama3-8b", "--seq-len", "100004", "--tp", "8", "--sequence-parallel"],
+     "--seq-len must be a positive multiple of 8"),
+    ([*PLAN, "--tp", "2", "--zero", "3"], "tp=2 with ZeRO-3: no supported framework runs it"),
+    (["plan", "--model", "llama3-8b", "--seq-len", "100004", "--nodes", "1", "--tp", "8"],
+     "sequence parallelism splits each of the cp 1 ranks' tokens over tp 8"),
     ([*MEMORY, "--budget", "nan"], "not finite"),
     ([*MEMORY, "--budget", "0"], "must be > 0"),
     ([*MEMORY, "--budget", "1"], "no recompute preset fits"),

@@ -166,13 +166,15 @@ def two_gpus(gpu_mib: float, host_mib: float) -> Cluster:
                    host_reserve_gib=0.0)
 
 
-def brute_force_fits(model: ModelSpec, c: Cluster, seq_len: int, stages=(0, 3)) -> list:
-    """Every configuration (no dominance rule) that fits at ``seq_len``, predicted."""
+def brute_force_fits(model: ModelSpec, c: Cluster, seq_len: int, stages=(0, 3), tps=(1,)) -> list:
+    """Every configuration (no dominance rule) that fits at ``seq_len`` and that a framework runs, predicted."""
     out = []
-    for layout in parallel_layouts(model, c, (1,)):
+    for layout in parallel_layouts(model, c, tps, stages):
         for z, base in itertools.product(stages, candidates(model.layers)):
             parallel = replace(layout, zero_stage=z)
             for s in settings(base, optimizer=z >= 1, offload=True):
+                if layout.tp > 1 and (z > 1 or s.offload_optimizer):      # Megatron: ZeRO 0/1, no optimizer offload
+                    continue
                 budget = offload_budget_gib(model, parallel, c, torch.bfloat16, s.offload_optimizer)
                 if s.offload is not None and budget is None:
                     continue
@@ -199,6 +201,28 @@ def test_longest_equals_a_brute_force_scan(model, gpu_mib, host_mib):
     best = sorted(at, key=rank_key)[0]
     assert result.winner.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu)
     assert result.winner.fits and all(p.fits for p in result.plans)
+
+
+@pytest.mark.parametrize("model, gpus, gpu_mib, host_mib, tps", [
+    (SMALL, 2, 40, 40, (1, 2)), (DEEP, 2, 8, 4, (2,)), (DEEP, 4, 8, 4, (1, 2)), (DEEP, 4, 8, 4, (2,)),
+    (SMALL, 4, 40, 40, (2,))])
+def test_longest_with_tensor_parallelism_equals_a_brute_force_scan(model, gpus, gpu_mib, host_mib, tps):
+    """With tensor parallelism (and sequence parallelism's unit), only what a framework runs: tp 2 at ZeRO 0 or 1
+    without optimizer offload."""
+    c = Cluster(nodes=1, gpus_per_node=gpus, gpu_memory_gib=gpu_mib / 1024, host_memory_gib=host_mib / 1024,
+                host_reserve_gib=0.0)
+    stages = (0, 1, 3)
+    result = longest(model, c, tp_options=tps, zero_stages=stages)
+    step = unit(parallel_layouts(model, c, tps, stages))
+    assert {p.tp for p in parallel_layouts(model, c, tps, stages)} == set(tps)
+    assert result.unit == step and result.seq_len % step == 0
+    at = brute_force_fits(model, c, result.seq_len, stages=stages, tps=tps)
+    assert at, "the brute force finds nothing that fits at the planner's longest length"
+    assert not brute_force_fits(model, c, result.seq_len + step, stages=stages, tps=tps)
+    best = sorted(at, key=rank_key)[0]
+    assert result.winner.tokens_per_s_per_gpu == pytest.approx(best.tokens_per_s_per_gpu)
+    for p in [*result.plans, result.closest] + ([result.host_bound] if result.host_bound else []):
+        assert p.tp == 1 or (p.zero_stage <= 1 and not p.offload_optimizer), p.setup
 
 
 def test_more_host_memory_never_shortens_the_longest_sequence():

@@ -171,6 +171,33 @@ def test_megatron_heads_not_divisible_by_tp():
         megatron(GOOD + ["--tensor-model-parallel-size", "3"], world=6)
 
 
+def test_megatron_query_groups_tp_cannot_split():
+    """megatron-core builds the model only when --num-query-groups divides by TP or divides it (each group then
+    replicated on TP / groups ranks): the launcher refuses the rest, as the planner's rule says."""
+    six = good(num_attention_heads="6", hidden_size="96", num_query_groups="3")
+    with pytest.raises(ValueError, match=r"--num-query-groups 3 is neither divisible by --tensor-model-parallel-size "
+                                         r"2 nor a divisor of it .*valid --tensor-model-parallel-size: \[1, 3, 6\]"):
+        megatron(six + ["--tensor-model-parallel-size", "2"], world=4)
+    assert "TP 3" in megatron(six + ["--tensor-model-parallel-size", "3"], world=6)
+    assert "TP 4" in megatron(GOOD + ["--tensor-model-parallel-size", "4"], world=8)      # 2 groups, replicated
+    no_gqa = good(group_query_attention=None, num_query_groups=None, num_attention_heads="6", hidden_size="96")
+    assert "TP 3" in megatron(no_gqa + ["--tensor-model-parallel-size", "3"], world=6)    # groups = heads
+
+
+def test_megatron_sequence_parallel_splits_each_cp_ranks_tokens_over_tp():
+    """With --sequence-parallel Megatron scatters each CP rank's seq_length / CP tokens over the TP ranks (it
+    asserts "First dimension of the tensor should be divisible by tensor parallel size")."""
+    argv = good(seq_length="36", max_position_embeddings="64") + ["--tensor-model-parallel-size", "4"]
+    assert "sequence 36" in megatron(argv, world=8)                              # without sequence parallelism
+    with pytest.raises(ValueError, match=r"sequence parallelism splits each of the --context-parallel-size 2 ranks' "
+                                         r"tokens over --tensor-model-parallel-size 4: --seq-length must be a positive "
+                                         r"multiple of 8 .*got 36; pad the sequence to a multiple of 8 \(e.g. 32 or "
+                                         r"40\)"):
+        megatron(argv + ["--sequence-parallel"], world=8)
+    assert "sequence 40" in megatron(good(seq_length="40", max_position_embeddings="64")
+                                     + ["--tensor-model-parallel-size", "4", "--sequence-parallel"], world=8)
+
+
 def test_megatron_weighted_data_path(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
