@@ -29,7 +29,7 @@ from ..mask import Mask
 from ..memory.flops import Packing, check_documents, pack
 from ..rules import SettingNames, check_seq_len, padding_units
 from ..names import Kernel
-from .simulated import SILENT, run_threaded, simulated_groups
+from .simulated import FILLING, run_threaded, simulated_groups
 
 PASSES = ("fwd", "fwd+bwd")
 
@@ -137,6 +137,8 @@ def median_time(fn, device: torch.device, reps: int, warmup: int = 1, before=Non
     runs untimed ahead of each run (e.g. a barrier that starts the ranks together)."""
     for _ in range(warmup):
         fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)      # every rep starts on an idle device, the first one too
     times = []
     for _ in range(reps):
         if before is not None:
@@ -215,10 +217,11 @@ def ideal_time(shape: Shape, kernel: Kernel, backward: bool, reps: int, unit: in
 
 
 def rank_times(shape: Shape, config: CPConfig, size: int, backward: bool, reps: int) -> list[float]:
-    """Each simulated rank's time for its real per-step work, run alone on the device (no communication)."""
+    """Each simulated rank's time for its real per-step work, run alone on the device (no communication; its
+    receive buffers filled from its own send buffers: :data:`~ctx_plugin.bench.simulated.FILLING`)."""
     times = []
     for rank in range(size):
-        groups = simulated_groups(config, rank, size, SILENT, shape.device.type)
+        groups = simulated_groups(config, rank, size, FILLING, shape.device.type)
         q, k, v, dout = shape.tensors(shape.seq_len // size, torch.Generator().manual_seed(rank), grad=backward)
         times.append(median_time(attention_step(shape, config, groups, q, k, v, dout, backward), shape.device,
                                  reps))

@@ -8,8 +8,11 @@ groups of ``ulysses_size`` consecutive ranks, ring groups of every ``ulysses_siz
 - :class:`ThreadedWorld` moves the data: the N ranks run in N threads and exchange tensors through mailboxes and
   barriers, so every rank computes exactly what it computes in a distributed run (tests check this);
 - :data:`SILENT` moves nothing: one rank runs alone, with the same plan, kernels and merges, and its receive
-  buffers keep whatever they hold. Attention costs the same whatever the values, so this times a rank's
-  per-step work without its communication (the one-GPU benchmark).
+  buffers keep whatever they hold (for the memory and profile measurements, which count a rank's own copies);
+- :data:`FILLING` is :data:`SILENT` whose receive buffers get this rank's own send buffers (a local device copy
+  on the compute stream, of the size a peer's data would have), so the kernels compute on real values: on a GPU,
+  uninitialised memory (zeros, denormals, NaN) runs matrix products at other speeds than trained data. The
+  one-GPU benchmark times ranks with it; it includes no transfer time, contention or rank-agreement check.
 """
 from __future__ import annotations
 
@@ -53,6 +56,36 @@ class Silent:
 
 
 SILENT = Silent()
+
+
+class Filling(Silent):
+    """A data mover that moves nothing between ranks but fills every receive buffer from this rank's own send
+    buffer (see the module docstring); a reduce-scatter's output gets this rank's own share."""
+
+    def exchange(self, group, send, recv, send_to, recv_from, tag):
+        _fill(recv, send)
+        return _Done()
+
+    def all_to_all(self, group, out, inp) -> None:
+        for i in range(len(out)):
+            _fill(out[i], inp[i])
+
+    def all_gather(self, group, out, inp) -> None:
+        for i in range(len(out)):
+            _fill(out[i], inp)
+
+    def reduce_scatter(self, group, out, inp) -> None:
+        _fill(out, inp[group.rank])
+
+
+def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.numel() == src.numel():
+        dst.copy_(src.reshape(dst.shape))
+    else:                                   # a receive of another size than the send (uneven shards)
+        dst.copy_(src.flatten().repeat(-(-dst.numel() // max(src.numel(), 1)))[:dst.numel()].view(dst.shape))
+
+
+FILLING = Filling()
 
 
 class _Receive:

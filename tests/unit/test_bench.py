@@ -265,3 +265,35 @@ def test_a_timed_call_writes_fresh_gradients_and_times_no_accumulation():
     for before, t in zip(first, (q, k, v)):
         assert t.grad is not before                       # a new tensor, written by this call's backward
         torch.testing.assert_close(t.grad, before, rtol=0, atol=0)
+
+
+def test_timed_ranks_compute_on_filled_receive_buffers(monkeypatch):
+    """The one-GPU benchmark's ranks receive nothing, yet their kernels must not compute on uninitialised memory
+    (zeros, denormals, NaN run matrix products at other speeds on a GPU): FILLING gives every receive buffer this
+    rank's own send data, and rank_times times with it."""
+    from ctx_plugin.bench import harness
+    from ctx_plugin.bench.simulated import FILLING
+
+    group = type("G", (), {"rank": 1})()
+    send, recv = torch.randn(2, 3), torch.full((2, 3), float("nan"))
+    FILLING.exchange(group, send, recv, 0, 0, 0).wait()
+    assert torch.equal(recv, send)
+    parts = [torch.randn(2), torch.randn(2)]
+    out = [torch.empty(2), torch.empty(2)]
+    FILLING.all_to_all(group, out, parts)
+    assert all(torch.equal(o, p) for o, p in zip(out, parts))
+    gathered = torch.full((2, 4), float("nan"))
+    FILLING.all_gather(group, gathered, parts[0].repeat(2))
+    assert torch.equal(gathered, parts[0].repeat(2).expand(2, 4))
+    scattered = torch.empty(3)
+    FILLING.reduce_scatter(group, scattered, torch.arange(6.0).view(2, 3))
+    assert scattered.tolist() == [3.0, 4.0, 5.0]                       # this rank's own share
+    longer = torch.empty(5)
+    FILLING.exchange(group, torch.arange(2.0), longer, 0, 0, 0)       # another size: tiled, every element set
+    assert longer.tolist() == [0.0, 1.0, 0.0, 1.0, 0.0]
+    movers = []
+    original = harness.simulated_groups
+    monkeypatch.setattr(harness, "simulated_groups", lambda *a: movers.append(a[3]) or original(*a))
+    shape = harness.Shape(seq_len=64, heads=2, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
+    harness.rank_times(shape, ctx_plugin.CPConfig(backend="zigzag", kernel="torch"), 2, False, 1)
+    assert movers == [FILLING, FILLING]
