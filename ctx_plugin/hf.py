@@ -51,7 +51,8 @@ MUST_BE_UNSET = {"sinks": "per-token attention sinks",
                  "position_bias": "an additive position bias (relative attention)",
                  "seq_idx": "per-token sequence indices (packed state-space layers)", "indices": "sparse attention", "block_indices": "sparse attention",
                  "block_table": "a paged KV cache", "use_cache": "a KV cache",
-                 "output_attentions": "attention weights (ctx_plugin never materialises them)"}
+                 "output_attentions": "attention weights (ctx_plugin never materialises them)",
+                 "encoder_hidden_states": "cross-attention to an encoder's states (BERT-style decoders pass None)"}
 """Keywords that change the math or the result: accepted only as ``None`` (or ``False``), refused otherwise."""
 HARMLESS = {"position_ids": "RoPE is applied before attention; the model's input check verifies them",
             "output_router_logits": "MoE router output, not attention",
@@ -129,9 +130,11 @@ class _Attention:
                                   or sinks.shape[0] != query.shape[1]):
             raise ValueError(f"ctx_plugin's attention takes s_aux as one sink logit per query head (shape "
                              f"[{query.shape[1]}]), got {tuple(getattr(sinks, 'shape', ())) or type(sinks).__name__}")
+        running = self.modules[module]
+        running.calls += 1
         documents = hf_documents(kwargs, query.shape[2] * self.groups.size)
         if documents is None:       # a layer that drops the forward's keywords (StableLM, Nemotron): the check's
-            documents = self.modules[module].documents
+            documents = running.documents
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
                            groups=self.groups, causal=causal, softmax_scale=scaling,
                            window=hf_window(kwargs.get("sliding_window"), given, causal),

@@ -97,10 +97,21 @@ class Running:
         """The packed documents the check read for this forward (None: none), which the model's attention calls
         apply also when the model does not pass them on (StableLM and Nemotron decoder layers call their attention
         without the forward's keywords)."""
+        self.calls = 0
+        """Calls into ctx_plugin's attention during this forward: a forward that finishes without any ran its
+        attention some other way (GIT's text layers hard-code theirs), on each rank's shard alone."""
+
+    def start(self, module, documents) -> None:
+        self.module, self.documents, self.calls = module, documents, 0
 
     def __call__(self, module, args, output):
         if self.module is module:
-            self.module = self.documents = None
+            calls, self.module, self.documents = self.calls, None, None
+            if calls == 0 and output is not None:        # None: the forward raised (the hook always runs)
+                raise ValueError(f"{type(module).__name__}'s forward ran none of its attention through ctx_plugin's "
+                                 f"attention function, so its attention saw only this rank's shard (the model "
+                                 f"computes attention outside transformers' attention interface, e.g. GIT's text "
+                                 f"layers); ctx_plugin cannot switch this model")
 
 
 def checked_modules(model) -> list:

@@ -118,7 +118,7 @@ class InputCheck:
                  for text, row in zip(self.PROBLEMS.values(), flags.tolist()) if any(row)]
         if found:
             raise ValueError("ctx_plugin: " + "; ".join(found))
-        self.running.module, self.running.documents = model, documents
+        self.running.start(model, documents)
         if documents is not None:     # read once per forward: every layer's attention gets them as one object
             kwargs = {k: v for k, v in kwargs.items() if k not in HF_DOCUMENT_KEYWORDS}
             return args, {**kwargs, DOCUMENTS_KEYWORD: documents}

@@ -353,3 +353,41 @@ def test_multi_layer_regions_refuse_layers_called_with_their_own_arguments():
             run(preset)
     loss, grads = run("full")
     assert loss == want_loss and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+
+
+def test_a_model_whose_attention_never_reaches_ctx_plugin_is_refused_at_its_forward():
+    """GIT's text layers hard-code an eager attention (transformers' check that the model supports attention
+    implementations passes on its vision tower's), so under context parallelism each rank would attend within its
+    shard alone: a checked forward that made no call into ctx_plugin's attention is an error."""
+    config = transformers.GitConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=64,
+                                    vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                                   "num_attention_heads": 4, "image_size": 16, "patch_size": 8})
+    model = transformers.GitForCausalLM(config)
+    cphf.enable(model, *_one_rank())
+    ids, pos = _tokens(8)
+    with pytest.raises(ValueError, match="GitForCausalLM's forward ran none of its attention through ctx_plugin's "
+                                         "attention function"):
+        model(input_ids=ids, position_ids=pos)
+    llama = _llama()
+    assert llama(input_ids=ids, position_ids=pos).logits.shape == (2, 8, 64)       # a model that calls it: fine
+
+
+@pytest.mark.parametrize("model_type", ["bert", "electra"])
+def test_bert_style_decoders_pass_no_encoder_states_and_match_hf_sdpa(model_type):
+    """BERT-style causal LMs (is_decoder=True) hand encoder_hidden_states=None to the attention interface: not
+    cross-attention, accepted; the logits are HF's sdpa's (float64, one rank)."""
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                                               is_decoder=True, attention_probs_dropout_prob=0.0,
+                                               hidden_dropout_prob=0.0, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
+    model = copy.deepcopy(ref)
+    cphf.enable(model, *_one_rank())
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        want = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+        got = model(input_ids=ids, position_ids=pos).logits
+    assert (got - want).abs().max() < 1e-12
