@@ -178,7 +178,10 @@ class LocalSlurm:
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core", "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
             "MailProg=/bin/true", "ReturnToService=2", "KillWait=5", "MinJobAge=600",
-            "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE", *nodes,
+            "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
+            # the main and backfill scheduling loops every 2 s (defaults 60 and 30): a high-priority job preempts
+            # within seconds, not after a fast preempted job has finished its training
+            "SchedulerParameters=sched_interval=2,bf_interval=2", *nodes,
             f"PartitionName=debug Nodes={self.nodes[0]},{self.nodes[1]} Default=YES MaxTime=INFINITE State=UP "
             "OverSubscribe=FORCE:8 PriorityTier=1 PreemptMode=OFF",
             f"PartitionName=low Nodes={self.nodes[2]} MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 "
