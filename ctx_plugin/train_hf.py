@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--pack-eos packs each sample's own documents: set train_micro_batch_size_per_gpu to 1 (got "
                          f"{engine.train_micro_batch_size_per_gpu()}) and raise gradient_accumulation_steps instead")
     rank, accumulation = dist.get_rank(), engine.gradient_accumulation_steps()
+    # every rank built the same weights from --seed; from here each draws its own random numbers, so the ranks
+    # sharing a sequence do not repeat each other's dropout masks on their shards (a resume restores these streams)
+    torch.manual_seed(args.seed + 1 + rank)
     run_layout = checkpoints.layout(engine, engine.ctx_plugin_groups.size)
     losses = []
     if args.resume:

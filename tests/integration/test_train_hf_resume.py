@@ -17,8 +17,9 @@ def runs(tmp_path_factory):
     from tests.integration.deepspeed_ranks import _deepspeed_op
 
     _deepspeed_op()           # DeepSpeed's comm op built (or found) first, in bounded time
-    return run_spawned("tests.integration.train_hf_resume_ranks:runs", 2,
-                       {"dir": str(tmp_path_factory.mktemp("train_hf"))}, timeout_s=900)[0]
+    ranks = run_spawned("tests.integration.train_hf_resume_ranks:runs", 2,
+                        {"dir": str(tmp_path_factory.mktemp("train_hf"))}, timeout_s=900)
+    return {**ranks[0], "seeds": [r["seed"] for r in ranks]}
 
 
 def test_a_resumed_run_trains_what_an_uninterrupted_one_does(runs):
@@ -34,3 +35,9 @@ def test_a_save_cut_short_is_not_resumed(runs):
 
 def test_another_layout_is_refused(runs):
     assert "was saved by a run of another layout (accumulation 2 -> 1, micro_batch 1 -> 2)" in runs["layout"]
+
+
+def test_the_ranks_sharing_a_sequence_draw_their_own_dropout_masks(runs):
+    """Every rank builds the same weights from --seed, then draws from its own stream: the two ranks of the CP group
+    would otherwise apply the same dropout masks to their two shards of every sequence."""
+    assert len(set(runs["seeds"])) == 2

@@ -33,6 +33,7 @@ def runs(rank: int, world: int, payload: dict) -> dict:
         (root / "model" / "config.json").write_text(json.dumps(MODEL))
         for name, (micro, accumulation) in {"ds": (1, 2), "other": (2, 1)}.items():
             (root / f"{name}.json").write_text(json.dumps(_config(micro, accumulation)))
+    import torch
     import torch.distributed as dist
     dist.barrier()
     stop_at = []
@@ -69,4 +70,5 @@ def runs(rank: int, world: int, payload: dict) -> dict:
     out["latest"] = (root / "cut" / "latest").read_text() if rank == 0 else ""
     main("layout-1", "ds", 1)
     out["layout"] = main("layout-2", "other", None, "--resume")      # micro batch 2 × accumulation 1
+    out["seed"] = torch.initial_seed()          # the dropout stream this rank trained with
     return out
