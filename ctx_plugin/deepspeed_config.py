@@ -9,6 +9,7 @@ from pathlib import Path
 from .config import CPConfig
 from .names import Recompute
 from .recompute import RecomputeConfig
+from .recompute.mappings import DEEPSPEED_CHECKPOINTING
 from .rules import SettingNames, check_ulysses_size
 
 SECTION = "context_parallel"
@@ -211,9 +212,6 @@ def _refuse_curriculum(config: dict) -> None:
 
 
 _DS_CHECKPOINTING = "activation_checkpointing"
-_DS_CHECKPOINTING_DEFAULTS = {"partition_activations": False, "contiguous_memory_optimization": False,
-                              "cpu_checkpointing": False, "number_checkpoints": None,
-                              "synchronize_checkpoint_boundary": False, "profile": False}
 
 
 def _refuse_ds_checkpointing(config: dict) -> None:
@@ -226,7 +224,7 @@ def _refuse_ds_checkpointing(config: dict) -> None:
         return
     if not isinstance(section, dict):
         raise TypeError(f'"{_DS_CHECKPOINTING}" must be a JSON object, got {type(section).__name__}')
-    changed = sorted(key for key, value in section.items() if _DS_CHECKPOINTING_DEFAULTS.get(key, object()) != value)
+    changed = sorted(key for key, value in section.items() if DEEPSPEED_CHECKPOINTING.get(key, object()) != value)
     if changed:
         raise ValueError(f'"{_DS_CHECKPOINTING}" {changed} has no effect on a Hugging Face model: DeepSpeed applies '
                          "that section only where a model calls deepspeed.checkpointing.checkpoint, and Hugging Face "

@@ -38,6 +38,12 @@ def to_megatron(config: RecomputeConfig | str, num_layers: int, *, moe: bool = F
                                              "context-parallel communication in backward")
 
 
+DEEPSPEED_CHECKPOINTING = {"partition_activations": False, "contiguous_memory_optimization": False,
+                           "cpu_checkpointing": False, "number_checkpoints": None,
+                           "synchronize_checkpoint_boundary": False, "profile": False}
+"""DeepSpeed's ``activation_checkpointing`` section with its defaults (``ACT_CHKPT_DEFAULT``)."""
+
+
 def to_deepspeed(config: RecomputeConfig | str, num_layers: int) -> dict | None:
     """The ``activation_checkpointing`` section of a DeepSpeed config for ``config`` (``None``: no section).
 
@@ -52,9 +58,7 @@ def to_deepspeed(config: RecomputeConfig | str, num_layers: int) -> dict | None:
     if config.preset in (Recompute.FULL, Recompute.SQRT):
         if config.preset == Recompute.FULL and config.method == "block":
             raise _apply_instead(config, "DeepSpeed", "its activation checkpointing has no per-layer block method")
-        return {"partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
-                "number_checkpoints": len(regions(config, num_layers)), "synchronize_checkpoint_boundary": False,
-                "profile": False}
+        return {**DEEPSPEED_CHECKPOINTING, "number_checkpoints": len(regions(config, num_layers))}
     if config.preset == Recompute.BUDGET:
         raise ValueError(f"resolve {config} to a concrete preset first (ctx_plugin.recompute.resolve)")
     raise _apply_instead(config, "DeepSpeed", "its activation_checkpointing section checkpoints whole layers only")
