@@ -14,6 +14,7 @@ import ctx_plugin
 from ctx_plugin import recompute
 from ctx_plugin.memory import ModelSpec, ParallelSpec, estimate, layer_activations, saved_bytes
 from ctx_plugin.memory.blocks import layer_terms
+from ctx_plugin.memory.specs import HF_MODEL_TYPES
 from ctx_plugin.memory.measure import step_bytes
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, BATCH = 64, 160, 3, 4, 2, 2
@@ -34,8 +35,16 @@ def _hf(kind: str, vocab: int, dtype: torch.dtype, groups, cfg=CFG):
                   initializer_range=0.1)
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False))
-    else:
+    elif kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:             # another type of HF_MODEL_TYPES, all layers full attention (windows keep the same tensors)
+        config = transformers.AutoConfig.for_model(kind, **common, head_dim=HIDDEN // HEADS, pad_token_id=0,
+                                                   bos_token_id=1, eos_token_id=2)
+        if getattr(config, "layer_types", None):
+            config.layer_types = ["full_attention"] * LAYERS
+        if hasattr(config, "sliding_window"):
+            config.sliding_window = None
+        model = transformers.AutoModelForCausalLM.from_config(config)
     model = model.to(dtype).train()
     ctx_plugin.hf.enable(model, cfg, groups)
     layers = model.model.layers
@@ -127,7 +136,7 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
             _, peak = step_bytes(step, exclude=[*fixed, *(p.grad for p in model.parameters())])
     finally:
         gc.enable()
-    m = spec(family, vocab)
+    m = spec(family, vocab, qk_norm=family == "hf" and HF_MODEL_TYPES[kind])
     est = estimate(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=batch, dtype=dtype)
     k = layer_terms(m, ParallelSpec(), seq_len, batch, dtype)
     layers_model = est.activations - k.shared - k.head         # the layers' on the device (less what is offloaded)

@@ -105,11 +105,14 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
         else:        # q, k after RoPE, v (the v projection's output), out (= o_proj's input)
             pins = t * (2 * q_w + 2 * kv_w) * e + lse
             proj_kept = 0
-        none = 2 * norm + pins + proj_kept + inner
+        # q_norm/k_norm (Qwen3): per head an fp32 copy (the input itself in fp32), the reciprocal RMS, x̂; their
+        # outputs are read by RoPE, which keeps only cos/sin. Recomputed with the other norms under selective.
+        qk = t * (4 * (q_w + kv_w) + 4 * (heads + kv) + e * (q_w + kv_w)) if m.qk_norm else 0
+        none = 2 * norm + pins + proj_kept + inner + qk
         x_in_none = x if e == 4 else 0
         v_shared = t * kv_w * e if u == 1 else 0
         selective = x + t * (q_w + 2 * kv_w) * e + 2 * x + t * up * e + pins - v_shared
-        sel_working = 2 * norm + t * f * e * (1 if m.gated else 0) - x_in_none
+        sel_working = 2 * norm + qk + t * f * e * (1 if m.gated else 0) - x_in_none
         return LayerTerms(x=x, none=none, pins=pins, pins_host=pins, lse=lse, core_extra=0, mlp_inner=inner,
                           selective=selective,
                           sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,

@@ -100,7 +100,8 @@ def param_count(m: ModelSpec, tp: int = 1) -> int:
     norm = (1 if m.norm == "rms" else 2) * m.hidden
     mlp = 3 * m.hidden * f if m.gated else 2 * m.hidden * f + f + m.hidden
     bias = (q_w + 2 * kv_w) if m.attention_bias else 0
-    layer = m.hidden * (q_w + 2 * kv_w) + bias + q_w * m.hidden + mlp + 2 * norm
+    qk_norm = 2 * m.head_dim if m.qk_norm else 0
+    layer = m.hidden * (q_w + 2 * kv_w) + bias + q_w * m.hidden + mlp + 2 * norm + qk_norm
     embed = ceil_div(m.vocab, tp) * m.hidden
     return m.layers * layer + embed * (1 if m.tied_embeddings else 2) + norm
 

@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     gpus = parallel.cp * parallel.tp * parallel.dp
     print(f"{model.name}: {model.layers} layers, hidden {model.hidden}, {model.heads} heads ({model.kv_heads} K/V), "
           f"ffn {model.ffn}, vocab {model.vocab}; {args.seq_len:,} tokens × {args.micro_batch}, {args.dtype}")
-    print(f"blocks: {model.family} ({_FAMILY_TEXT[model.family]})")
+    qk = ", with per-head q/k norms (Qwen3)" if model.qk_norm else ""
+    print(f"blocks: {model.family} ({_FAMILY_TEXT[model.family]}{qk})")
     print(f"parallel: cp={parallel.cp} ({parallel.backend}), tp={parallel.tp}, dp={parallel.dp} = {gpus} GPUs, "
           f"ZeRO-{parallel.zero_stage}; GiB per GPU")
     if documents is not None:

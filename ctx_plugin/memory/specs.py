@@ -50,6 +50,9 @@ class ModelSpec:
     Llama/Mistral/Qwen2-style layers) or ``"megatron"`` (megatron-core's GPT layers, local spec)."""
     attention_bias: bool = False
     """Biases on the q/k/v projections (Qwen2); counted in the parameters."""
+    qk_norm: bool = False
+    """``hf`` family: an RMSNorm over each head of q and of k before RoPE (Qwen3's ``q_norm``/``k_norm``); its kept
+    tensors (an fp32 copy, the reciprocal RMS per head, the normalised q and k) are counted, its weights too."""
     bias_activation_fusion: bool = True
     """``megatron`` family: Megatron's fused bias-activation (``bias_swiglu_fusion``/``bias_gelu_fusion``, on by
     default; its fused SwiGLU keeps only its input). False (``--no-bias-swiglu-fusion``): the unfused GLU keeps
@@ -72,6 +75,9 @@ class ModelSpec:
             raise ValueError("the hf family describes Llama/Mistral/Qwen2-style layers (RMSNorm, SwiGLU); this "
                              "model has " + ("LayerNorm" if self.norm != "rms" else "a plain MLP") +
                              ": describe it with family='ctx_plugin'")
+        if self.qk_norm and self.family != "hf":
+            raise ValueError(f"qk_norm=True describes Hugging Face layers with q_norm/k_norm (family='hf'); the "
+                             f"{self.family} family has no such norms")
 
     @property
     def head_dim(self) -> int:
@@ -80,12 +86,14 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, config: dict | str | Path) -> ModelSpec:
         """From a Hugging Face ``config.json`` (a path or its parsed dict) of a dense decoder whose ``model_type`` is
-        in :data:`HF_MODEL_TYPES` (which says its MLP and norm); gated RMSNorm models as the ``hf`` block family
-        (the saved tensors of Llama/Mistral/Qwen2 layers), the others as ``ctx_plugin``'s block. ``attention_bias``
-        from the config, or True for Qwen2, whose q/k/v projections always have biases. Refused: mixture-of-experts
-        configs, an explicit ``head_dim`` other than ``hidden_size / num_attention_heads`` (the model sizes the
-        attention projections ``hidden_size`` wide) and a ``num_key_value_heads`` that is not a positive divisor of
-        ``num_attention_heads`` (a missing key means multi-head attention)."""
+        in :data:`HF_MODEL_TYPES`: the types whose decoder layers keep, tensor by tensor, what the ``hf`` block family
+        counts (measured, ``tests/unit/test_memory_blocks.py``), with ``qk_norm`` for Qwen3's q/k norms.
+        ``attention_bias`` from the config, or True for Qwen2, whose q/k/v projections always have biases. Refused:
+        other model types (their layers keep other tensors: extra or post norms, fused projections, LayerNorm,
+        other MLPs; the estimate would be off by 5–100%), mixture-of-experts configs, an explicit ``head_dim`` other
+        than ``hidden_size / num_attention_heads`` (the model sizes the attention projections ``hidden_size`` wide)
+        and a ``num_key_value_heads`` that is not a positive divisor of ``num_attention_heads`` (a missing key
+        means multi-head attention)."""
         if isinstance(config, (str, Path)):
             config = json.loads(Path(config).read_text())
         if not isinstance(config, dict):
@@ -99,11 +107,14 @@ class ModelSpec:
                                  f"from measured memory")
         model_type = config.get("model_type")
         if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not one whose MLP and norm the memory model knows (known: "
-                             f"{', '.join(sorted(HF_MODEL_TYPES))}); use a preset ({_PRESET_HINT}) or "
-                             f"ModelSpec(layers=..., hidden=..., heads=..., kv_heads=..., ffn=..., vocab=..., "
-                             f"gated=..., norm=...) with its shape")
-        gated, norm = HF_MODEL_TYPES[model_type]
+            raise ValueError(f"model_type {model_type!r} is not one whose decoder layers the memory model counts "
+                             f"exactly (measured: {', '.join(sorted(HF_MODEL_TYPES))}); other layers keep other "
+                             f"tensors (extra or post norms, fused projections, LayerNorm, other MLPs), which an "
+                             f"estimate of Llama layers would miss. Use a preset ({_PRESET_HINT}), or, knowing it "
+                             f"under-counts what its layers add, ModelSpec(layers=..., hidden=..., heads=..., "
+                             f"kv_heads=..., ffn=..., vocab=..., family='hf') with its shape (from the CLI: a copy "
+                             f"of the config.json with \"model_type\": \"llama\")")
+        qk_norm = HF_MODEL_TYPES[model_type]
         try:
             layers, hidden, heads, ffn, vocab = (_hf_int(config, key) for key in (
                 "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"))
@@ -121,8 +132,8 @@ class ModelSpec:
                              f"with their own head_dim (Mistral-NeMo, Gemma) are not supported; the nearest estimate "
                              f"is a preset of similar size ({_PRESET_HINT})")
         bias = bool(config.get("attention_bias", model_type == "qwen2"))
-        return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, gated=gated,
-                   norm=norm, family="hf" if gated and norm == "rms" else "ctx_plugin", attention_bias=bias,
+        return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
+                   family="hf", qk_norm=qk_norm, attention_bias=bias,
                    tied_embeddings=bool(config.get("tie_word_embeddings", False)),
                    name=str(config.get("_name_or_path") or model_type))
 
@@ -146,17 +157,15 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 
-# model_type → (gated MLP, norm), as each model's modeling_<type>.py (transformers 5.24) builds its decoder layer:
-# gated = gate_proj/up_proj/down_proj (or a fused gate_up_proj), whatever hidden_act says (Gemma's "gelu" is a
-# GeGLU; Starcoder2's "gelu_pytorch_tanh" a plain c_fc/c_proj MLP). Configs of other key names (gpt2, gptj, opt,
-# bloom, falcon: n_embd, n_layer, ffn_dim, ...) are not read.
-HF_MODEL_TYPES: dict[str, tuple[bool, str]] = {
-    **dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-                     "olmo2", "olmo3", "granite", "helium", "glm", "glm4", "exaone4", "smollm3", "seed_oss",
-                     "hunyuan_v1_dense", "ernie4_5"), (True, "rms")),
-    **dict.fromkeys(("olmo", "cohere", "cohere2", "stablelm"), (True, "layer")),  # LayerNorm (Olmo's without weights)
-    **dict.fromkeys(("arcee", "apertus"), (False, "rms")),                       # up_proj/down_proj: relu², xIELU
-    **dict.fromkeys(("gpt_neox", "phi", "starcoder2", "nemotron"), (False, "layer")),
+# model_type → qk_norm: the types whose decoder layers (transformers 5.24) keep exactly the tensors of the hf block
+# family — separate q/k/v projections, LlamaRMSNorm, a SwiGLU MLP; Qwen3's and Hunyuan's with per-head q/k norms —
+# each held to measured bytes (tests/unit/test_memory_blocks.py). Not among them, measured off by 0.4–110% as Llama
+# layers: Gemma (fp32 norms with 1 + w), Gemma-2/3 and OLMo-2/3 (post norms), Phi-3 and GLM (fused projections,
+# partial RoPE), GLM-4, Exaone-4, Helium, Seed-OSS, ERNIE-4.5, and the LayerNorm or plain-MLP types (OLMo, Cohere,
+# StableLM, Arcee, Apertus, GPT-NeoX, Phi, Starcoder2, Nemotron).
+HF_MODEL_TYPES: dict[str, bool] = {
+    **dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "granite", "smollm3"), False),
+    **dict.fromkeys(("qwen3", "hunyuan_v1_dense"), True),
 }
 
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")

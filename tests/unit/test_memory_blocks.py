@@ -1,5 +1,5 @@
-"""The memory model against real blocks of every family (ctx_plugin's, Hugging Face Llama and Qwen2 through
-ctx_plugin.hf), bf16 and fp32: bytes the layers keep for backward (exact) and a whole step's activation peak
+"""The memory model against real blocks of every family (ctx_plugin's, Hugging Face Llama, Qwen2 and every other
+model type ``ModelSpec.from_hf_config`` accepts, through ctx_plugin.hf), bf16 and fp32: bytes the layers keep for backward (exact) and a whole step's activation peak
 (layers, final norm, LM head, cross-entropy, backward; within 3%, exact in practice)."""
 from __future__ import annotations
 
@@ -43,6 +43,25 @@ def test_loss_bound_peak_and_qwen2_biases(case):
     family, preset, dtype = case.split("-")
     kind = "qwen2" if family == "qwen2" else "llama"
     _check(measure("hf" if kind == "qwen2" else family, preset, DTYPES[dtype], vocab=256, kind=kind), case)
+
+
+def _hf_types():
+    from ctx_plugin.memory.specs import HF_MODEL_TYPES
+    cases = [f"{kind}-{preset}" for kind in sorted(HF_MODEL_TYPES) if kind not in ("llama", "qwen2")
+             for preset in ("none-fp32", "sqrt-bf16")]
+    return cases + ["qwen3-selective-fp32", "qwen3-full-fp32", "qwen3-full:block:2-bf16", "qwen3-mlp-bf16",
+                    "qwen3-selective+tile_mlp:32-bf16", "qwen3-full+offload:1-fp32"]
+
+
+@pytest.mark.parametrize("case", _hf_types())
+def test_every_known_hf_model_type(case):
+    """Each model type ``ModelSpec.from_hf_config`` accepts keeps what the hf family counts (Qwen3 and Hunyuan
+    with their q/k norms): the layers exact, the step's peak to 0.1% (a missed q/k norm moves it 0.7–20%)."""
+    kind, preset, dtype = case.split("-")
+    r = measure("hf", preset, DTYPES[dtype], vocab=256, kind=kind)
+    assert r["layers_model"] == r["layers"], f"{case} kept: model {r['layers_model']} vs measured {r['layers']}"
+    assert abs(r["peak_model"] - r["peak"]) <= 1e-3 * r["peak"], (case, r["peak_model"], r["peak"])
+    assert r["host_model"] == r["host"], (case, r["host_model"], r["host"])
 
 
 @pytest.mark.parametrize("case", ["hf-none+tile_mlp:32-bf16-2", "hf-sqrt+tile_mlp:16-fp32-2",

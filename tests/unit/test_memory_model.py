@@ -103,8 +103,12 @@ def test_memory_command_from_hf_config_and_bad_input(tmp_path):
     path.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                 "intermediate_size": 128, "vocab_size": 100, "model_type": "gpt_neox"}))
     proc = _cli("--model", str(path), "--seq-len", "4096", "--cp", "2")
-    assert proc.returncode == 0 and "sqrt" in proc.stdout, proc.stderr
-    assert "blocks: ctx_plugin" in proc.stdout          # GPT-NeoX's LayerNorm and plain MLP: not a Llama-style block
+    assert proc.returncode == 2 and "model_type 'gpt_neox' is not one whose decoder layers" in proc.stderr
+    qwen3 = tmp_path / "qwen3.json"
+    qwen3.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                 "intermediate_size": 128, "vocab_size": 100, "model_type": "qwen3"}))
+    proc = _cli("--model", str(qwen3), "--seq-len", "4096", "--cp", "2")
+    assert proc.returncode == 0 and "sqrt" in proc.stdout and "blocks: hf (Hugging Face" in proc.stdout, proc.stderr
     llama = tmp_path / "llama.json"
     llama.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                  "intermediate_size": 128, "vocab_size": 100, "rms_norm_eps": 1e-5,
