@@ -235,3 +235,34 @@ def test_decoder_lm_loss_options():
         model.loss(tokens, torch.arange(4), tokens, loss_tokens=2)
     with pytest.raises(TypeError, match="True or False"):
         model.loss(tokens, torch.arange(4), tokens, tile=2)
+
+
+def test_backward_writes_each_chunk_gradient_once():
+    """The chunks' input gradients are concatenated once (split's backward), not each written into a zero-filled
+    gradient of the whole input (a narrow per chunk: O(tokens² / chunk) bytes, 64 input-sized tensors here)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Written(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and func is not torch.ops.aten.detach.default and t._base is None:
+                    self.bytes += t.numel() * t.element_size()
+            return out
+
+    tokens, hidden, vocab, chunk = 4096, 64, 8, 64
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab)
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    loss = lm_loss_sum(x, torch.randint(0, vocab, (tokens,)), head, tokens=chunk)
+    written = Written()
+    with written:
+        loss.backward()
+    input_bytes = tokens * hidden * 4
+    # per chunk: recomputed logits and their gradient, the chunk's input gradient; then one concatenation
+    assert written.bytes <= 8 * input_bytes, written.bytes / input_bytes
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
