@@ -141,12 +141,14 @@ def _common(x, groups: CPGroups, error: BaseException | None, tensors: tuple) ->
 
 
 def attention_signature(q, k, v, *, groups: CPGroups, causal, softmax_scale, kernel: str | None,
-                        error: BaseException | None, window=None, softcap=None, sinks: bool = False,
+                        error: BaseException | None, window=None, softcap=None, sinks=None,
                         documents: str = "-") -> dict:
     """What this rank's ``cp_attention`` call is about to do (any arguments: bad ones are described as they are;
     ``error`` is what this rank's own checks raised, ``kernel`` the selected local kernel's name; ``window`` as
-    checked (:class:`ctx_plugin.mask.Mask`'s) when it was valid, ``sinks`` whether sinks were given, ``documents``
-    ``"-"`` without packed documents, else their count and :meth:`~ctx_plugin.documents.Documents.signature`)."""
+    checked (:class:`ctx_plugin.mask.Mask`'s) when it was valid, ``documents``
+    ``"-"`` without packed documents, else their count and :meth:`~ctx_plugin.documents.Documents.signature`;
+    ``sinks`` the sinks as given (None without): whether they need a gradient counts like q's, k's and v's, since
+    a backward on some ranks only would wait on the others' communication)."""
     batch, seq, heads, head_dim = _dims(q, 0, 1, 2, 3)
     scale = None
     if softmax_scale is None and head_dim:
@@ -155,9 +157,9 @@ def attention_signature(q, k, v, *, groups: CPGroups, causal, softmax_scale, ker
         scale = float(softmax_scale) if abs(softmax_scale) < 1e300 else None   # bad values: the input check
     return {"op": "cp_attention", "batch": batch, "local_seq": seq, "heads": heads, "kv_heads": _dims(k, 2)[0],
             "head_dim": head_dim, "kernel": kernel, "causal": causal if isinstance(causal, bool) else None,
-            "softmax_scale": scale, "window": _window(window), "sinks": bool(sinks), "documents": documents,
+            "softmax_scale": scale, "window": _window(window), "sinks": sinks is not None, "documents": documents,
             "softcap": float(softcap) if isinstance(softcap, (int, float)) and not isinstance(softcap, bool) else None,
-            **_common(q, groups, error, (q, k, v))}
+            **_common(q, groups, error, (q, k, v, sinks))}
 
 
 def _window(window) -> str:

@@ -143,7 +143,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     signature = agreement.attention_signature(q, k, v, groups=groups, causal=causal, softmax_scale=softmax_scale,
                                               kernel=None if kernel is None else kernel.name, error=error,
                                               window=window if mask is None else mask.window, softcap=softcap,
-                                              sinks=sinks is not None, documents=doc_code)
+                                              sinks=sinks, documents=doc_code)
 
     observers = active_observers()      # a recomputation (core_attn, +recompute_attn) reports to them too
 

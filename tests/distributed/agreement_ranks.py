@@ -39,10 +39,10 @@ def _disagreeing_calls(rank: int, world: int) -> dict:
             groups_for[cfg] = ctx_plugin.build_cp_groups(cfg)
         return groups_for[cfg]
 
-    def attention(cfg=None, *, causal=True, scale=None, **shape):
+    def attention(cfg=None, *, causal=True, scale=None, sinks=None, **shape):
         cfg = cfg or _cfg()
         return lambda: ctx_plugin.cp_attention(*_qkv(**shape), config=cfg, groups=groups(cfg), causal=causal,
-                                               softmax_scale=scale)
+                                               softmax_scale=scale, sinks=sinks)
 
     def gather(seq):
         return lambda: ctx_plugin.gather_sequence(torch.randn(2, seq, 3), config=_cfg(), groups=groups(_cfg()))
@@ -62,6 +62,9 @@ def _disagreeing_calls(rank: int, world: int) -> dict:
         "kv_heads": attention(kv_heads=either(2, 1)),
         "kernel": attention(_cfg(kernel=either("torch", "sdpa_cpu"))),
         "requires_grad": attention(grad=either(True, False)),
+        # q, k, v need no gradient anywhere; the sinks on one rank only (its backward alone would communicate)
+        "sinks_requires_grad": attention(grad=False, sinks=torch.zeros(4, dtype=torch.float64).requires_grad_(
+            either(False, True))),
         "gather_local_len": gather(either(8, 4)),
         "attention_vs_gather": either(attention(), gather(8)),
     }

@@ -28,6 +28,7 @@ CASES = {
     "kv_heads": {"kv_heads": ("2", "1")},
     "kernel": {"kernel": ("torch", "sdpa_cpu")},
     "requires_grad": {"requires_grad": ("True", "False")},
+    "sinks_requires_grad": {"requires_grad": ("False", "True")},
     "gather_local_len": {"shape": ("(2, 8, 3)", "(2, 4, 3)")},
     "attention_vs_gather": {"op": ("cp_attention", "gather_sequence")},
 }
