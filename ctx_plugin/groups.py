@@ -99,7 +99,9 @@ def build_cp_groups(config: CPConfig, group: dist.ProcessGroup | None = None) ->
     torch.distributed is not initialized). Call it on every rank of ``group``. It communicates (a collective over
     ``group``) to create subgroups: the Ulysses and ring subgroups for ``ulysses_ring``, and, when
     ``config.check_ranks`` is set and ``group``'s backend cannot send CPU tensors (NCCL), a gloo group over the
-    same ranks for the rank-agreement check; otherwise it does not communicate."""
+    same ranks for the rank-agreement check. Before those, the ranks compare the fields that decide which groups
+    they create (backend, ulysses_size, check_ranks; one small all-gather over ``group`` when it has more than one
+    rank): ranks given different ones all raise the same ``ValueError`` instead of waiting on each other."""
     if not isinstance(config, CPConfig):
         raise TypeError(f"config must be a ctx_plugin.CPConfig, got {type(config).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -114,6 +116,7 @@ def build_cp_groups(config: CPConfig, group: dist.ProcessGroup | None = None) ->
             raise ValueError("this process is not a member of the given process group; call build_cp_groups with "
                              "a group that contains it (every rank passes its own context-parallel group)")
         cp, device_types = RankGroup(group, rank, dist.get_world_size(group)), _device_types(group)
+        _agree(config, cp, device_types)
     check_ulysses_size(config, cp.size)
     u = config.ulysses_size
     if config.backend == Backend.ULYSSES:
@@ -122,6 +125,41 @@ def build_cp_groups(config: CPConfig, group: dist.ProcessGroup | None = None) ->
         ulysses, ring = _split(cp, u)
     return CPGroups(config=config, cp=cp, ulysses=ulysses, ring=ring, device_types=device_types,
                     check_group=_check_group(cp, device_types) if config.check_ranks else None)
+
+
+_GROUP_FIELDS = ("backend", "ulysses_size", "check_ranks")
+"""What decides which subgroups a rank creates (ranks creating different ones would wait on each other)."""
+
+
+def _agree(config: CPConfig, cp: RankGroup, device_types: frozenset[str]) -> None:
+    """The same ``ValueError`` on every rank of ``cp`` when they were given configs that would build different
+    groups, before any subgroup is created (one all-gather of three ints over ``cp``: on the host where its
+    backend moves CPU tensors, else on the current CUDA device)."""
+    import torch
+
+    from .agreement import _ranks
+
+    if cp.size == 1:
+        return
+    backends = list(Backend)
+    mine = [backends.index(config.backend), config.ulysses_size, int(config.check_ranks)]
+    device = "cpu" if "cpu" in device_types or not torch.cuda.is_available() else torch.cuda.current_device()
+    local = torch.tensor(mine, dtype=torch.int64, device=device)
+    every = [torch.empty_like(local) for _ in range(cp.size)]
+    dist.all_gather(every, local, group=cp.group)
+    rows = [t.tolist() for t in every]
+    if all(row == rows[0] for row in rows):
+        return
+    shown = [(backends[b].value, u, bool(c)) for b, u, c in rows]
+    lines = []
+    for i, name in enumerate(_GROUP_FIELDS):
+        values: dict[str, list[int]] = {}
+        for rank, row in enumerate(shown):
+            values.setdefault(str(row[i]), []).append(rank)
+        if len(values) > 1:
+            lines.append(f"{name}: " + "; ".join(f"{_ranks(r)}: {v}" for v, r in values.items()))
+    raise ValueError("build_cp_groups: the ranks of the context-parallel group were given configs that build "
+                     "different groups (" + " | ".join(lines) + "); pass the same CPConfig on every rank")
 
 
 def _check_group(cp: RankGroup, device_types: frozenset[str]) -> dist.ProcessGroup | None:

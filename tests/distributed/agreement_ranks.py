@@ -32,11 +32,12 @@ def _qkv(seq: int = 8, heads: int = 4, kv_heads: int = 2, dtype=torch.float64, g
 def _disagreeing_calls(rank: int, world: int) -> dict:
     """Per case, this rank's call: every rank but ``odd_rank`` makes the same call, that one differs."""
     odd = rank == odd_rank(world)
-    groups_for: dict = {}
+    # build_cp_groups is a collective (the ranks compare their configs first): every rank builds the groups of
+    # every config any rank's call uses, in one order; the calls then differ
+    groups_for = {cfg: ctx_plugin.build_cp_groups(cfg) for cfg in (
+        _cfg(), _cfg("ring"), _cfg("ulysses"), _cfg(kernel="sdpa_cpu"))}
 
     def groups(cfg):
-        if cfg not in groups_for:
-            groups_for[cfg] = ctx_plugin.build_cp_groups(cfg)
         return groups_for[cfg]
 
     def attention(cfg=None, *, causal=True, scale=None, sinks=None, **shape):
@@ -66,6 +67,10 @@ def _disagreeing_calls(rank: int, world: int) -> dict:
         "sinks_requires_grad": attention(grad=False, sinks=torch.zeros(4, dtype=torch.float64).requires_grad_(
             either(False, True))),
         "gather_local_len": gather(either(8, 4)),
+        # configs building different subgroups: caught in build_cp_groups before any subgroup is created
+        "groups_ulysses_size": lambda: ctx_plugin.build_cp_groups(_cfg("ulysses_ring", ulysses_size=either(
+            world // 2, world))),
+        "groups_check_ranks": lambda: ctx_plugin.build_cp_groups(_cfg(check_ranks=either(True, False))),
         "attention_vs_gather": either(attention(), gather(8)),
     }
     if world == 4:      # two ranks differ, in different fields: rank 1 in dtype, rank 3 in length

@@ -87,6 +87,20 @@ def test_disagreement_is_one_error_on_every_rank(world, case):
     assert "CPConfig(check_ranks=False)" in message
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_configs_building_different_groups_are_one_error_before_any_subgroup(world):
+    """One rank's ulysses_size (or check_ranks) differs: that rank alone would create (or skip) subgroups and
+    wait on the others; build_cp_groups compares first and raises the same error everywhere."""
+    same = _ranks([r for r in range(world) if r != odd_rank(world)])
+    odd = _ranks([odd_rank(world)])
+    prefix = "ValueError: build_cp_groups: the ranks of the context-parallel group were given configs that build " \
+             "different groups ("
+    assert _message(world, "groups_ulysses_size") == \
+        f"{prefix}ulysses_size: {same}: {world // 2}; {odd}: {world}); pass the same CPConfig on every rank"
+    assert _message(world, "groups_check_ranks") == \
+        f"{prefix}check_ranks: {same}: True; {odd}: False); pass the same CPConfig on every rank"
+
+
 def test_invalid_shard_on_one_rank_names_its_error():
     fields = _fields(_message(2, "invalid_local_seq"))
     assert "positive multiple of 4" in fields["input_check"], fields
