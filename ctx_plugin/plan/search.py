@@ -32,7 +32,7 @@ from ..recompute.presets import RecomputeConfig, candidates
 from ..rules import check_tp_heads
 from .frameworks import check_search, runnable_stages
 from .predict import NAMES, Cluster, Prediction, check_heads_split, predict
-from .variants import Checker, fitting
+from .variants import Checker, Config, Setting, fitting
 
 
 def divisors(n: int) -> list[int]:
@@ -90,8 +90,11 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
     distributed optimizer (several stages: each is tried); ``presets`` defaults to the memory model's candidates.
     ``modifiers``: each layout × preset also with the memory modifiers, activation offload and optimizer offload
     that make it fit (:func:`ctx_plugin.plan.variants.fitting`: the settings that may be fastest, at the lowest
-    ZeRO stage given that fits), and the plain preset at the highest stage where nothing makes it fit.
-    ``documents``: each sequence's packed documents (None, a mean length or lengths; :func:`predict`)."""
+    ZeRO stage given that fits), and the plain preset at the highest stage where nothing makes it fit; when no
+    configuration fits at all, also each such preset's memory-saving setting with the least GPU memory
+    (:func:`ctx_plugin.plan.variants.saving_sets`), so that what comes closest, which :func:`explain` names, may
+    carry modifiers. ``documents``: each sequence's packed documents (None, a mean length or lengths;
+    :func:`predict`)."""
     if not isinstance(model, ModelSpec) or not isinstance(cluster, Cluster):
         raise TypeError("enumerate_plans(model=ModelSpec, seq_len, cluster=Cluster, ...)")
     stages = tuple(sorted(set([zero_stage] if isinstance(zero_stage, int) else zero_stage)))
@@ -106,7 +109,7 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
     presets = candidates(model.layers) if presets is None else [RecomputeConfig.parse(p) for p in presets]
     if not presets:
         raise ValueError("give at least one recompute preset")
-    plans, skipped = [], []
+    plans, closest, skipped = [], [], []
     for tp in options:
         tp_stages = runnable_stages(tp, stages)          # tp > 1: Megatron's ZeRO 0/1 only (plan.frameworks)
         if not tp_stages:
@@ -118,9 +121,10 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
                                             dp=cluster.gpus // (tp * cp), zero_stage=tp_stages[-1])
                     check_heads_split(model, parallel)
                     if modifiers:
-                        row = _with_modifiers(model, parallel, presets, tp_stages, seq_len, cluster, micro_batch,
-                                              dtype, documents)
+                        row, near = _with_modifiers(model, parallel, presets, tp_stages, seq_len, cluster,
+                                                    micro_batch, dtype, documents)
                     else:
+                        near = []
                         row = [predict(model, replace(parallel, zero_stage=z), preset, seq_len=seq_len,
                                        cluster=cluster, micro_batch=micro_batch, dtype=dtype, documents=documents)
                                for z in tp_stages for preset in presets]
@@ -128,20 +132,46 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
                     skipped.append(f"{backend.value} cp={cp} tp={tp}: {e}")
                     continue
                 plans += row
+                closest += near
     if not plans:
         raise ValueError("no configuration can run: " + "; ".join(skipped[:3]))
+    if not any(p.fits for p in plans):
+        plans += [predict(model, par, rec, offload_optimizer=opt, seq_len=seq_len, cluster=cluster,
+                          micro_batch=micro_batch, dtype=dtype, documents=documents) for par, rec, opt, _ in closest]
     return sorted(plans, key=rank_key)
+
+
+class _Closest(Checker):
+    """A :class:`Checker` that also keeps, for each preset, the configuration with the least GPU memory among those
+    it found not to fit (for a preset nothing makes fit: its memory-saving settings at the highest stage)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.closest: dict[RecomputeConfig, Config] = {}
+
+    def __call__(self, parallel: ParallelSpec, setting: Setting, base: RecomputeConfig,
+                 budget: float | None = None) -> Config | None:
+        found = super().__call__(parallel, setting, base, budget)
+        if found is not None and not found[3].fits:
+            best = self.closest.get(base)
+            if best is None or found[3].gpu_bytes < best[3].gpu_bytes:
+                self.closest[base] = found
+        return found
 
 
 def _with_modifiers(model: ModelSpec, parallel: ParallelSpec, presets: list[RecomputeConfig], stages: tuple[int, ...],
                     seq_len: int, cluster: Cluster, micro_batch: int, dtype: torch.dtype,
-                    documents=None) -> list[Prediction]:
-    check = Checker(model, cluster, seq_len, micro_batch=micro_batch, dtype=dtype)
+                    documents=None) -> tuple[list[Prediction], list[Config]]:
+    """The layout's configurations (see :func:`enumerate_plans`), and for each preset that nothing makes fit, its
+    setting with the least GPU memory when that is less than the plain preset's (for the closest of a search where
+    nothing fits)."""
+    check = _Closest(model, cluster, seq_len, micro_batch=micro_batch, dtype=dtype)
     kw = dict(seq_len=seq_len, cluster=cluster, micro_batch=micro_batch, dtype=dtype, documents=documents)
     found = list(fitting(check, parallel, presets, stages))
     fitted = {rec.base for _, rec, _, _ in found}
-    return [predict(model, par, rec, offload_optimizer=opt, **kw) for par, rec, opt, _ in found] + \
-        [predict(model, parallel, preset, **kw) for preset in presets if preset not in fitted]
+    plain = [predict(model, parallel, preset, **kw) for preset in presets if preset not in fitted]
+    near = [c for p in plain if (c := check.closest.get(p.recompute)) is not None and c[3].gpu_bytes < p.memory_bytes]
+    return [predict(model, par, rec, offload_optimizer=opt, **kw) for par, rec, opt, _ in found] + plain, near
 
 
 def _key(p: Prediction) -> tuple:
@@ -199,6 +229,17 @@ def untried(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int], zero_
     return out
 
 
+def _host_too(p: Prediction) -> str:
+    """What ``p`` also exceeds in host memory when its reason names its GPU memory (nothing otherwise)."""
+    if p.gpu_fits or p.host_fits:
+        return ""
+    est = p.estimate
+    if est.host_budget is not None and not est.fits_host:
+        return (f", and offloads {est.host / 2**30:.1f} GiB per rank > its {est.host_budget / 2**30:.1f} GiB "
+                f"offload budget (the host memory a rank has left)")
+    return f", and {p.host_gib:.1f} GiB of host memory per rank, more than a rank's share of its node"
+
+
 def explain(winner: Prediction, plans: list[Prediction], *, untried: Iterable[str] = ()) -> str:
     """Why ``winner`` (normally ``plans[0]``) ranks first; for a winner that does not fit, what comes closest and
     what may still make it fit: more nodes, a shorter sequence, and ``untried`` (:func:`untried`: the options the
@@ -209,8 +250,9 @@ def explain(winner: Prediction, plans: list[Prediction], *, untried: Iterable[st
         advice = "add nodes"
         if tries:
             advice += ", try " + (tries[0] if len(tries) == 1 else ", ".join(tries[:-1]) + " or " + tries[-1])
-        return (f"nothing fits: the closest is {closest.layout} with recompute {closest.recompute}, which "
-                f"{closest.reason}; {advice}, or shorten the sequence")
+        return (f"nothing fits: the closest is {closest.layout} with recompute {closest.recompute}"
+                f"{', optimizer offload' if closest.offload_optimizer else ''}, which {closest.reason}"
+                f"{_host_too(closest)}; {advice}, or shorten the sequence")
     fitting = [p for p in plans if p.fits]
     why = [f"it has the highest throughput of the {len(fitting)} configurations that fit (of {len(plans)})"]
     def slower(p: Prediction) -> float:
