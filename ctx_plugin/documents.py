@@ -20,6 +20,7 @@ import functools
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100
@@ -158,14 +159,15 @@ def pad_documents(lengths, unit: int, *, total_unit: int | None = None) -> tuple
     lengths = _int_tuple(lengths, "lengths")
     if not lengths or any(n < 1 for n in lengths):
         raise ValueError(f"lengths must be positive document lengths, got {lengths}")
-    padded = [-(-n // unit) * unit for n in lengths]
-    padded[-1] += (-sum(padded)) % total_unit           # a multiple of unit, since unit divides total_unit
-    bounds, index, start = [0], [], 0
-    for n, p in zip(lengths, padded):
-        bounds.append(bounds[-1] + p)
-        index += list(range(start, start + n)) + [-1] * (p - n)
-        start += n
-    return Documents(tuple(bounds), lengths), torch.tensor(index, dtype=torch.int64)
+    real = np.array(lengths, dtype=np.int64)
+    padded = -(-real // unit) * unit
+    padded[-1] += int(-padded.sum()) % total_unit       # a multiple of unit, since unit divides total_unit
+    ends = np.cumsum(padded)
+    count = int(real.sum())
+    # real token t (in order) lands at t + (where its document starts padded − where it starts unpadded)
+    index = np.full(int(ends[-1]), -1, dtype=np.int64)
+    index[np.arange(count) + np.repeat(ends - padded - (np.cumsum(real) - real), real)] = np.arange(count)
+    return Documents((0, *ends.tolist()), lengths), torch.from_numpy(index)
 
 
 def pad_tokens(x: torch.Tensor, index: torch.Tensor, *, fill=0, dim: int = -1) -> torch.Tensor:
