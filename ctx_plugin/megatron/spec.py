@@ -35,7 +35,20 @@ def gpt_layer_spec(cp_config: CPConfig, *, base: ModuleSpec | None = None,
             raise ValueError("this layer spec has no self_attention.submodules.core_attention to replace; "
                              "ctx_plugin supports GPT layer specs with self-attention")
         attention.submodules.core_attention = core
+    _note_attention(cp_config)
     return spec
+
+
+def _note_attention(cp_config: CPConfig) -> None:
+    """Records on Megatron's args that this process builds ctx_plugin's core attention (read by the layout hook,
+    :func:`ctx_plugin.megatron.hooks.local_positions`, which shards by ``--cp-backend`` only for it)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+    except (ImportError, AssertionError):      # Megatron-LM's training package absent or its args not set
+        return
+    args.ctx_plugin_attention = cp_config.backend.value
 
 
 def layer_spec(model_config=None, vp_stage=None) -> ModuleSpec:

@@ -42,7 +42,8 @@ def test_patched_megatron_uses_ctx_plugin_through_entry_points(tmp_path):
         sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                     "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
                     "--cp-backend", "striped", "--context-parallel-size", "2", "--transformer-impl", "local",
-                    "--no-create-attention-mask-in-dataloader", "--attention-dropout", "0"]
+                    "--no-create-attention-mask-in-dataloader", "--attention-dropout", "0",
+                    "--spec", "ctx_plugin.megatron.spec", "layer_spec"]
         args = parse_args()                                   # no extra_args_provider: the entry point adds --cp-*
         assert args.cp_backend == "striped", args.cp_backend
         set_args(args)
@@ -50,13 +51,18 @@ def test_patched_megatron_uses_ctx_plugin_through_entry_points(tmp_path):
             def size(self): return 2
             def rank(self): return 1
         emb = torch.arange(16.0).view(16, 1, 1, 1)
-        rope = rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, Group()).flatten().tolist()
         torch.distributed.get_world_size = lambda group=None: 2
         torch.distributed.get_rank = lambda group=None: 1
-        batch = utils.get_batch_on_this_cp_rank({"tokens": torch.arange(16).view(1, 16)}, False, cp_group=Group())
-        from ctx_plugin.megatron.spec import layer_spec      # --spec alone: the patched hook gives striped positions
+        try:          # no model with ctx_plugin's attention built yet: Megatron's own would get striped data
+            rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, Group())
+            raise AssertionError("the hook sharded for an attention that is not ctx_plugin's")
+        except ValueError as e:
+            assert "built with Megatron's own core attention" in str(e) and "--spec ctx_plugin.megatron.spec" in str(e)
+        from ctx_plugin.megatron.spec import layer_spec      # --spec: the patched hook gives striped positions
         core = layer_spec().submodules.self_attention.submodules.core_attention
         assert core.params["cp_config"].backend == "striped", core
+        rope = rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, Group()).flatten().tolist()
+        batch = utils.get_batch_on_this_cp_rank({"tokens": torch.arange(16).view(1, 16)}, False, cp_group=Group())
         print(rope, batch["tokens"].flatten().tolist())
     """)
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
