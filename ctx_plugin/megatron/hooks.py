@@ -23,11 +23,30 @@ def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor | 
     if getattr(args, "cp_backend", None) is None:
         return None
     if getattr(args, "ctx_plugin_attention", None) is None:    # set when ctx_plugin's core attention is built
-        raise ValueError(f"--cp-backend {args.cp_backend}: this Megatron's layout hook would shard batches and slice "
-                         f"RoPE for ctx_plugin's attention, but the model was built with Megatron's own core attention "
-                         f"(which expects its zigzag chunks and ignores the --cp-* flags); add --spec "
+        given = _flags_given(args)
+        if not given:               # a plain Megatron run on a patched fork: Megatron's own zigzag
+            return None
+        raise ValueError(f"{', '.join(given)}: this Megatron's layout hook would shard batches and slice RoPE for "
+                         f"ctx_plugin's attention, but the model was built with Megatron's own core attention (which "
+                         f"expects its zigzag chunks and ignores the --cp-* flags); add --spec "
                          f"ctx_plugin.megatron.spec layer_spec, or run through python -m "
                          f"ctx_plugin.megatron.pretrain_gpt")
     config = CPConfig(backend=args.cp_backend, ulysses_size=args.cp_ulysses_size)
     check_seq_len(config, seq_len, cp_size, SettingNames(seq_len="--seq-length"))
     return shard_layout(config).local_indices(seq_len, cp_rank, cp_size)
+
+
+def _flags_given(args) -> list[str]:
+    """ctx_plugin's flags whose values differ from their defaults, as ``--flag value``."""
+    import argparse
+
+    from .args import add_arguments
+
+    defaults = add_arguments(argparse.ArgumentParser())
+    given = []
+    for action in defaults._option_string_actions.values():
+        if action.dest != "help" and action.option_strings[0].startswith("--cp-") \
+                and getattr(args, action.dest, action.default) != action.default:
+            value = getattr(args, action.dest)
+            given.append(action.option_strings[0] + ("" if value is True else f" {value}"))
+    return sorted(set(given))

@@ -57,7 +57,12 @@ def test_patched_megatron_uses_ctx_plugin_through_entry_points(tmp_path):
             rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, Group())
             raise AssertionError("the hook sharded for an attention that is not ctx_plugin's")
         except ValueError as e:
+            assert str(e).startswith("--cp-backend striped: this Megatron's layout hook"), e
             assert "built with Megatron's own core attention" in str(e) and "--spec ctx_plugin.megatron.spec" in str(e)
+        args.cp_backend = "zigzag"      # every --cp-* flag at its default: a plain Megatron run, its own zigzag
+        from ctx_plugin.megatron.hooks import local_positions   # (Megatron's zigzag slicing itself needs CUDA)
+        assert local_positions(16, 2, 1) is None
+        args.cp_backend = "striped"
         from ctx_plugin.megatron.spec import layer_spec      # --spec: the patched hook gives striped positions
         core = layer_spec().submodules.self_attention.submodules.core_attention
         assert core.params["cp_config"].backend == "striped", core
