@@ -145,20 +145,31 @@ def documents_of_mask(batch: dict, pad: tuple[int, int] | None = None) -> dict |
     return packed_batch(batch, rows, pad)
 
 
-def check_mask_documents_fit(config: CPConfig, documents: Documents, cp: int, *, seq_len: int) -> None:
-    """ValueError naming the first document of a packed ``--reset-attention-mask`` batch (``seq_len`` tokens a
-    sample) whose length the layout cannot split over ``cp`` ranks (:func:`ctx_plugin.rules.document_unit`), and the
-    fix; before any communication, from the batch every context-parallel rank holds, so every rank raises it."""
+def check_mask_documents_fit(config: CPConfig, documents: Documents, cp: int, *, seq_len: int,
+                             dataset: bool = False) -> None:
+    """ValueError naming the first document of a packed batch (``seq_len`` tokens a sample) whose length the layout
+    cannot split over ``cp`` ranks (:func:`ctx_plugin.rules.document_unit`), and the fix; before any communication,
+    from the batch every context-parallel rank holds, so every rank raises it. The documents come from
+    ``--reset-attention-mask``'s mask, or (``dataset``) from the dataset's own ``cu_seqlens``
+    (``--dataloader-inter-document-masking``, ``--sft``)."""
     unit = document_unit(config, cp)
     for start, length in zip(documents.bounds, documents.lengths):
         if length % unit:
+            if dataset:
+                source = ("--dataloader-inter-document-masking/--sft: the dataset's", "Megatron's GPTDataset ends "
+                          "documents at any token")
+                fix = (f"pad every document to a multiple of {unit} in the data (Megatron's SFT dataset pads to 2 × "
+                       f"--context-parallel-size), or use --reset-attention-mask with --cp-pad-documents (ctx_plugin "
+                       f"pads each document, out of the loss)")
+            else:
+                source = ("--reset-attention-mask: the", "end-of-document tokens fall anywhere")
+                fix = f"or --cp-pad-documents (pads each document at its end to a multiple of {unit}, out of the loss)"
             raise ValueError(
-                f"--reset-attention-mask: the document at token {start % seq_len} of sample {start // seq_len} holds "
-                f"{length} tokens, not a multiple of {unit}: --cp-backend {config.backend} over "
-                f"--context-parallel-size {cp} splits every document over the ranks ({shard_layout(config).name} "
-                f"layout), and end-of-document tokens fall anywhere; use --cp-backend ring or ulysses (documents cut "
-                f"anywhere; with --position-embedding-type learned_absolute or none), or --cp-pad-documents (pads each "
-                f"document at its end to a multiple of {unit}, out of the loss)")
+                f"{source[0]} document at token {start % seq_len} of sample {start // seq_len} holds {length} tokens, "
+                f"not a multiple of {unit}: --cp-backend {config.backend} over --context-parallel-size {cp} splits "
+                f"every document over the ranks ({shard_layout(config).name} layout), and {source[1]}; use "
+                f"--cp-backend ring or ulysses (documents cut anywhere; with --position-embedding-type "
+                f"learned_absolute or none), {fix}")
 
 
 class PackedHandoff:

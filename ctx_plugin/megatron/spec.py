@@ -63,6 +63,11 @@ def layer_spec(model_config=None, vp_stage=None) -> ModuleSpec:
 
     args = get_args()
     run = _entry_point_run()
+    if run is None and not hasattr(args, "cp_backend"):
+        raise ValueError("--spec ctx_plugin.megatron.spec layer_spec: Megatron's arguments have no --cp-* flags (its "
+                         "parser never got ctx_plugin's); run through python -m ctx_plugin.megatron.pretrain_gpt, apply "
+                         "patches/megatron-core-0.19-extra-args-entry-points.patch, or pass "
+                         "extra_args_provider=ctx_plugin.megatron.args.add_arguments to Megatron's pretrain")
     settings = run.settings if run is not None else settings_from_args(args)   # the entry point's, computed once
     _check_seams(args, settings)
     if getattr(model_config, "transformer", None) is not None:
@@ -297,6 +302,8 @@ def shard_batch(batch: dict, *, config: CPConfig, groups: CPGroups, pad_document
         batch = packed
         if pad_documents is None:
             check_mask_documents_fit(config, batch_documents(batch), groups.size, seq_len=_seq_len(batch))
+    elif batch.get("cu_seqlens") is not None:          # the dataset's own documents (THD)
+        check_mask_documents_fit(config, batch_documents(batch), groups.size, seq_len=_seq_len(batch), dataset=True)
     docs = batch_documents(batch)
     mask = batch.get("attention_mask")
     if mask is not None:

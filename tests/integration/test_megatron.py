@@ -265,6 +265,22 @@ def test_spec_alone_refuses_what_megatron_would_get_wrong(monkeypatch, flags, me
         assert "--cp-backend zigzag" in str(e.value)
 
 
+def test_spec_without_ctx_plugins_flags_names_the_ways_to_add_them(monkeypatch):
+    """An unpatched Megatron parsing without ctx_plugin's extra_args_provider: no --cp-* flags on its args."""
+    from megatron.training import global_vars
+    from megatron.training.arguments import parse_args
+
+    from ctx_plugin.megatron.spec import layer_spec
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+                                      "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings",
+                                      "64", "--micro-batch-size", "1", *SPEC_BASE])
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", parse_args())
+    with pytest.raises(ValueError, match=r"Megatron's arguments have no --cp-\* flags .*python -m "
+                                         r"ctx_plugin.megatron.pretrain_gpt.*extra-args-entry-points.patch"):
+        layer_spec(None)
+
+
 @pytest.mark.parametrize("backend", ["ring", "striped", "ulysses"])
 def test_spec_with_the_layout_hook_refuses_sft_batches_off_megatrons_zigzag(monkeypatch, backend):
     """--sft batches go through Megatron's per-document sharder (Transformer Engine's zigzag per document), which the

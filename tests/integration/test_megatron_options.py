@@ -199,6 +199,13 @@ def test_shard_batch_checks_and_drops_the_dataloader_mask():
     reset = _megatron_batch(reset_attention_mask=True)          # documents end at tokens 6 and 13
     with pytest.raises(ValueError, match="the document at token 0 of sample 0 holds 7 tokens, not a multiple of 2"):
         shard_batch(reset, config=CP_CONFIG, groups=groups)        # zigzag splits every document in two chunks
+    dataset = {key: value.reshape(1, -1) for key, value in batch.items() if key != "attention_mask"}
+    dataset.update(cu_seqlens=torch.tensor([[0, 7, 16, 32]], dtype=torch.int32), cu_seqlens_padded=None,
+                   max_seqlen=torch.tensor([16], dtype=torch.int32))       # the dataset's own documents (THD)
+    with pytest.raises(ValueError, match=r"--dataloader-inter-document-masking/--sft: the dataset's document at token 0 "
+                                         r"of sample 0 holds 7 tokens, not a multiple of 2.*pad every document to a "
+                                         r"multiple of 2 in the data"):
+        shard_batch(dataset, config=CP_CONFIG, groups=groups)
     ring = ctx_plugin.CPConfig(backend="ring", kernel="torch")
     packed = shard_batch(reset, config=ring, groups=ctx_plugin.build_cp_groups(ring))
     assert packed["attention_mask"] is None and packed["tokens"].shape == (1, 32)

@@ -26,8 +26,10 @@ REFUSED = [((2, "striped", "rope", "docs"), "packed sequences (THD, cu_seqlens) 
             "--cp-backend zigzag or allgather"),
            ((2, "ring", "rope", "docs"), "--cp-backend ring does not hold"),
            ((2, "ring", "yarn", "docs"), "--cp-backend ring does not hold"),
-           ((2, "zigzag", "learned_absolute", "uneven"), "document 0 holds 10 tokens, not a multiple of 4"),
-           ((4, "zigzag", "rope", "docs"), "document 0 holds 12 tokens, not a multiple of 8")]
+           ((2, "zigzag", "learned_absolute", "uneven"), "--dataloader-inter-document-masking/--sft: the dataset's "
+            "document at token 0 of sample 0 holds 10 tokens, not a multiple of 4"),
+           ((4, "zigzag", "rope", "docs"), "the dataset's document at token 0 of sample 0 holds 12 tokens, not a "
+            "multiple of 8")]
 # run with apply_rope_fusion (megatron-core's fused THD RoPE takes no mscale); YARN's attention factor is 1.06482
 FUSED = [("zigzag", "yarn", "docs")]
 _results: dict = {}
