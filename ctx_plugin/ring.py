@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .block_calls import Accumulator, backward_blocks, forward_blocks
+from .block_calls import Accumulator, backward_blocks, forward_blocks, plan_calls
 from .comm import Observers, RingComm
 from .groups import RankGroup
 from .kernels import AttentionKernel, accum_dtype
@@ -83,6 +83,13 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """dq, dk, dv given the final (sink-adjusted) ``out`` and ``lse``."""
     b, n, h, d = q.shape
     size, rank = group.size, group.rank
+    if size == 1:                # a ring of one rank (Ulysses' attention): one kernel call over everything is the
+        whole = _whole_block(kernel, layout, n, k.shape[1], b, mask)    # gradient; no fp32 accumulators needed
+        if whole is not None:
+            with span(Part.KERNEL):
+                dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=whole.causal, scale=scale,
+                                             window=whole.window, softcap=mask.softcap)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     schedule = ring_schedule(layout, size, n, mask, rank)
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(b, n, h, d, dtype=acc, device=q.device)
@@ -118,6 +125,16 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             comm.start(contrib, own, DKV, tag=2, shift=-schedule.last).wait()
             contrib = own
     return dq.to(q.dtype), contrib[0].to(k.dtype), contrib[1].to(v.dtype)
+
+
+def _whole_block(kernel: AttentionKernel, layout: RingLayout, n: int, sk: int, batch: int, mask: Mask):
+    """The one block of a one-rank ring when its plan is a single kernel call over all rows and keys, else None."""
+    singles, calls = plan_calls(kernel, layout.plan(0, 0, 1, n, mask), mask, n, sk, batch)
+    if calls or len(singles) != 1:
+        return None
+    (blk,) = singles
+    whole = slice(0, n, None)
+    return blk if blk.q == whole and blk.k == slice(0, sk, None) else None
 
 
 def refuse_double_backward(what: str) -> None:
