@@ -106,22 +106,39 @@ def param_count(m: ModelSpec, tp: int = 1) -> int:
     return m.layers * layer + embed * (1 if m.tied_embeddings else 2) + norm
 
 
-def _cp_buffers(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int, micro_batch: int, e: int, acc: int) -> int:
-    """Transient communication buffers of one attention call (backward, its peak), bytes per rank."""
+def _cp_buffers(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int, micro_batch: int, e: int, acc: int,
+                device: str = "cuda") -> int:
+    """Transient buffers of one attention call at its backward's peak, bytes per rank (0 at CP 1): ctx_plugin's
+    (received K/V, fp32 gradient accumulators, all-to-all copies), the local kernel's gradients of its largest
+    block (dq, dk, dv in the inputs' dtype, until they are added in) and, on CUDA, the kernel's own backward
+    workspace, bounded by FlashAttention-2's: an fp32 dQ accumulator, and under GQA dK/dV for every query head
+    before it sums them (torch's flash kernel and flash-attn 2; cuDNN's accumulator is no larger)."""
     if p.cp == 1:
         return 0
     d, u = m.head_dim, p.ulysses
     heads, kv = m.heads // p.tp, max(m.kv_heads // p.tp, 1)
+
+    def kernel(q_rows: int, k_rows: int, q_heads: int, kv_heads: int) -> int:
+        outputs = (q_rows * q_heads + 2 * k_rows * kv_heads) * d * e
+        if device != "cuda":
+            return outputs
+        expanded = 2 * k_rows * q_heads * d * e if kv_heads < q_heads else 0
+        return outputs + q_rows * q_heads * d * acc + expanded
+
     if p.backend == Backend.ALLGATHER:   # gathered K/V (+ reordered copy), full dK/dV in fp32 (+ sharded copy)
         full_kv = 2 * micro_batch * seq_len * kv * d
-        return 2 * full_kv * e + 2 * full_kv * acc
+        return 2 * full_kv * e + 2 * full_kv * acc + kernel(t, micro_batch * seq_len, heads, kv)
     ring_tokens, kv_heads = t * u, (max(kv, u) if u > 1 else kv) // u
     a2a = 2 * t * (heads + 2 * max(kv, u)) * d * e if u > 1 else 0      # send + receive copies of q, k, v
-    if p.backend == Backend.ULYSSES:
-        return a2a
+    dout_heads = t * heads * d * e if u > 1 else 0                        # dout, head-sharded, at the kernel
     kv_block = 2 * ring_tokens * kv_heads * d
     dq = ring_tokens * heads // u * d * acc
-    return a2a + 2 * kv_block * e + 3 * kv_block * acc + dq   # K/V + spare, dK/dV ×2 + incoming (fp32), dQ
+    block = kernel(ring_tokens, ring_tokens, heads // u, kv_heads)     # the largest: own K/V, every own query
+    if p.cp // u > 1:    # K/V + spare, dK/dV ×2 + incoming (fp32), dQ
+        return max(a2a, dout_heads + 2 * kv_block * e + 3 * kv_block * acc + dq + block)
+    # a ring of one rank (ulysses): the kernel's gradients are the result; the peak is dQ's all-to-all back (its
+    # send and receive copies next to the head-sharded dq, dk, dv), less the gradients it returns
+    return block + 2 * t * heads * d * e - t * (heads + 2 * kv) * d * e
 
 
 def layout_packing(p: ParallelSpec, seq_len: int, documents=None) -> Packing:
@@ -270,7 +287,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     passes = 2 if preset == Recompute.CORE_ATTN or recompute.recompute_attention else 1
     return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=activations,
                           per_layer=per_layer, recompute_peak=max(backward - activations, k.norm_bwd, 0),
-                          cp_buffers=_cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc),
+                          cp_buffers=_cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc, device),
                           logits_peak=loss_tokens * vocab * 3 * acc, recompute_fraction=extra / step,
                           host=sum(host),
                           host_budget=None if recompute.offload_gib is None else int(recompute.offload_gib * GiB),

@@ -312,7 +312,7 @@ def test_fitting_yields_exactly_the_minimal_fitting_settings_at_their_lowest_sta
     c, stages = two_gpus(8, 4), (0, 1, 3)
     layout = ParallelSpec(cp=2, backend="zigzag", dp=1)
     result = longest(DEEP, c, zero_stages=(0, 3))
-    for seq_len in (result.seq_len // 8 * 4, result.seq_len * 3 // 16 * 4, result.seq_len * 7 // 32 * 4):
+    for seq_len in (result.seq_len // 16 * 4, result.seq_len * 3 // 32 * 4, result.seq_len * 5 // 32 * 4):
         check = Checker(DEEP, c, seq_len, micro_batch=1, dtype=torch.bfloat16)
         got = {(rec, opt, par.zero_stage) for par, rec, opt, _ in fitting(check, layout, candidates(DEEP.layers), stages)}
         want = set()
