@@ -68,11 +68,19 @@ class LayerTerms:
     head: int         # the final norm's kept tensors (the LM head's input among them)
     norm_bwd: int     # the final norm's backward temporaries beyond the kept activations
     grad: int         # the gradient flowing between layers
+    pins_parts: tuple[int, ...] = ()  # pins_host tensor by tensor (each its own host allocation)
 
 
 def _sizes(dtype: torch.dtype) -> tuple[int, int]:
     e = torch.empty((), dtype=dtype).element_size()
     return e, torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+
+
+def _pin_parts(t: int, q_w: int, kv_w: int, rep: int, u: int, e: int, lse: int) -> tuple[int, ...]:
+    """The pinned attention tensors one by one: q, k, v, out (and with Ulysses the out handed back), the LSE."""
+    if u > 1:
+        return (t * q_w * e, t * kv_w * rep * e, t * kv_w * rep * e, t * q_w * e, t * q_w * e, lse)
+    return (t * q_w * e, t * kv_w * e, t * kv_w * e, t * q_w * e, lse)
 
 
 def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, dtype: torch.dtype,
@@ -109,6 +117,7 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
         # outputs are read by RoPE, which keeps only cos/sin. Recomputed with the other norms under selective.
         qk = t * (4 * (q_w + kv_w) + 4 * (heads + kv) + e * (q_w + kv_w)) if m.qk_norm else 0
         none = 2 * norm + pins + proj_kept + inner + qk
+        parts = _pin_parts(t, q_w, kv_w, rep, u, e, lse)
         x_in_none = x if e == 4 else 0
         v_shared = t * kv_w * e if u == 1 else 0
         selective = x + t * (q_w + 2 * kv_w) * e + 2 * x + t * up * e + pins - v_shared
@@ -118,7 +127,7 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                           sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,
                           shared=2 * t * d * e, head=norm, norm_bwd=4 * t * m.hidden * 4 - t * 4, grad=grad,
                           mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
-                          first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e)
+                          first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e, pins_parts=parts)
     megatron = m.family == "megatron"
     stats_e = e if megatron and device == "cpu" else acc  # torch's LayerNorm keeps its statistics in e on CPU
     stats = t * (1 if m.norm == "rms" else 2) * stats_e
@@ -151,4 +160,4 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                       norm_bwd=norm_bwd, grad=grad, mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
                       first_weight=up * m.hidden * e,
                       chunk_copies=0 if megatron else 2,     # Megatron's chunks: contiguous ([s, b, h])
-                      sel_mlp=inner - t * up * e)
+                      sel_mlp=inner - t * up * e, pins_parts=_pin_parts(t, q_w, kv_w, rep, u, e, lse))

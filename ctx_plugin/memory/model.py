@@ -215,13 +215,18 @@ def _check(model: ModelSpec, parallel: ParallelSpec, seq_len: int) -> None:
                 _NAMES)
 
 
-def _offloaded(recompute: RecomputeConfig, k, num_layers: int) -> list[tuple[int, int]]:
+def _offloaded(recompute: RecomputeConfig, k, num_layers: int, device: str = "cuda") -> list[tuple[int, int]]:
     """(host bytes, device bytes freed) of each region: its input, and its layers' pinned attention with
-    offload_attn (copied by elements; on the device whole storages go, as the QKV output v is a view of)."""
+    offload_attn (copied by elements; on the device whole storages go, as the QKV output v is a view of). On CUDA
+    each copy holds :func:`ctx_plugin.recompute.pinned.host_block` bytes (small ones torch's power-of-two blocks)."""
     if recompute.offload_gib is None:
         return []
-    pins = (k.pins_host, k.pins) if recompute.offload_attention else (0, 0)
-    return [(k.x + (stop - start) * pins[0], k.x + (stop - start) * pins[1])
+    from ..recompute.pinned import host_block
+
+    x_host = host_block(k.x, device)
+    pins_host = sum(host_block(part, device) for part in k.pins_parts)
+    pins = (pins_host, k.pins) if recompute.offload_attention else (0, 0)
+    return [(x_host + (stop - start) * pins[0], k.x + (stop - start) * pins[1])
             for start, stop in regions(recompute, num_layers)]
 
 
@@ -262,13 +267,14 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     copies = k.chunk_copies if micro_batch > 1 and chunks > 1 else 0     # two fewer in a recomputed layer
     chunk_temps = (chunk_temps + copies * chunk_x, chunk_temps + max(copies - 2, 0) * chunk_x) if chunks > 1 \
         else (chunk_temps, chunk_temps)
-    offloaded = _offloaded(recompute, k, model.layers)
+    offloaded = _offloaded(recompute, k, model.layers, "cpu")      # the bytes copied (device tensors)
     gpu_layers = list(per_layer)
     for (start, _), (_, freed) in zip(regions(recompute, model.layers), offloaded):
         gpu_layers[start] -= freed
-    host = [sent for sent, _ in offloaded]     # in a region's backward: its copies back (its input only while the
-    in_flight = [sent - k.x + k.x_in_none + (host[j - 1] if j else 0)    # recomputation, unless a norm keeps it)
-                 for j, sent in enumerate(host)]                         # and the previous region's, prefetched
+    host = [held for held, _ in _offloaded(recompute, k, model.layers, device)]    # pinned blocks on CUDA
+    sent = [sent for sent, _ in offloaded]    # in a region's backward: its copies back (its input only while the
+    in_flight = [b - k.x + k.x_in_none + (sent[j - 1] if j else 0)     # recomputation, unless a norm keeps it)
+                 for j, b in enumerate(sent)]                          # and the previous region's, prefetched
     activations = sum(gpu_layers) + k.shared + k.head
     backward = _backward_peak(model, recompute, k, gpu_layers, chunk_inner, chunk_temps, in_flight)
     spans = [stop - start for start, stop in regions(recompute, model.layers)]

@@ -19,9 +19,11 @@ when autograd releases the saved tensor (after the node that used it ran, unless
 backward copies it back again). A forward without autograd (eval, ``torch.no_grad``) checkpoints nothing and so
 offloads nothing. Several forwards in flight before their backwards (pipeline schedules) each have their own groups.
 
-How. CUDA tensors: a pinned host buffer, the device-to-host copy on a side stream after it waits for the producing
-stream, ``record_stream`` so the caching allocator reuses the device memory only once the copy is done; copies back
-on a second side stream into memory the consuming stream then waits for (an event) and records. CPU tensors: the
+How. CUDA tensors: a page-locked host buffer (:mod:`ctx_plugin.recompute.pinned`: of the copy's exact size from
+64 MiB on, as torch's pinned allocator rounds to powers of two), the device-to-host copy on a side stream after it
+waits for the producing stream, ``record_stream`` so the caching allocator reuses the device memory only once the
+copy is done; copies back on a second side stream into memory the consuming stream then waits for (an event) and
+records. CPU tensors: the
 same path with plain host copies both ways (real copies and real accounting, no streams), so everything but the
 overlap is tested on CPU. Overlap on a GPU is verified by ``tests/gpu/test_offload_gpu.py`` with
 ``torch.profiler``: the device-to-host copies of one region run on the side stream while the next region's kernels
@@ -40,6 +42,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from .pinned import PinnedPool, host_block
 
 _ATTR = "_ctx_plugin_offload"
 _GIB = 2 ** 30
@@ -81,7 +85,7 @@ class _Entry:
     def __init__(self, group: _Group, host: torch.Tensor, target: torch.device, grad: bool, copied) -> None:
         self.group, self.host, self.target = group, host, target
         self.grad = grad                # whether the original required grad (a replayed output must, too)
-        self.nbytes = host.numel() * host.element_size()
+        self.nbytes = host_block(host.numel() * host.element_size(), target.type)    # what the host holds
         self.copied = copied            # CUDA: event after the copy to host (None on CPU)
         self.device = self.ready = None     # a copy back under way, and its event
         self.handed = None              # weakref to the device tensor last handed to autograd
@@ -99,6 +103,7 @@ class HostOffload:
         self.peak_bytes = 0
         """The most ``held_bytes`` has been."""
         self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+        self._pinned: PinnedPool | None = None   # exact-size page-locked buffers for large CUDA copies
         self._chain: set[int] = set()            # regions of the forward pass under way
         self._last: weakref.ref | None = None    # its latest group
 
@@ -148,25 +153,28 @@ class HostOffload:
         if t.device.type not in ("cpu", "cuda"):
             raise ValueError(f"{self.flag}: activation offload supports CPU and CUDA tensors, got one on {t.device}; "
                              "drop the modifier")
-        nbytes = t.numel() * t.element_size()
+        nbytes = host_block(t.numel() * t.element_size(), t.device.type)
         if self.held_bytes + nbytes > self.budget:
             need = self.held_bytes + nbytes
             name, _ = self.flag[1:].split(":")
+            pinned = " (copies under 64 MiB in torch's pinned blocks, powers of two)" if t.device.type == "cuda" else ""
             raise ValueError(f"{self.flag}: offloading needs at least {need} bytes ({need / _GIB:.3g} GiB) of host "
-                             f"memory on this rank ({self.held_bytes} held + {nbytes} for the next tensor), over the "
-                             f"budget of {self.budget} bytes; raise it, e.g. +{name}:{_suggest(need)}, or offload "
+                             f"memory on this rank ({self.held_bytes} held + {nbytes} for the next tensor)"
+                             f"{pinned}, over the budget of {self.budget} bytes; raise it, e.g. +{name}:{_suggest(need)}, or offload "
                              "less (+offload instead of +offload_attn, fewer regions with full:uniform:N or sqrt)")
         host, copied = self._to_host(t)
         entry = _Entry(group, host, t.device, t.requires_grad, copied)
         self.held_bytes += entry.nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        weakref.finalize(entry, self._release, entry.nbytes)
+        weakref.finalize(entry, self._release, entry.nbytes, host.untyped_storage().data_ptr())
         group.entries.append(weakref.ref(entry))
         group.seen.append((weakref.ref(t), weakref.ref(entry)))
         return entry
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, nbytes: int, ptr: int) -> None:
         self.held_bytes -= nbytes
+        if self._pinned is not None:
+            self._pinned.give_back(ptr)
 
     def _stream(self, device: torch.device, direction: str) -> torch.cuda.Stream:
         key = (device, direction)
@@ -182,7 +190,9 @@ class HostOffload:
             return host, None
         side = self._stream(t.device, "d2h")
         side.wait_stream(torch.cuda.current_stream(t.device))      # t is written by now
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if self._pinned is None:
+            self._pinned = PinnedPool()
+        host = self._pinned.empty(t.shape, t.dtype)
         with torch.cuda.stream(side):
             host.copy_(t, non_blocking=True)
             copied = side.record_event()

@@ -120,3 +120,41 @@ def test_copies_overlap_compute(tmp_path):
         assert compute not in streams, f"{direction} copies on the compute stream {compute}"
         fraction = _overlapped(copies, kernels)
         assert fraction >= OVERLAP, f"only {fraction:.0%} of the {direction} copy time overlaps compute"
+
+
+def test_large_copies_take_exact_registered_buffers():
+    """Region inputs of at least 64 MiB go to host buffers of their exact size registered with cudaHostRegister
+    (torch's pinned blocks would round 64.5 MiB up to 128 MiB), reused by the next step; gradients unchanged."""
+    from ctx_plugin.recompute.pinned import REGISTER_MIN
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU()) for _ in range(2))
+    layers = layers.to("cuda", torch.bfloat16)
+    x0 = torch.randn(1, 66_048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    nbytes = x0.numel() * 2
+    assert nbytes > REGISTER_MIN and nbytes & (nbytes - 1)          # not a power of two
+
+    def step():
+        x = x0 * 1.0
+        for layer in layers:
+            x = layer(x)
+        torch.cuda.synchronize()
+        offload = host_offload(layers)
+        held = offload.held_bytes if offload else 0
+        x.float().pow(2).mean().backward()
+        torch.cuda.synchronize()
+        grads = [x0.grad.clone(), *(p.grad.clone() for p in layers.parameters())]
+        x0.grad = None
+        layers.zero_grad(set_to_none=True)
+        return held, grads
+
+    _, want = step()
+    recompute.apply(layers, "full+offload:1")
+    held, got = step()
+    assert held == 2 * nbytes                                       # two regions' inputs, exact bytes
+    pool = host_offload(layers)._pinned
+    assert pool.registered_bytes == 2 * nbytes
+    held, again = step()                                            # the next step reuses the same buffers
+    assert pool.registered_bytes == 2 * nbytes and held == 2 * nbytes
+    for a, b, c in zip(want, got, again):
+        assert torch.equal(a, b) and torch.equal(b, c)
