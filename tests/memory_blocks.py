@@ -137,11 +137,11 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
     finally:
         gc.enable()
     m = spec(family, vocab, qk_norm=family == "hf" and HF_MODEL_TYPES[kind])
-    est = estimate(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=batch, dtype=dtype)
-    k = layer_terms(m, ParallelSpec(), seq_len, batch, dtype)
+    est = estimate(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=batch, dtype=dtype, device="cpu")
+    k = layer_terms(m, ParallelSpec(), seq_len, batch, dtype, "cpu")
     layers_model = est.activations - k.shared - k.head         # the layers' on the device (less what is offloaded)
     assert est.host or layers_model == sum(layer_activations(m, ParallelSpec(), preset, seq_len=seq_len,
-                                                             micro_batch=batch, dtype=dtype))
+                                                             micro_batch=batch, dtype=dtype, device="cpu"))
     if family == "hf":            # HF's model runs the final norm (its output is the result) and builds cos/sin
         layers_model += k.shared + k.head - k.x
     model_peak = est.activations + max(est.logits_peak, est.recompute_peak + est.cp_buffers)

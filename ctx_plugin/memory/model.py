@@ -108,22 +108,26 @@ def param_count(m: ModelSpec, tp: int = 1) -> int:
 
 def _cp_buffers(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int, micro_batch: int, e: int, acc: int,
                 device: str = "cuda") -> int:
-    """Transient buffers of one attention call at its backward's peak, bytes per rank (0 at CP 1): ctx_plugin's
+    """Transient buffers of one attention call at its backward's peak, bytes per rank: ctx_plugin's
     (received K/V, fp32 gradient accumulators, all-to-all copies), the local kernel's gradients of its largest
     block (dq, dk, dv in the inputs' dtype, until they are added in) and, on CUDA, the kernel's own backward
     workspace, bounded by FlashAttention-2's: an fp32 dQ accumulator, and under GQA dK/dV for every query head
-    before it sums them (torch's flash kernel and flash-attn 2; cuDNN's accumulator is no larger)."""
-    if p.cp == 1:
-        return 0
+    before it sums them (torch's flash kernel and flash-attn 2; cuDNN's accumulator is no larger). At CP 1 only
+    that workspace (the kernel's gradients are the layer's)."""
     d, u = m.head_dim, p.ulysses
     heads, kv = m.heads // p.tp, max(m.kv_heads // p.tp, 1)
 
-    def kernel(q_rows: int, k_rows: int, q_heads: int, kv_heads: int) -> int:
-        outputs = (q_rows * q_heads + 2 * k_rows * kv_heads) * d * e
+    def workspace(q_rows: int, k_rows: int, q_heads: int, kv_heads: int) -> int:
         if device != "cuda":
-            return outputs
+            return 0
         expanded = 2 * k_rows * q_heads * d * e if kv_heads < q_heads else 0
-        return outputs + q_rows * q_heads * d * acc + expanded
+        return q_rows * q_heads * d * acc + expanded
+
+    def kernel(q_rows: int, k_rows: int, q_heads: int, kv_heads: int) -> int:
+        return (q_rows * q_heads + 2 * k_rows * kv_heads) * d * e + workspace(q_rows, k_rows, q_heads, kv_heads)
+
+    if p.cp == 1:        # one kernel call whose gradients are the result: its workspace only
+        return workspace(t, t, heads, kv)
 
     if p.backend == Backend.ALLGATHER:   # gathered K/V (+ reordered copy), full dK/dV in fp32 (+ sharded copy)
         full_kv = 2 * micro_batch * seq_len * kv * d
