@@ -59,6 +59,7 @@ import functools
 import torch
 
 from .base import FULL, Window, accum_dtype, check_block, fa2_max_seqlen_k, fa2_window, is_windowed
+from .head_chunks import by_head_chunks, fa2_head_chunk
 from .torch_math import TorchKernel
 from .varlen import Varlen
 
@@ -220,6 +221,11 @@ class FlashKernel(_SdpaKernel):
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window: Window = FULL,
                  softcap: float | None = None):
+        chunk = fa2_head_chunk(q.shape[1], q.shape[2], k.shape[2], q.shape[3])
+        if chunk is not None:       # int32 offsets of the dQ accumulator would wrap (head_chunks)
+            return by_head_chunks(lambda *t: self.backward(*t, causal=causal, scale=scale, window=window,
+                                                           softcap=softcap), chunk, dout, q, k, v, out, lse,
+                                  head_dim=2, lse_head_dim=1)
         sides = self._check(q, k, causal, window, softcap)
         if sides is None:
             return super().backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
@@ -265,6 +271,10 @@ class FlashKernel(_SdpaKernel):
                         softcap: float | None = None):
         """``aten::_flash_attention_backward`` over ``batch``: dq of rows without keys is 0 (FlashAttention-2
         accumulates dq into zeros), dk/dv of keys without rows 0 (its backward's early exit writes them)."""
+        chunk = fa2_head_chunk(batch.max_q, q.shape[1], k.shape[1], q.shape[2], sequences=len(batch.seqs))
+        if chunk is not None:       # int32 offsets of the dQ accumulator would wrap (head_chunks)
+            return by_head_chunks(lambda *t: self.backward_varlen(*t, batch, scale=scale, softcap=softcap), chunk,
+                                  dout, q, k, v, out, lse, head_dim=1, lse_head_dim=0)
         g, kv, args, sides = self._varlen_args(q, k, v, batch, softcap)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)   # unused: no dropout
         dq, dk, dv = torch.ops.aten._flash_attention_backward(

@@ -143,3 +143,46 @@ def test_sdpa_flash_applies_windows_like_the_torch_kernel(shape, causal, window)
         err = (got.float() - exp).abs().max().item() / max(exp.abs().max().item(), 1.0)   # dq ~ 0 at (0, 0)
         assert got.shape == exp.shape and err < TOL[dtype], f"{name}: {err:.2e}"
     assert select_kernel(Kernel.AUTO, torch.device("cuda"), dtype, q.shape[-1], features).name != Kernel.TORCH.value
+
+
+def test_sdpa_flash_backward_split_over_heads_is_exact(monkeypatch):
+    """With the int32 limit lowered, torch's FlashAttention-2 backward runs over head chunks (dense and varlen
+    paths share the split): the gradients equal one call's."""
+    import ctx_plugin.kernels.head_chunks as head_chunks
+    from ctx_plugin.kernels.sdpa import FlashKernel
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 1024, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kernel = FlashKernel()
+    out, lse = kernel.forward(q, k, v, causal=True, scale=128 ** -0.5)
+    dout = torch.randn_like(out)
+    want = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=128 ** -0.5)
+    monkeypatch.setattr(head_chunks, "INT32_LIMIT", 1024 * 128 * 3)          # 3 heads fit: chunks of 2
+    assert head_chunks.fa2_head_chunk(1024, 8, 2, 128) == 2
+    got = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=128 ** -0.5)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_sdpa_flash_backward_beyond_int32_offsets():
+    """524,416 query rows × 32 heads of 128 (past 2^31 dQ offsets): the last rows' dQ against the torch kernel on
+    those rows alone (about 60 GiB, a few seconds on an H200)."""
+    from ctx_plugin.kernels.sdpa import FlashKernel
+
+    if torch.cuda.get_device_properties(0).total_memory < 80 * 2**30:
+        pytest.skip("needs 80 GiB of GPU memory")
+    torch.manual_seed(0)
+    s, tail = 524_416, 64
+    q = torch.randn(1, s, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, s, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    scale = 128 ** -0.5
+    kernel = FlashKernel()
+    out, lse = kernel.forward(q, k, v, causal=True, scale=scale)
+    dout = torch.randn_like(out)
+    dq = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=scale)[0][:, -tail:]
+    ref = TorchKernel()
+    q_t, do_t, o_t = (t[:, -tail:].float() for t in (q, dout, out))
+    want = ref.backward(do_t, q_t, k.float(), v.float(), o_t, lse[:, :, -tail:].float(), causal=True,
+                        scale=scale)[0]
+    assert rel_err(dq.float(), want) < 2e-2, rel_err(dq.float(), want)
