@@ -57,6 +57,7 @@ import torch
 
 from . import flash_attn_support as support
 from .base import FULL, Window, accum_dtype, check_block, describe, fa2_window, is_windowed
+from .head_chunks import by_head_chunks, fa2_head_chunk
 from .torch_math import TorchKernel
 
 _FA2_MODULES = ("flash_attn.flash_attn_interface",)
@@ -386,6 +387,11 @@ class FlashAttnKernel:
         if passed is None:
             return TorchKernel().backward(dout, q, k, v, out, lse, causal=causal, scale=scale, window=window,
                                           softcap=softcap)
+        chunk = fa2_head_chunk(q.shape[1], q.shape[2], k.shape[2], q.shape[3]) if self.info.generation == 2 else None
+        if chunk is not None:       # FlashAttention-2's int32 dQ offsets (head_chunks; fixed in later 2.x only)
+            return by_head_chunks(lambda *t: self.backward(*t, causal=causal, scale=scale, window=window,
+                                                           softcap=softcap), chunk, dout, q, k, v, out, lse,
+                                  head_dim=2, lse_head_dim=1)
         window = passed
         dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         # flash-attn 2.x requires the gradient buffers; 2.6.3+ and FA3 custom ops return only softmax_d.

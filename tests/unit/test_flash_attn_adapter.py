@@ -996,3 +996,23 @@ def test_versions_before_the_feature_are_refused_even_with_the_argument(monkeypa
     fa.forget_probe()
     assert fa.unavailable(CUDA0, torch.float16, 64, frozenset({"window"})) is None
     assert "applies no softcap" in fa.unavailable(CUDA0, torch.float16, 64, frozenset({"softcap"}))
+
+
+def test_flash_attention_2_backward_past_int32_offsets_runs_over_head_chunks(version, monkeypatch):
+    """FlashAttention-2 builds compute dQ offsets in int32 (ctx_plugin.kernels.head_chunks): with the limit lowered
+    to fit 2 of 4 heads, the backward runs as two calls on head chunks with their K/V heads, same gradients;
+    FlashAttention-3 runs as one call."""
+    import ctx_plugin.kernels.head_chunks as head_chunks
+
+    q, k, v, dout = _inputs(2, seed=1)
+    kernel = fa.FlashAttnKernel(torch.device("cpu"))
+    out, lse = kernel.forward(q, k, v, causal=True, scale=SCALE)
+    want = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=SCALE)
+    calls = []
+    real = kernel._bwd
+    monkeypatch.setattr(kernel, "_bwd", lambda **kw: calls.append(kw["q"].shape[2]) or real(**kw))
+    monkeypatch.setattr(head_chunks, "INT32_LIMIT", 128 * 32 * 3)         # rows rounded to 128, head size to 32
+    got = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=SCALE)
+    assert calls == ([2, 2] if version.generation == 2 else [4])
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
