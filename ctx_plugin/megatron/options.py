@@ -57,6 +57,15 @@ MODEL_OPTIONS: tuple[Refused, ...] = (
             "which ctx_plugin's core attention replaces", "drop it and pick the kernel with --cp-kernel"),
     Refused("batch_invariant_mode", _truthy, "ctx_plugin's kernels do not promise batch-size-invariant results",
             "drop it"),
+    Refused("cuda_graph_impl", lambda v: v not in (None, "none"), "a captured CUDA graph replays ctx_plugin's "
+            "attention without its host-side work per call (the ranks' agreement check, the ring's plans, packed "
+            "documents read from cu_seqlens on the host), so later batches would run with the captured call's "
+            "documents; not checked with ctx_plugin", "drop it (--cuda-graph-impl none)"),
+    Refused("enable_cuda_graph", _truthy, "it is --cuda-graph-impl local (deprecated spelling): a captured CUDA "
+            "graph replays ctx_plugin's attention without its host-side work per call", "drop it"),
+    Refused("external_cuda_graph", _truthy, "it captures CUDA graphs of the layers (Transformer Engine's "
+            "make_graphed_callables), which replay ctx_plugin's attention without its host-side work per call",
+            "drop it"),
     Refused("flash_decode", _truthy, "flash decoding is an inference path that bypasses the core attention; "
             "ctx_plugin's attention is for training", "drop it"),
     Refused("position_embedding_type", lambda v: v == "mrope", "multimodal RoPE takes its positions from "
@@ -94,8 +103,8 @@ def check_reset_data(args) -> None:
     embeddings sharded like the tokens, and megatron-core's GPTModel does not read them for RoPE; ``--eod-mask-loss``
     is the loss mask's.) With ``--sft``/``--dataloader-inter-document-masking`` the dataset's own ``cu_seqlens`` and no
     mask reach the sharder, as in Megatron, so this flag changes nothing there. ``--cp-pad-documents`` (the sharder
-    pads those documents to the layout's unit) needs ``--reset-attention-mask`` and batches of one length
-    (no CUDA graphs)."""
+    pads those documents to the layout's unit) needs ``--reset-attention-mask`` (CUDA graphs are refused with
+    ctx_plugin's attention anyway: :data:`MODEL_OPTIONS`)."""
     packed = [f"--{f.replace('_', '-')}" for f in ("sft", "dataloader_inter_document_masking") if getattr(args, f, False)]
     if getattr(args, "cp_pad_documents", False):
         if not getattr(args, "reset_attention_mask", False) or packed:
@@ -103,9 +112,6 @@ def check_reset_data(args) -> None:
             raise ValueError(f"--cp-pad-documents pads the documents ctx_plugin reads from --reset-attention-mask's "
                              f"dataloader mask{given}: drop it (packed datasets pad their own documents, as "
                              f"Megatron's SFT dataset does)")
-        if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
-            raise ValueError(f"--cp-pad-documents changes the batch's length from batch to batch, which CUDA graphs "
-                             f"(--cuda-graph-impl {args.cuda_graph_impl}) cannot replay; drop one of them")
     if not getattr(args, "reset_attention_mask", False) or packed:
         return
     problems = []

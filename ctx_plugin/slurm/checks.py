@@ -37,7 +37,7 @@ def _module_exists(name: str) -> bool:
 # The options ctx_plugin refuses (megatron/options.py's tables) that take a value in Megatron-LM's parser; the others
 # are switches there (store_true).
 _VALUED = {"attention_dropout": float, "experimental_attention_variant": str, "flash_attention_version": int,
-           "position_embedding_type": str}
+           "position_embedding_type": str, "cuda_graph_impl": str}
 
 
 def _int_tuple(text: str) -> tuple[int, ...]:
@@ -52,7 +52,8 @@ def _megatron_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     for option in MODEL_OPTIONS + DATA_OPTIONS:
         if option.field in _VALUED:
-            default = {"attention_dropout": 0.1, "position_embedding_type": "learned_absolute"}.get(option.field)
+            default = {"attention_dropout": 0.1, "position_embedding_type": "learned_absolute",
+                       "cuda_graph_impl": "none"}.get(option.field)
             p.add_argument(option.flag, type=_VALUED[option.field], default=default)
         else:
             p.add_argument(option.flag, action="store_true")
@@ -81,8 +82,7 @@ def _megatron_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, action="store_true")
     p.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader")
-    for flag, kind, default in (("--num-experts", int, None), ("--mtp-num-layers", int, None),
-                                ("--cuda-graph-impl", str, "none")):
+    for flag, kind, default in (("--num-experts", int, None), ("--mtp-num-layers", int, None)):
         p.add_argument(flag, type=kind, default=default)
     return add_arguments(p)
 

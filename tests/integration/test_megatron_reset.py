@@ -143,7 +143,7 @@ def test_launcher_checks_the_reset_flags_as_the_job_does():
                            (["--reset-attention-mask", "--num-experts", "4"], "--num-experts: MoE layers"),
                            (["--cp-pad-documents"], "--cp-pad-documents pads the documents"),
                            (["--reset-attention-mask", "--cp-pad-documents", "--cuda-graph-impl", "local"],
-                            "which CUDA graphs"),
+                            "a captured CUDA graph replays"),
                            (["--reset-attention-mask", "--cp-backend", "ring", "--position-embedding-type", "rope"],
                             "which --cp-backend ring does not hold")):
         with pytest.raises(ValueError, match=message):

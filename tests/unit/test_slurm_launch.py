@@ -259,7 +259,7 @@ def test_megatron_cp_checks_still_run(argv, message):
 # Flags the job refuses at start with ctx_plugin's own check (settings_from_args): every option of the refused
 # tables Megatron-LM's command line has (the valued ones with a value that is refused), and windows it reads two ways.
 _REFUSED_VALUES = {"attention_dropout": "0.1", "experimental_attention_variant": "dsa", "flash_attention_version": "3",
-                   "position_embedding_type": "mrope"}
+                   "position_embedding_type": "mrope", "cuda_graph_impl": "local"}
 JOB_REFUSES = [[o.flag] + ([_REFUSED_VALUES[o.field]] if o.field in _REFUSED_VALUES else [])
                for o in (*MODEL_OPTIONS, *DATA_OPTIONS)] + \
               [["--window-size", "(4,2)"], ["--window-size", "(8,-1)"], ["--window-size", "(4,0,1)"]]
