@@ -24,7 +24,7 @@ import torch
 
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig, candidates, regions
-from ..rules import SettingNames, check_heads, check_seq_len, document_unit
+from ..rules import SettingNames, check_heads, check_seq_len, check_tp_heads, document_unit
 from ..tiled_loss import auto_tokens
 from .blocks import layer_terms
 from .flops import Packing, check_documents, pack
@@ -32,6 +32,7 @@ from .specs import ModelSpec, ParallelSpec, ceil_div
 
 _NAMES = SettingNames(cp="cp", heads="query heads per tensor-parallel rank",
                       kv_heads="K/V heads per tensor-parallel rank")
+_TP_NAMES = SettingNames(heads="heads", kv_heads="kv_heads", tp="tp")
 GiB = 2**30
 _REGIONS = (Recompute.FULL, Recompute.SQRT)
 
@@ -213,10 +214,8 @@ def _check(model: ModelSpec, parallel: ParallelSpec, seq_len: int) -> None:
     if not isinstance(model, ModelSpec) or not isinstance(parallel, ParallelSpec):
         raise TypeError("estimate(model=ModelSpec, parallel=ParallelSpec, ...)")
     check_seq_len(parallel.cp_config, seq_len, parallel.cp, _NAMES)
-    if model.heads % parallel.tp:
-        raise ValueError(f"heads ({model.heads}) must divide by tp ({parallel.tp})")
-    check_heads(parallel.cp_config, model.heads // parallel.tp, max(model.kv_heads // parallel.tp, 1), parallel.cp,
-                _NAMES)
+    check_tp_heads(model.heads, model.kv_heads, parallel.tp, _TP_NAMES, replicate_kv=False)
+    check_heads(parallel.cp_config, model.heads // parallel.tp, model.kv_heads // parallel.tp, parallel.cp, _NAMES)
 
 
 def _offloaded(recompute: RecomputeConfig, k, num_layers: int, device: str = "cuda") -> list[tuple[int, int]]:

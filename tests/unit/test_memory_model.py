@@ -163,3 +163,14 @@ def test_budget_keeps_tiling_modifiers():
     tiled = resolve("budget:120+tile_loss+tile_mlp", HF_LLAMA, P8, seq_len=1 << 19)
     assert tiled.tile_loss and tiled.tile_mlp and str(tiled).startswith("full:block:")
     assert estimate(HF_LLAMA, P8, tiled, seq_len=1 << 19).peak <= 120 * GiB
+
+
+def test_estimate_refuses_tensor_parallelism_it_does_not_model():
+    """As the CLI does: K/V heads that tp does not divide (Megatron would replicate them; the model splits them)."""
+    eight = ModelSpec(layers=2, hidden=256, heads=8, kv_heads=2, ffn=512, vocab=100)
+    estimate(eight, ParallelSpec(tp=2), "none", seq_len=64)
+    with pytest.raises(ValueError, match=r"kv_heads 2 is not divisible by tp 4: the memory model splits the K/V "
+                                         r"heads .* valid tp: \[1, 2\]"):
+        estimate(eight, ParallelSpec(tp=4), "none", seq_len=64)
+    with pytest.raises(ValueError, match=r"heads 8 is not divisible by tp 3"):
+        estimate(eight, ParallelSpec(tp=3), "none", seq_len=64)
