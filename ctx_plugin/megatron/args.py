@@ -194,7 +194,9 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
                       ffn=args.ffn_hidden_size or 4 * args.hidden_size, vocab=args.padded_vocab_size,
                       gated=bool(getattr(args, "swiglu", False)),
                       norm="rms" if getattr(args, "normalization", "LayerNorm") == "RMSNorm" else "layer",
-                      family="megatron", attention_bias=bool(getattr(args, "add_bias_linear", False)
+                      family="megatron",     # Megatron ties the output layer to the embedding unless --untie-...
+                      tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+                      attention_bias=bool(getattr(args, "add_bias_linear", False)
                                                              or getattr(args, "add_qkv_bias", False)),
                       bias_activation_fusion=bool(getattr(args, "bias_swiglu_fusion" if getattr(args, "swiglu", False)
                                                           else "bias_gelu_fusion", True)))

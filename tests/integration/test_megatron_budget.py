@@ -56,3 +56,17 @@ def test_budget_resolves_for_a_dense_model(monkeypatch):
     settings = settings_from_args(_args(monkeypatch, "--cp-recompute", "budget:80", "--swiglu",
                                         "--normalization", "RMSNorm"))
     assert settings.recompute.preset == Recompute.NONE        # a tiny model fits 80 GiB without recompute
+
+
+@pytest.mark.parametrize("flags,tied", [([], True), (["--untie-embeddings-and-output-weights"], False)])
+def test_budget_counts_the_output_layer_as_megatron_builds_it(monkeypatch, flags, tied):
+    """Megatron ties the output layer to the word embeddings unless --untie-embeddings-and-output-weights."""
+    import ctx_plugin.memory as memory
+    from ctx_plugin.megatron.args import settings_from_args
+
+    seen = []
+    real = memory.resolve
+    monkeypatch.setattr(memory, "resolve", lambda preset, model, *a, **kw: seen.append(model) or real(
+        preset, model, *a, **kw))
+    settings_from_args(_args(monkeypatch, "--cp-recompute", "budget:80", *flags))
+    assert [m.tied_embeddings for m in seen] == [tied]
