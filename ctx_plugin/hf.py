@@ -26,12 +26,14 @@ import weakref
 
 import torch
 
+from . import agreement
 from .api import cp_attention
 from .config import CPConfig
 from .groups import CPGroups
 from .hf_checks import Running, checked_modules, config_problems, refuse_shard_loss, windowed_without_keyword
 from .hf_inputs import InputCheck
 from .packing import DOCUMENTS_KEYWORD, hf_documents
+from .recompute import pinning
 from .rules import SettingNames, check_heads
 
 HONOURED = {"scaling": "softmax scale (default head_dim**-0.5)",
@@ -91,6 +93,28 @@ class _Attention:
         :class:`ctx_plugin.hf_checks.Running` (what the forward under way checked)."""
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        try:
+            documents = self._documents(module, query, key, attention_mask, dropout, kwargs)
+        except (TypeError, ValueError) as e:      # the same error on every rank, or the ranks' disagreement
+            if self.groups.check_group is not None:
+                agreement.check(self.groups, agreement.attention_signature(
+                    *(t.transpose(1, 2) for t in (query, key, value)), groups=self.groups, causal=None,
+                    softmax_scale=None, kernel=None, error=e))
+            raise
+        given, sinks = kwargs.get("is_causal"), kwargs.get("s_aux")
+        causal = bool(getattr(module, "is_causal", True) if given is None else given)
+        if torch.is_autocast_enabled(query.device.type):    # as autocast casts sdpa's inputs: q, k come out of
+            dtype = torch.get_autocast_dtype(query.device.type)     # RoPE in fp32 next to a bf16 v
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+        out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
+                           groups=self.groups, causal=causal, softmax_scale=scaling,
+                           window=hf_window(kwargs.get("sliding_window"), given, causal),
+                           softcap=kwargs.get("softcap"), sinks=sinks, documents=documents)
+        return out, None
+
+    def _documents(self, module, query, key, attention_mask, dropout, kwargs):
+        """The call's packed documents (None: none), after checking what the attention cannot honour (ValueError,
+        raised before any communication; counts the call)."""
         if module not in self.modules:
             raise ValueError(f"{type(module).__name__} belongs to a model that was not passed to "
                              f"ctx_plugin.hf.enable(model, config, groups), which checks the model's options and "
@@ -123,8 +147,6 @@ class _Attention:
         unwindowed = windowed_without_keyword(module, kwargs)
         if unwindowed is not None:
             raise ValueError(unwindowed)
-        given = kwargs.get("is_causal")
-        causal = bool(getattr(module, "is_causal", True) if given is None else given)
         sinks = kwargs.get("s_aux")
         if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1
                                   or sinks.shape[0] != query.shape[1]):
@@ -133,13 +155,15 @@ class _Attention:
         running = self.modules[module]
         running.calls += 1
         documents = hf_documents(kwargs, query.shape[2] * self.groups.size)
-        if documents is None:       # a layer that drops the forward's keywords (StableLM, Nemotron): the check's
-            documents = running.documents
-        out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
-                           groups=self.groups, causal=causal, softmax_scale=scaling,
-                           window=hf_window(kwargs.get("sliding_window"), given, causal),
-                           softcap=kwargs.get("softcap"), sinks=sinks, documents=documents)
-        return out, None
+        if documents is None and running.module is not None:   # a layer that drops the forward's keywords
+            documents = running.documents                        # (StableLM, Nemotron): the check's
+        elif documents is None and running.last_documents is not None and pinning.state().mode != "replay":
+            raise ValueError(f"{type(module).__name__} runs its attention again outside the model's forward (a "
+                             f"recomputation in backward: gradient_checkpointing_enable(), +recompute_attn) without "
+                             f"the packed documents, which its layer does not pass on; ctx_plugin cannot tell which "
+                             f"forward's documents it recomputes: turn that recomputation off (ctx_plugin's full, "
+                             f"sqrt or core_attn presets keep the attention), or pack no documents")
+        return documents
 
 
 def hf_window(sliding_window, is_causal: bool | None, causal: bool) -> tuple[int, int] | None:

@@ -100,9 +100,13 @@ class Running:
         self.calls = 0
         """Calls into ctx_plugin's attention during this forward: a forward that finishes without any ran its
         attention some other way (GIT's text layers hard-code theirs), on each rank's shard alone."""
+        self.last_documents = None
+        """The documents of the latest checked forward, kept after it ends: a layer that drops the keywords and runs
+        its attention again in backward (a recomputation) has only these, which may belong to another forward."""
 
     def start(self, module, documents) -> None:
         self.module, self.documents, self.calls = module, documents, 0
+        self.last_documents = documents
 
     def __call__(self, module, args, output):
         if self.module is module:

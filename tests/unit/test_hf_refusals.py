@@ -291,6 +291,56 @@ def test_packed_documents_reach_layers_that_drop_the_forwards_keywords(model_typ
     assert (got - alone).abs().max() < 1e-12
 
 
+@pytest.mark.parametrize("mode", ["full", "core_attn", "hf_checkpointing", "full+recompute_attn"])
+def test_packed_documents_of_layers_that_drop_keywords_under_recomputation(mode):
+    """StableLM's layers do not pass the documents on, so an attention run again in backward (HF's gradient
+    checkpointing, +recompute_attn) would attend across documents: refused; presets that keep the attention (full,
+    core_attn) give HF's own sdpa gradients on each document alone (float64)."""
+    from ctx_plugin import recompute
+
+    config = transformers.AutoConfig.for_model("stablelm", **COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().train()
+    model = copy.deepcopy(ref)
+    if mode == "hf_checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cphf.enable(model, *_one_rank())
+    if mode != "hf_checkpointing":
+        recompute.apply(model.model.layers, mode)
+    cu = [0, 5, 8, 16]
+    ids = torch.randint(3, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])[None]
+    bounds = torch.tensor(cu, dtype=torch.int32)
+    alone = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(cu, cu[1:])], 1)
+    weights = torch.randn(alone.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (alone * weights).sum().backward()
+    got = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=8,
+                max_length_k=8).logits
+    if mode in ("hf_checkpointing", "full+recompute_attn"):
+        with pytest.raises(ValueError, match="runs its attention again outside the model's forward .* without the "
+                                             "packed documents"):
+            (got * weights).sum().backward()
+        return
+    (got * weights).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_autocast_casts_the_attention_inputs_as_for_sdpa():
+    """Under bf16 autocast with fp32 weights (HF Trainer's bf16=True) Llama's q and k leave RoPE in fp32 next to a
+    bf16 v; the attention takes them in autocast's dtype, as sdpa does: logits as HF's sdpa's under the same
+    autocast, to bf16 rounding."""
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, attn_implementation="sdpa"))
+    model = copy.deepcopy(ref)
+    cphf.enable(model, *_one_rank())
+    ids, pos = _tokens(16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
+        got = model(input_ids=ids, position_ids=pos).logits.float()
+    assert (got - want).abs().max() / want.abs().max() < 2e-2
+
+
 def _stack_llama(preset):
     from ctx_plugin import recompute
 

@@ -1,0 +1,20 @@
+"""An argument ctx_plugin's Hugging Face attention refuses (output_attentions=True), given on one rank only: every
+rank raises the ranks' disagreement within seconds (the refusing rank used to raise alone while the others waited
+in the attention's collectives until the timeout)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.harness import run_spawned
+
+
+def test_a_refusal_on_one_rank_is_one_error_on_every_rank():
+    pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
+    results = run_spawned("tests.distributed.hf_agreement_ranks:one_rank_refused", 2, {"odd": 1}, timeout_s=180)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and r["error"].startswith("ValueError: "), (rank, r)
+        assert r["seconds"] < 10 and r["probe"] == 2, (rank, r)
+    assert len({r["error"] for r in results}) == 1, results
+    message = results[0]["error"]
+    assert "disagree" in message and "input_check: rank 0: ok; rank 1: ValueError: ctx_plugin's attention does not " \
+        "implement" in message, message
