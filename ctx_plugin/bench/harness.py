@@ -99,10 +99,16 @@ class Shape:
         return _padded_documents(self.seq_len, self.documents, *padding_units(config, size))
 
     def tensors(self, seq: int, generator: torch.Generator, grad: bool) -> tuple[torch.Tensor, ...]:
-        """q, k, v, dout of ``seq`` tokens (random, on the shape's device and dtype)."""
+        """q, k, v, dout of ``seq`` tokens (random, on the shape's device and dtype; drawn there, from a seed that
+        ``generator`` gives, when that is not the CPU: host draws of 128k-token tensors dominated a GPU run)."""
+        device = torch.device(self.device)
+        if device.type != "cpu":
+            seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+            generator = torch.Generator(device=device).manual_seed(seed)
+
         def make(h: int) -> torch.Tensor:
-            t = torch.randn(self.batch, seq, h, self.head_dim, generator=generator).to(self.device, self.dtype)
-            return t.requires_grad_(grad)
+            t = torch.randn(self.batch, seq, h, self.head_dim, generator=generator, device=device)
+            return t.to(self.dtype).requires_grad_(grad)
         return make(self.heads), make(self.kv_heads), make(self.kv_heads), make(self.heads).detach()
 
     def describe(self) -> dict:
