@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from .config import CPConfig
@@ -135,8 +136,6 @@ def _agree(config: CPConfig, cp: RankGroup, device_types: frozenset[str]) -> Non
     """The same ``ValueError`` on every rank of ``cp`` when they were given configs that would build different
     groups, before any subgroup is created (one all-gather of three ints over ``cp``: on the host where its
     backend moves CPU tensors, else on the current CUDA device)."""
-    import torch
-
     from .agreement import _ranks
 
     if cp.size == 1:

@@ -157,7 +157,7 @@ class _Attention:
         documents = hf_documents(kwargs, query.shape[2] * self.groups.size)
         if documents is None and running.module is not None:   # a layer that drops the forward's keywords
             documents = running.documents                        # (StableLM, Nemotron): the check's
-        elif documents is None and running.last_documents is not None and pinning.state().mode != "replay":
+        elif documents is None and running.documents is not None and pinning.state().mode != "replay":
             raise ValueError(f"{type(module).__name__} runs its attention again outside the model's forward (a "
                              f"recomputation in backward: gradient_checkpointing_enable(), +recompute_attn) without "
                              f"the packed documents, which its layer does not pass on; ctx_plugin cannot tell which "

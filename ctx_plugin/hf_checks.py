@@ -94,23 +94,20 @@ class Running:
     def __init__(self):
         self.module = None
         self.documents = None
-        """The packed documents the check read for this forward (None: none), which the model's attention calls
-        apply also when the model does not pass them on (StableLM and Nemotron decoder layers call their attention
-        without the forward's keywords)."""
+        """The packed documents the check read for the latest forward (None: none), which the model's attention
+        calls apply also when the model does not pass them on (StableLM and Nemotron decoder layers call their
+        attention without the forward's keywords); kept after the forward ends, so that such a layer's attention
+        run again in backward (a recomputation, which has only these and cannot tell whose they are) is refused."""
         self.calls = 0
         """Calls into ctx_plugin's attention during this forward: a forward that finishes without any ran its
         attention some other way (GIT's text layers hard-code theirs), on each rank's shard alone."""
-        self.last_documents = None
-        """The documents of the latest checked forward, kept after it ends: a layer that drops the keywords and runs
-        its attention again in backward (a recomputation) has only these, which may belong to another forward."""
 
     def start(self, module, documents) -> None:
         self.module, self.documents, self.calls = module, documents, 0
-        self.last_documents = documents
 
     def __call__(self, module, args, output):
         if self.module is module:
-            calls, self.module, self.documents = self.calls, None, None
+            calls, self.module = self.calls, None
             if calls == 0 and output is not None:        # None: the forward raised (the hook always runs)
                 raise ValueError(f"{type(module).__name__}'s forward ran none of its attention through ctx_plugin's "
                                  f"attention function, so its attention saw only this rank's shard (the model "

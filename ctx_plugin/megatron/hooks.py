@@ -5,6 +5,8 @@ the layout of ``--cp-backend`` (Megatron then shards batches and slices RoPE by 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import CPConfig
@@ -36,17 +38,19 @@ def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor | 
     return shard_layout(config).local_indices(seq_len, cp_rank, cp_size)
 
 
-def _flags_given(args) -> list[str]:
-    """ctx_plugin's flags whose values differ from their defaults, as ``--flag value``."""
+@functools.cache
+def _flag_defaults() -> tuple[tuple[str, str, object], ...]:
+    """``(flag, dest, default)`` of each of ctx_plugin's Megatron flags (read once: the hook runs every batch)."""
     import argparse
 
     from .args import add_arguments
 
-    defaults = add_arguments(argparse.ArgumentParser())
-    given = []
-    for action in defaults._option_string_actions.values():
-        if action.dest != "help" and action.option_strings[0].startswith("--cp-") \
-                and getattr(args, action.dest, action.default) != action.default:
-            value = getattr(args, action.dest)
-            given.append(action.option_strings[0] + ("" if value is True else f" {value}"))
-    return sorted(set(given))
+    actions = add_arguments(argparse.ArgumentParser(add_help=False))._actions
+    return tuple((a.option_strings[0], a.dest, a.default) for a in actions if a.option_strings[0].startswith("--cp-"))
+
+
+def _flags_given(args) -> list[str]:
+    """ctx_plugin's flags whose values differ from their defaults, as ``--flag value``."""
+    given = [(flag, getattr(args, dest)) for flag, dest, default in _flag_defaults()
+             if getattr(args, dest, default) != default]
+    return [flag + ("" if value is True else f" {value}") for flag, value in given]

@@ -50,7 +50,8 @@ class LayerTerms:
     none: int         # kept under none (shared per-model tensors excluded)
     pins: int         # the attention's kept tensors (pinned under full/sqrt/selective)
     lse: int          # the LSE among them (what core_attn does not keep)
-    pins_host: int    # the same tensors copied to host memory (+offload_attn): by elements (a view copies alone)
+    pins_parts: tuple[int, ...]  # the same tensors copied to host memory (+offload_attn), one by one: by
+                                 # elements (a view copies alone), each its own host allocation
     core_extra: int   # what core_attn keeps besides none − lse (its saved inputs where the attention held views)
     mlp_inner: int    # the MLP's intermediates (what the mlp preset and +tile_mlp drop)
     selective: int    # kept under selective
@@ -68,7 +69,11 @@ class LayerTerms:
     head: int         # the final norm's kept tensors (the LM head's input among them)
     norm_bwd: int     # the final norm's backward temporaries beyond the kept activations
     grad: int         # the gradient flowing between layers
-    pins_parts: tuple[int, ...] = ()  # pins_host tensor by tensor (each its own host allocation)
+
+    @property
+    def pins_host(self) -> int:
+        """Bytes of the pinned attention's host copies."""
+        return sum(self.pins_parts)
 
 
 def _sizes(dtype: torch.dtype) -> tuple[int, int]:
@@ -122,12 +127,12 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
         v_shared = t * kv_w * e if u == 1 else 0
         selective = x + t * (q_w + 2 * kv_w) * e + 2 * x + t * up * e + pins - v_shared
         sel_working = 2 * norm + qk + t * f * e * (1 if m.gated else 0) - x_in_none
-        return LayerTerms(x=x, none=none, pins=pins, pins_host=pins, lse=lse, core_extra=0, mlp_inner=inner,
+        return LayerTerms(x=x, none=none, pins=pins, pins_parts=parts, lse=lse, core_extra=0, mlp_inner=inner,
                           selective=selective,
                           sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,
                           shared=2 * t * d * e, head=norm, norm_bwd=4 * t * m.hidden * 4 - t * 4, grad=grad,
                           mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
-                          first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e, pins_parts=parts)
+                          first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e)
     megatron = m.family == "megatron"
     stats_e = e if megatron and device == "cpu" else acc  # torch's LayerNorm keeps its statistics in e on CPU
     stats = t * (1 if m.norm == "rms" else 2) * stats_e
@@ -152,12 +157,11 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
     selective = x + qkv_extra + matmul_outs + pins
     if megatron and m.attention_bias and u == 1:          # the QKV product cached, and its sum with the bias pinned
         selective += qkv
-    pins_host = pins if u > 1 else t * (2 * q_w + 2 * kv_w) * e + lse     # v: a view of the QKV output
-    return LayerTerms(x=x, none=none, pins=pins, pins_host=pins_host, lse=lse,
+    return LayerTerms(x=x, none=none, pins=pins, pins_parts=_pin_parts(t, q_w, kv_w, rep, u, e, lse), lse=lse,
                       core_extra=qkv + q_k_out - pins + lse,
                       mlp_inner=inner, selective=selective, sel_working=none - selective + x, x_in_none=x_in_none,
                       bwd_temps=mlp_temps, mlp_temps=mlp_temps, shared=0, head=norm,
                       norm_bwd=norm_bwd, grad=grad, mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
                       first_weight=up * m.hidden * e,
                       chunk_copies=0 if megatron else 2,     # Megatron's chunks: contiguous ([s, b, h])
-                      sel_mlp=inner - t * up * e, pins_parts=_pin_parts(t, q_w, kv_w, rep, u, e, lse))
+                      sel_mlp=inner - t * up * e)

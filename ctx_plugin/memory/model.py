@@ -218,19 +218,19 @@ def _check(model: ModelSpec, parallel: ParallelSpec, seq_len: int) -> None:
     check_heads(parallel.cp_config, model.heads // parallel.tp, model.kv_heads // parallel.tp, parallel.cp, _NAMES)
 
 
-def _offloaded(recompute: RecomputeConfig, k, num_layers: int, device: str = "cuda") -> list[tuple[int, int]]:
-    """(host bytes, device bytes freed) of each region: its input, and its layers' pinned attention with
-    offload_attn (copied by elements; on the device whole storages go, as the QKV output v is a view of). On CUDA
-    each copy holds :func:`ctx_plugin.recompute.pinned.host_block` bytes (small ones torch's power-of-two blocks)."""
+def _offloaded(recompute: RecomputeConfig, k, num_layers: int, device: str) -> list[tuple[int, int, int]]:
+    """(host bytes held, bytes copied, device bytes freed) of each region: its input, and its layers' pinned
+    attention with offload_attn (copied by elements; on the device whole storages go, as the QKV output v is a view
+    of). On CUDA each copy holds :func:`ctx_plugin.recompute.pinned.host_block` bytes (small ones torch's
+    power-of-two blocks)."""
     if recompute.offload_gib is None:
         return []
     from ..recompute.pinned import host_block
 
-    x_host = host_block(k.x, device)
-    pins_host = sum(host_block(part, device) for part in k.pins_parts)
-    pins = (pins_host, k.pins) if recompute.offload_attention else (0, 0)
-    return [(x_host + (stop - start) * pins[0], k.x + (stop - start) * pins[1])
-            for start, stop in regions(recompute, num_layers)]
+    held = (host_block(k.x, device), sum(host_block(part, device) for part in k.pins_parts))
+    attn = recompute.offload_attention
+    return [(held[0] + n * held[1] * attn, k.x + n * k.pins_host * attn, k.x + n * k.pins * attn)
+            for n in (stop - start for start, stop in regions(recompute, num_layers))]
 
 
 def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig | str, *, seq_len: int,
@@ -270,12 +270,12 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     copies = k.chunk_copies if micro_batch > 1 and chunks > 1 else 0     # two fewer in a recomputed layer
     chunk_temps = (chunk_temps + copies * chunk_x, chunk_temps + max(copies - 2, 0) * chunk_x) if chunks > 1 \
         else (chunk_temps, chunk_temps)
-    offloaded = _offloaded(recompute, k, model.layers, "cpu")      # the bytes copied (device tensors)
+    offloaded = _offloaded(recompute, k, model.layers, device)
     gpu_layers = list(per_layer)
-    for (start, _), (_, freed) in zip(regions(recompute, model.layers), offloaded):
+    for (start, _), (_, _, freed) in zip(regions(recompute, model.layers), offloaded):
         gpu_layers[start] -= freed
-    host = [held for held, _ in _offloaded(recompute, k, model.layers, device)]    # pinned blocks on CUDA
-    sent = [sent for sent, _ in offloaded]    # in a region's backward: its copies back (its input only while the
+    host = [held for held, _, _ in offloaded]   # pinned blocks on CUDA
+    sent = [sent for _, sent, _ in offloaded]   # in a region's backward: its copies back (its input only while the
     in_flight = [b - k.x + k.x_in_none + (sent[j - 1] if j else 0)     # recomputation, unless a norm keeps it)
                  for j, b in enumerate(sent)]                          # and the previous region's, prefetched
     activations = sum(gpu_layers) + k.shared + k.head

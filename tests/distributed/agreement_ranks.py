@@ -79,21 +79,25 @@ def _disagreeing_calls(rank: int, world: int) -> dict:
     return calls
 
 
+def outcome(call) -> dict:
+    """``call()``'s error (type and message, None if it passed) and how long it took; then an all-reduce that would
+    fail or hang if the call had left communication behind (``probe``: the world size)."""
+    start = time.perf_counter()
+    try:
+        call()
+        error = None
+    except Exception as e:  # noqa: BLE001 - the parent asserts on the type and the text
+        error = f"{type(e).__name__}: {e}"
+    seconds = time.perf_counter() - start
+    probe = torch.ones(1)
+    dist.all_reduce(probe)
+    return {"error": error, "seconds": seconds, "probe": probe.item()}
+
+
 def disagreements(rank: int, world: int, payload) -> dict:
     """Each case's error on this rank (type and message, None if it passed) and how long the call took; after
     each, an all-reduce that would fail or hang if the call had left communication behind."""
-    out = {}
-    for name, call in _disagreeing_calls(rank, world).items():
-        start = time.perf_counter()
-        try:
-            call()
-            error = None
-        except Exception as e:  # noqa: BLE001 - the parent asserts on the type and the text
-            error = f"{type(e).__name__}: {e}"
-        seconds = time.perf_counter() - start
-        probe = torch.ones(1)
-        dist.all_reduce(probe)
-        out[name] = {"error": error, "seconds": seconds, "probe": probe.item()}
+    out = {name: outcome(call) for name, call in _disagreeing_calls(rank, world).items()}
     out["nccl_like"] = _nccl_like(rank, world)
     return out
 

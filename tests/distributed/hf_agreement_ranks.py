@@ -1,11 +1,11 @@
 """Spawned ranks for test_hf_agreement.py: an attention argument ctx_plugin refuses, on one rank only."""
 from __future__ import annotations
 
-import time
 import warnings
 
 import torch
-import torch.distributed as dist
+
+from tests.distributed.agreement_ranks import outcome
 
 
 def one_rank_refused(rank: int, world: int, payload) -> dict:
@@ -20,18 +20,10 @@ def one_rank_refused(rank: int, world: int, payload) -> dict:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).double()
     cfg = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
-    cphf.enable(model, cfg, ctx_plugin.build_cp_groups(cfg))
+    groups = ctx_plugin.build_cp_groups(cfg)
+    cphf.enable(model, cfg, groups)
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(16)[None]
-    local = ctx_plugin.shard_sequence(ids, config=cfg, groups=ctx_plugin.build_cp_groups(cfg), dim=1)
-    local_pos = ctx_plugin.shard_sequence(pos, config=cfg, groups=ctx_plugin.build_cp_groups(cfg), dim=1)
-    start = time.perf_counter()
-    try:
-        model(input_ids=local, position_ids=local_pos, output_attentions=rank == payload["odd"])
-        error = None
-    except Exception as e:  # noqa: BLE001 - the parent asserts on the type and the text
-        error = f"{type(e).__name__}: {e}"
-    seconds = time.perf_counter() - start
-    probe = torch.ones(1)
-    dist.all_reduce(probe)
-    return {"error": error, "seconds": seconds, "probe": probe.item()}
+    local = ctx_plugin.shard_sequence(ids, config=cfg, groups=groups, dim=1)
+    local_pos = ctx_plugin.shard_sequence(pos, config=cfg, groups=groups, dim=1)
+    return outcome(lambda: model(input_ids=local, position_ids=local_pos, output_attentions=rank == payload["odd"]))
