@@ -30,7 +30,8 @@ from . import agreement
 from .api import cp_attention
 from .config import CPConfig
 from .groups import CPGroups
-from .hf_checks import Running, checked_modules, config_problems, refuse_shard_loss, windowed_without_keyword
+from .hf_checks import (Running, checked_modules, config_problems, refuse_generation, refuse_shard_loss,
+                        windowed_without_keyword)
 from .hf_inputs import InputCheck
 from .packing import DOCUMENTS_KEYWORD, hf_documents
 from .recompute import pinning
@@ -286,7 +287,8 @@ def check_model(model, cp_config: CPConfig, cp_size: int) -> None:
 def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None) -> str:
     """Checks the model (options ctx_plugin does not implement are a ``ValueError`` naming them, before anything
     changes), registers the attention, switches ``model`` to it, turns its KV cache off (``config.use_cache=False``)
-    and checks every forward's inputs on all ranks of the group together. Returns the attention's name."""
+    and checks every forward's inputs on all ranks of the group together; ``generate()`` is refused. Returns the
+    attention's name."""
     check_model(model, cp_config, groups.size)
     name, fn = _register(cp_config, groups, name)
     model.set_attn_implementation(name)
@@ -306,4 +308,5 @@ def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None
                     m.register_forward_hook(running, always_call=True)]
     model._ctx_plugin_input_check = tuple(handles)
     refuse_shard_loss(model, InputCheck.PROBLEMS["labels"])
+    refuse_generation(model)
     return name

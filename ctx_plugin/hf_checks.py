@@ -144,3 +144,24 @@ def refuse_shard_loss(model, why: str) -> None:
     """Replaces ``model.loss_function`` (transformers' settable property) by :class:`ShardLossRefused`."""
     if isinstance(getattr(type(model), "loss_function", None), property):
         model.loss_function = ShardLossRefused(why)
+
+
+class GenerationRefused:
+    """The ``generate`` :func:`ctx_plugin.hf.enable` gives the model: decoding appends one token at a time to a KV
+    cache, and under context parallelism each rank holds a shard of the sequence, so neither exists. Refused at the
+    call, before any forward (every rank that calls it raises the same error; no collective runs)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    def __call__(self, *args, **kwargs):
+        raise ValueError(f"ctx_plugin: {self.model_name}.generate() is not supported under context parallelism "
+                         f"(ctx_plugin.hf.enable switched the model to sharded training and prefill: no KV cache, each "
+                         f"rank sees one shard of the sequence); generate with a model loaded without "
+                         f"ctx_plugin.hf.enable, e.g. from the checkpoint this training saves")
+
+
+def refuse_generation(model) -> None:
+    """Gives ``model`` (when it has ``generate``, transformers' GenerationMixin) a :class:`GenerationRefused`."""
+    if callable(getattr(model, "generate", None)):
+        model.generate = GenerationRefused(type(model).__name__)

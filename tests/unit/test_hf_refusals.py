@@ -255,6 +255,20 @@ def test_a_nonzero_logits_to_keep_is_refused(keep):
     assert model(input_ids=ids, position_ids=pos, logits_to_keep=0).logits.shape[1] == 8
 
 
+def test_generate_is_refused_before_any_forward():
+    """generate() would run the model on a growing sequence with a KV cache: refused at the call, with its own
+    message (not the cache's or logits_to_keep's, which the forwards it makes would otherwise raise)."""
+    model = _llama()
+    ids, _ = _tokens(8)
+    forwards = []
+    model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    for kwargs in ({}, {"use_cache": False}):
+        with pytest.raises(ValueError, match=r"LlamaForCausalLM\.generate\(\) is not supported under context "
+                                             r"parallelism"):
+            model.generate(ids, max_new_tokens=2, **kwargs)
+    assert forwards == []
+
+
 def test_labels_through_a_call_that_skips_the_check_are_refused_at_the_loss():
     """model.forward(..., labels=) (PEFT's tuner) skips the model's hooks, so its input check never sees labels; the
     loss transformers would then compute shifts them inside the shard: the model's loss function refuses."""
