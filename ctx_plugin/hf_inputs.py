@@ -42,6 +42,8 @@ class InputCheck:
         "logits_to_keep": "a nonzero logits_to_keep keeps the last tokens (or the indices) of this rank's shard, "
                           "not of the global sequence; call the model with logits_to_keep=0 and pick the logits "
                           "after ctx_plugin.gather_sequence",
+        "token_ids": "input_ids outside the model's vocabulary (0..num_embeddings-1 of its input embeddings): the "
+                     "embedding would fail on those ranks only and leave the others waiting in the attention",
         "hidden_states": "output_hidden_states with a multi-layer recompute region (full:uniform:N with N > 1, or "
                          "sqrt): every layer of a region hands on the region's output, so the hidden states of its "
                          "inner layers would be wrong; use a preset with one layer per region (full, full:block:N, "
@@ -80,6 +82,7 @@ class InputCheck:
                  "documents": bad_documents, "no_positions": positions is None, "positions": False,
                  "labels": arguments.get("labels") is not None,
                  "logits_to_keep": keep is not None and (isinstance(keep, torch.Tensor) or keep != 0),
+                 "token_ids": _outside_vocabulary(model, arguments.get("input_ids")),
                  "hidden_states": _hidden_states_wrong(model, arguments, extra)}
         if isinstance(positions, torch.Tensor) and isinstance(tokens, torch.Tensor) \
                 and positions.shape[-1] != tokens.shape[1]:
@@ -132,3 +135,15 @@ def _hidden_states_wrong(model, arguments: dict, extra: dict) -> bool:
                   if where.get("output_hidden_states") is not None), None)
     asked = getattr(model.config, "output_hidden_states", False) if asked is None else asked
     return bool(asked) and any(in_multi_layer_region(m) for m in model.modules())
+
+
+def _outside_vocabulary(model, ids) -> bool | torch.Tensor:
+    """Whether integer ``input_ids`` hold a token the model's input embeddings do not have (a tensor: no host sync)."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.numel() == 0:
+        return False
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return False
+    size = getattr(embeddings, "num_embeddings", None)
+    return False if size is None else ((ids < 0) | (ids >= size)).any()

@@ -1,4 +1,5 @@
-"""Spawned ranks for test_hf_agreement.py: an attention argument ctx_plugin refuses, on one rank only."""
+"""Spawned ranks for test_hf_agreement.py: an attention argument ctx_plugin refuses, or a token id the model does not
+have, on one rank only."""
 from __future__ import annotations
 
 import warnings
@@ -26,4 +27,8 @@ def one_rank_refused(rank: int, world: int, payload) -> dict:
     pos = torch.arange(16)[None]
     local = ctx_plugin.shard_sequence(ids, config=cfg, groups=groups, dim=1)
     local_pos = ctx_plugin.shard_sequence(pos, config=cfg, groups=groups, dim=1)
+    if payload.get("bad_token"):                    # a token beyond the vocabulary on one rank's shard only
+        local = local.clone()
+        local[0, 2] = 64 if rank == payload["odd"] else local[0, 2]
+        return outcome(lambda: model(input_ids=local, position_ids=local_pos))
     return outcome(lambda: model(input_ids=local, position_ids=local_pos, output_attentions=rank == payload["odd"]))

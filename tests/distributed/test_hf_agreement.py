@@ -18,3 +18,16 @@ def test_a_refusal_on_one_rank_is_one_error_on_every_rank():
     message = results[0]["error"]
     assert "disagree" in message and "input_check: rank 0: ok; rank 1: ValueError: ctx_plugin's attention does not " \
         "implement" in message, message
+
+
+def test_a_token_outside_the_vocabulary_on_one_rank_is_one_error_on_every_rank():
+    """The embedding would raise an IndexError on that rank alone (on CUDA a device-side assert) while the others
+    waited in the first attention's collectives: the input check refuses it on every rank, naming the rank."""
+    pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
+    results = run_spawned("tests.distributed.hf_agreement_ranks:one_rank_refused", 2, {"odd": 0, "bad_token": True},
+                          timeout_s=180)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and r["error"].startswith("ValueError: ctx_plugin: input_ids outside the "
+                                                                "model's vocabulary"), (rank, r)
+        assert r["error"].rstrip().endswith("(CP ranks [0])") and r["seconds"] < 10, (rank, r)
+    assert len({r["error"] for r in results}) == 1, results

@@ -219,11 +219,23 @@ def test_the_inner_model_is_checked_once_per_forward(monkeypatch):
     model.model(input_ids=ids, position_ids=pos)
     assert calls == ["LlamaForCausalLM", "LlamaModel"]                   # one check per forward, not two
     calls.clear()
-    with pytest.raises(IndexError):                                      # checked, then fails inside the model
-        model(input_ids=ids + 64, position_ids=pos)
+    with pytest.raises(RuntimeError):                                    # checked, then fails inside the model
+        model(inputs_embeds=torch.randn(1, 8, 31), position_ids=pos)
     with pytest.raises(ValueError, match="cannot apply a padding"):      # a failed forward leaves nothing behind
         model.model(input_ids=ids, position_ids=pos, attention_mask=pad)
     assert calls == ["LlamaForCausalLM", "LlamaModel"]
+
+
+@pytest.mark.parametrize("token", [64, -1])
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_embedding(token):
+    model = _llama()
+    ids, pos = _tokens(8)
+    ids[0, 5] = token
+    for call in (model, model.model):
+        with pytest.raises(ValueError, match=r"input_ids outside the model's vocabulary .* \(CP ranks \[0\]\)"):
+            call(input_ids=ids, position_ids=pos)
+    ids[0, 5] = 63
+    assert model(input_ids=ids, position_ids=pos).logits.shape == (*ids.shape, 64)
 
 
 def test_enable_again_keeps_one_check_per_module():
