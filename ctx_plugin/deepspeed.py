@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,20 @@ def _require_cp_attention(model: torch.nn.Module, groups: CPGroups) -> None:
         return out
 
     model.forward = forward
+
+
+def _set_device(args) -> None:
+    """Makes the device DeepSpeed's engine will take (``args.device_rank``, else ``LOCAL_RANK``, as its
+    ``_set_distributed_vars``) current now, before ctx_plugin's own collectives: ``init_distributed`` binds NCCL to
+    that device without making it current, so the context-parallel groups' first all-gather would run on cuda:0
+    from every rank of a node."""
+    from deepspeed.accelerator import get_accelerator
+
+    device_rank = getattr(args, "device_rank", None)
+    if device_rank is None:
+        device_rank = int(os.environ.get("LOCAL_RANK", -1))
+    if device_rank >= 0:
+        get_accelerator().set_device(device_rank)
 
 
 def _cp_group(size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -208,6 +223,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         hf_loss.check_model(model)            # a Hugging Face model whose logits the tiled loss reproduces
     config = _zero_config(config, section.recompute)
     deepspeed.init_distributed()        # wraps an already initialised torch.distributed; else starts it
+    _set_device(args)
     world = dist.get_world_size()
     if world % section.size:
         raise ValueError(f'"{SECTION}.size" ({section.size}) must divide the number of ranks ({world})')

@@ -224,17 +224,27 @@ def ds_train(rank: int, world: int, payload: dict) -> dict:
     """Each case (backend, ulysses_size, CP size, ZeRO stage, micro batch): two steps of :func:`qwen2` through
     ``ctx_plugin.deepspeed.initialize`` at DP world/size × CP size, no recompute (see :func:`_two_steps`)."""
     _start(rank, world)
+    from deepspeed.accelerator import get_accelerator
+
     import ctx_plugin.deepspeed as cpds
 
+    accelerator, build, events = get_accelerator(), cpds.build_cp_groups, []
+    accelerator.set_device = lambda index: events.append(f"device {index}")    # the CPU accelerator's is a no-op
+    cpds.build_cp_groups = lambda *a, **k: events.append("groups") or build(*a, **k)
     out = {}
-    for backend, u, size, zero, micro in payload["cases"]:
-        model = qwen2()
-        section = {"backend": backend, "size": size, "ulysses_size": u}
-        engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
-                                               training_data=_dataset(), config=_config(micro, zero, section, {}))
-        out[f"{backend}-u{u}-cp{size}-z{zero}-mb{micro}"] = _two_steps(engine, loader, zero, rank)
-        engine.destroy()
-        _restore_linear()
+    try:
+        for backend, u, size, zero, micro in payload["cases"]:
+            model = qwen2()
+            section = {"backend": backend, "size": size, "ulysses_size": u}
+            engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
+                                                   training_data=_dataset(), config=_config(micro, zero, section, {}))
+            out[f"{backend}-u{u}-cp{size}-z{zero}-mb{micro}"] = _two_steps(engine, loader, zero, rank)
+            engine.destroy()
+            _restore_linear()
+    finally:
+        del accelerator.set_device
+        cpds.build_cp_groups = build
+    out["first events"] = events[:2]     # the engine's device, current before the groups' first collective
     return out
 
 

@@ -42,6 +42,15 @@ def test_two_steps_match_plain_pytorch(world, backend, u, cp, micro, zero):
     check_against_plain(results(world), f"{backend}-u{u}-cp{cp}-z{zero}-mb{micro}", plain_train(micro * world // cp))
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_engines_device_is_current_before_the_groups_first_collective(world):
+    """deepspeed.init_distributed binds NCCL to LOCAL_RANK's GPU without making it current; the groups' first
+    all-gather ran on cuda:0 from every rank of a node (NCCL: duplicate GPU). The device DeepSpeed's engine takes is
+    made current first (seen through the CPU accelerator's set_device)."""
+    for rank, r in enumerate(results(world)):
+        assert r["first events"] == [f"device {rank}", "groups"], (rank, r["first events"])
+
+
 def test_loader_gives_each_context_group_the_same_samples_sharded():
     res = run_spawned("tests.integration.deepspeed_ranks:loader_shards", 4)
     for rank, r in enumerate(res):
