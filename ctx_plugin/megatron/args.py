@@ -125,9 +125,8 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     recompute = _recompute(args, resolve_budget)
     megatron_fields = None
     layers = recompute.for_layers
-    stage_layers = args.num_layers // max(getattr(args, "pipeline_model_parallel_size", 1) or 1, 1)
-    if layers.preset != Recompute.BUDGET:
-        regions(layers, stage_layers)           # full:block:N / full:uniform:N: N at most the stage's layers           # +tile_loss is the loss's: spec.prepare_model installs it on the model
+    if layers.preset != Recompute.BUDGET:       # +tile_loss is the loss's: spec.prepare_model installs it on the model
+        _check_chunks(layers, args)             # full:block:N / full:uniform:N: N at most every chunk's layers
     if layers.preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN) \
             and not layers.has_modifiers:      # Megatron has no tiling or offload: ctx_plugin applies those
         megatron_fields = to_megatron(layers, args.num_layers, moe=bool(getattr(args, "num_experts", None)))
@@ -139,6 +138,23 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
                                                                                          False)))
     return MegatronCPSettings(cp_config=cp_config, recompute=recompute, megatron_recompute=megatron_fields,
                               document_padding=padding)
+
+
+def _check_chunks(layers: RecomputeConfig, args: argparse.Namespace) -> None:
+    """The layer preset against the smallest model chunk that has layers (every rank builds its chunks with it)."""
+    from .stages import chunk_layers
+
+    chunks = {where: n for where, n in chunk_layers(args).items() if n}
+    if not chunks:
+        return
+    smallest = min(chunks.values())
+    try:
+        regions(layers, smallest)
+    except ValueError as e:
+        pp, vp = min(where for where, n in chunks.items() if n == smallest)
+        chunk = f"pipeline rank {pp}" + (f", virtual stage {vp}," if any(v for _, v in chunks) else "")
+        raise ValueError(f"--cp-recompute {layers}: {e}; {chunk} builds {smallest} of the --num-layers "
+                         f"{args.num_layers} (model chunks: {sorted(set(chunks.values()))} layers)") from None
 
 
 def _own_equivalent(args: argparse.Namespace) -> str:
@@ -180,6 +196,12 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
                          f"heads × {kv_channels} is not --hidden-size {args.hidden_size}, and the memory model that "
                          f"resolves budget:<GiB> sizes the attention --hidden-size wide; give a concrete preset "
                          f"instead, e.g. --cp-recompute full (`ctx-plugin memory` to choose it)")
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if pp > 1:
+        raise ValueError(f"--cp-recompute {recompute} with --pipeline-model-parallel-size {pp}: the memory model that "
+                         f"resolves budget:<GiB> covers one whole-model stack (every layer's parameters, one micro "
+                         f"batch in flight), not a pipeline stage's share under its schedule; give a concrete preset "
+                         f"instead, e.g. --cp-recompute full")
     if not resolve_budget:
         return recompute
     missing = [name for name in ("padded_vocab_size", "data_parallel_size") if not getattr(args, name, None)]

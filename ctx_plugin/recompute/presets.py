@@ -215,6 +215,8 @@ def _parse_modifiers(text: str, mods: list[str]) -> dict:
 def regions(config: RecomputeConfig, num_layers: int) -> list[tuple[int, int]]:
     """The whole-layer checkpoint regions ``[start, stop)`` of a stack of ``num_layers`` layers (empty for
     presets that do not checkpoint whole layers)."""
+    if num_layers == 0:                  # a pipeline chunk may hold no decoder layer
+        return []
     if config.preset == Recompute.SQRT:
         size = math.ceil(math.sqrt(num_layers))
         return [(i, min(i + size, num_layers)) for i in range(0, num_layers, size)]
@@ -222,7 +224,7 @@ def regions(config: RecomputeConfig, num_layers: int) -> list[tuple[int, int]]:
         return []
     if config.num_layers > num_layers:
         raise ValueError(f"recompute preset {config} counts {config.num_layers} layers, but the stack has {num_layers} "
-                         f"(per pipeline stage); give N ≤ {num_layers}")
+                         f"(per pipeline stage or virtual-pipeline chunk); give N ≤ {num_layers}")
     if config.method == "block":
         return [(i, i + 1) for i in range(min(config.num_layers, num_layers))]
     return [(i, min(i + config.num_layers, num_layers)) for i in range(0, num_layers, config.num_layers)]
