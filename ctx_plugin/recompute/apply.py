@@ -49,9 +49,11 @@ def _hf_conflict(config, layers: list[int]) -> ValueError:
 
 
 def refuse_hf_checkpointing(layers: Sequence[nn.Module], config: RecomputeConfig) -> None:
-    """A ValueError if ``config`` (any preset but ``none``) would run next to HF's own gradient checkpointing."""
+    """A ValueError if ``config`` (any preset but ``none``, or ``none`` with a layer modifier: ``+tile_mlp``) would
+    run next to HF's own gradient checkpointing (its reentrant forward runs under no_grad, where the patched layers
+    cannot tell: the error would come in backward)."""
     on = [i for i, layer in enumerate(layers) if _hf_checkpointing(layer)]
-    if on and config.preset != Recompute.NONE:
+    if on and config.for_layers != RecomputeConfig():
         raise _hf_conflict(config, on)
 
 

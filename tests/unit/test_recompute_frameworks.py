@@ -97,7 +97,7 @@ def _step(model):
     model(input_ids=ids, position_ids=torch.arange(16).expand(2, 16)).logits.sum().backward()
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", [*PRESETS, "none+tile_mlp:4"])
 def test_hf_gradient_checkpointing_then_a_preset_is_refused(preset):
     pytest.importorskip("transformers")
     model, groups = _hf_model()
