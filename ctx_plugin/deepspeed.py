@@ -245,9 +245,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         lr_scheduler=lr_scheduler, mpu=ContextParallelMPU(alone), dist_init_required=False, config=config)
     engine.ctx_plugin_groups = groups
     engine.ctx_plugin_recompute = section.recompute
-    sharded = functools.partial(ShardedLoader, groups=groups, replicas=world // section.size,
+    replicas = world // section.size
+    shared = None if replicas == 1 else dist.group.WORLD if dist.get_backend() == "gloo" else \
+        dist.new_group(backend="gloo")          # refusals of one replica's batch, on every rank (on the host)
+    sharded = functools.partial(ShardedLoader, groups=groups, replicas=replicas,
                                 replica=dist.get_rank() // section.size, pad_documents=section.pad_documents,
-                                drop_last=engine.dataloader_drop_last())
+                                drop_last=engine.dataloader_drop_last(), replica_group=shared)
     engine.deepspeed_io = _sharded_io(engine, sharded, collate_fn)
     loader = None
     if training_data is not None:

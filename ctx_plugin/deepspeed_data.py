@@ -72,11 +72,18 @@ class ShardedLoader:
     """Batches of ``dataset`` for this data-parallel replica (every rank of a context-parallel group gets the
     same samples), sharded with :func:`shard_batch`. ``drop_last``: drop the last, incomplete batch (DeepSpeed's
     ``"dataloader_drop_last"``); ``shuffle``: ``DistributedSampler``'s (seed 0, the same order on every rank of a
-    group), as DeepSpeed's training loader; ``pin_memory`` and ``num_workers``: ``DataLoader``'s."""
+    group), as DeepSpeed's training loader; ``pin_memory`` and ``num_workers``: ``DataLoader``'s.
+
+    ``replica_group``: a process group of every replica's ranks that moves CPU tensors (gloo; what
+    :func:`ctx_plugin.deepspeed.initialize` passes when there are several replicas). A batch :func:`shard_batch`
+    refuses on some replicas is then the same ValueError on every rank (one all-reduce of a flag per replica and
+    batch), not an error on those replicas while the others wait in the step's collectives. None: each replica
+    raises its own refusals."""
 
     def __init__(self, dataset, batch_size: int, groups: CPGroups, *, replicas: int, replica: int,
                  collate_fn=None, pad_documents: bool = False, drop_last: bool = False, shuffle: bool = False,
-                 pin_memory: bool = False, num_workers: int = 0) -> None:
+                 pin_memory: bool = False, num_workers: int = 0, replica_group: dist.ProcessGroup | None = None
+                 ) -> None:
         sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=replicas, rank=replica, shuffle=shuffle)
         # its own generator: iterating draws the workers' base seed from it, not from the global RNG, which the
         # model's dropout reads (a resumed run restores that state, and a new iterator would shift it)
@@ -84,13 +91,36 @@ class ShardedLoader:
                                                   collate_fn=collate_fn, drop_last=drop_last, pin_memory=pin_memory,
                                                   num_workers=num_workers, generator=torch.Generator().manual_seed(0))
         self.groups, self.pad_documents = groups, pad_documents
+        self.replicas, self.replica, self.replica_group = replicas, replica, replica_group
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self):
         for batch in self.loader:
-            yield shard_batch(batch, self.groups, pad_documents=self.pad_documents)
+            try:
+                sharded, problem = shard_batch(batch, self.groups, pad_documents=self.pad_documents), None
+            except (TypeError, ValueError) as e:
+                sharded, problem = None, e
+            if self.replica_group is not None:
+                problem = _shared_refusal(problem, self.replica, self.replicas, self.replica_group)
+            if problem is not None:
+                raise problem
+            yield sharded
+
+
+def _shared_refusal(problem: Exception | None, replica: int, replicas: int, group) -> ValueError | None:
+    """The same error on every rank of ``group`` when some replica's batch was refused (its first message)."""
+    flags = torch.zeros(replicas, dtype=torch.int32)
+    flags[replica] = problem is not None
+    dist.all_reduce(flags, group=group)
+    refused = [r for r, flag in enumerate(flags.tolist()) if flag]
+    if not refused:
+        return None
+    messages = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, None if problem is None else str(problem), group=group)
+    first = next(m for m in messages if m is not None)
+    return ValueError(f"the batch of data-parallel replicas {refused} was refused: {first}")
 
 
 def _recompute(engine) -> RecomputeConfig:

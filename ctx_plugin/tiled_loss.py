@@ -44,12 +44,14 @@ def _check_tokens(tokens) -> None:
 
 def head_vocab(head) -> int:
     """The logits width of ``head``: ``head.weight.shape[0]`` (``nn.Linear``, Hugging Face's ``lm_head``, Megatron's
-    ColumnParallelLinear shard). TypeError for a head without a 2-D weight: give ``tokens`` explicitly then."""
+    ColumnParallelLinear shard; under DeepSpeed ZeRO-3, whose partitioned weight is empty between its gathers, the
+    whole weight's ``ds_shape``). TypeError for a head without a 2-D weight: give ``tokens`` explicitly then."""
     weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    shape = getattr(weight, "ds_shape", None) or getattr(weight, "shape", ())
+    if not isinstance(weight, torch.Tensor) or len(shape) != 2:
         raise TypeError(f"cannot tell the vocabulary of the LM head {type(head).__name__} (no 2-D .weight) to size "
                         f"the loss chunks: give the chunk size explicitly (+tile_loss:<tokens>)")
-    return weight.shape[0]
+    return shape[0]
 
 
 def upcast(logits: torch.Tensor) -> torch.Tensor:

@@ -165,7 +165,8 @@ def launch(world: int) -> list:
     from tests.integration import test_deepspeed, test_deepspeed_packed, test_deepspeed_presets, test_tiled_loss_deepspeed
 
     tiled = {TILED: test_tiled_loss_deepspeed.payload()} if world == test_tiled_loss_deepspeed.WORLD else {}
-    return spawn("several", world, {"ds_train": test_deepspeed.payload(world), **tiled,
+    refused = {"refused_batch": {}} if world == 4 else {}
+    return spawn("several", world, {"ds_train": test_deepspeed.payload(world), **tiled, **refused,
                                     "packed_train": test_deepspeed_packed.payload(world),
                                     "presets_train": test_deepspeed_presets.payload(world)})
 
@@ -190,10 +191,13 @@ def _start(rank: int, world: int) -> None:
 
 
 def _config(micro: int, zero: int, section: dict, extra: dict) -> dict:
-    """The DeepSpeed config :func:`plain_train` reproduces: Adam (not AdamW), DeepSpeed's default clipping."""
+    """The DeepSpeed config :func:`plain_train` reproduces: Adam (not AdamW), DeepSpeed's default clipping; ZeRO-3
+    partitions every parameter (the tiny model's are all below its default persistence threshold of 1e5 elements,
+    which would keep them whole on every rank: nothing gathered or released)."""
     return {"train_micro_batch_size_per_gpu": micro, "steps_per_print": 1000,
             "optimizer": {"type": "Adam", "params": {**OPTIM, "torch_adam": True, "adam_w_mode": False}},
-            "zero_optimization": {"stage": zero}, "context_parallel": {"kernel": "torch", **section}, **extra}
+            "zero_optimization": {"stage": zero, **({"stage3_param_persistence_threshold": 0} if zero == 3 else {})},
+            "context_parallel": {"kernel": "torch", **section}, **extra}
 
 
 def _two_steps(engine, loader, zero: int, rank: int, *, packed: bool = False) -> dict:
@@ -335,6 +339,33 @@ def loader_shards(rank: int, world: int, payload) -> dict:
     batch = next(iter(loader))
     full = {k: ctx_plugin.gather_sequence(v, config=cfg, groups=groups, dim=1).tolist() for k, v in batch.items()}
     return {"full": full, "local_len": batch["input_ids"].shape[1], "batches": len(loader)}
+
+
+def refused_batch(rank: int, world: int, payload) -> dict:
+    """DP 2 × CP 2: replica 1's first sample is padded (refused by shard_batch), replica 0's are not. Every rank's
+    error from iterating the loader, how long it took, and an all-reduce afterwards (no rank left waiting)."""
+    import time
+
+    import ctx_plugin.deepspeed as cpds
+
+    _start(rank, world)
+    model = qwen2()
+    data = [{"input_ids": torch.arange(SEQ) + i, "labels": torch.arange(SEQ) + i,
+             "attention_mask": torch.tensor([1] * (SEQ - 2) + [0, 0] if i == 1 else [1] * SEQ)} for i in range(4)]
+    engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(), training_data=data,
+                                           config=_config(1, 3, {"backend": "zigzag", "size": 2}, {}))
+    start, error = time.perf_counter(), None
+    try:
+        for batch in loader:
+            engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    except ValueError as e:
+        error = str(e)
+    seconds = time.perf_counter() - start
+    probe = torch.ones(1)
+    torch.distributed.all_reduce(probe)
+    engine.destroy()
+    _restore_linear()
+    return {"error": error, "seconds": seconds, "probe": probe.item()}
 
 
 class _Stream(torch.utils.data.IterableDataset):

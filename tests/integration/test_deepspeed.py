@@ -51,6 +51,17 @@ def test_the_engines_device_is_current_before_the_groups_first_collective(world)
         assert r["first events"] == [f"device {rank}", "groups"], (rank, r["first events"])
 
 
+def test_a_batch_refused_on_one_replica_is_one_error_on_every_rank():
+    """A padded sample reaches replica 1 only: its ranks used to raise alone while replica 0's went on into ZeRO-3's
+    parameter gathers and waited there (NCCL: until the watchdog's timeout)."""
+    results = [r["refused_batch"] for r in launch(4)]
+    for rank, r in enumerate(results):
+        assert r["error"] == "the batch of data-parallel replicas [1] was refused: padded batches are not supported " \
+            "under context parallelism: pack or trim sequences and give padding labels -100 instead of an " \
+            "attention_mask", (rank, r)
+        assert r["probe"] == 4 and r["seconds"] < 30, (rank, r)
+
+
 def test_loader_gives_each_context_group_the_same_samples_sharded():
     res = run_spawned("tests.integration.deepspeed_ranks:loader_shards", 4)
     for rank, r in enumerate(res):
