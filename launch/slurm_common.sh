@@ -112,16 +112,34 @@ _ctx_on_warning() {   # SLURM's time-limit warning: every rank (torchrun's child
     || echo "ctx_plugin: signalling the ranks failed on a node (see $_ctx_attempt/signals/)" >&2
 }
 
+_ctx_rank_env() {   # _ctx_rank_env PID: the RANK in that process's environment (empty: none, or gone)
+  tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null | sed -n 's/^RANK=//p' || true
+}
+
+_ctx_ranks_below() {   # _ctx_ranks_below PID: the ranks among PID's descendants, torchrun's children: the first
+  # process down each branch with RANK in its environment (torchrun, and a container runtime in front of it, as
+  # apptainer's starter, have none; a rank's own children, data-loader workers and compilers, are not descended to)
+  local queue=("$1") pid child
+  while [ "${#queue[@]}" -gt 0 ]; do
+    pid=${queue[0]}
+    queue=("${queue[@]:1}")
+    for child in $(pgrep -P "$pid"); do
+      if [ -n "$(_ctx_rank_env "$child")" ]; then echo "$child"; else queue+=("$child"); fi
+    done
+  done
+}
+
 ctx_signal_node() {   # ctx_signal_node ATTEMPT_DIR SIGNAL, on each node (an srun task): SIGNAL to the node's ranks
-  # (the children of its torchrun, whose pid is in pids/node-$SLURM_NODEID.pid), a line per rank appended to
-  # signals/node-$SLURM_NODEID.txt (sent, or gone when it had exited; none when no rank ran); fails when none was sent
+  # (torchrun's children, below the pid in pids/node-$SLURM_NODEID.pid, also through a container runtime that
+  # forks: _ctx_ranks_below), a line per rank appended to signals/node-$SLURM_NODEID.txt (sent, or gone when it had
+  # exited; none when no rank ran); fails when none was sent
   local dir=$1 sig=$2 node=${SLURM_NODEID:-0} host torchrun="" pid rank result sent=0 out
   host=${SLURMD_NODENAME:-$(hostname -s)}
   out=$dir/signals/node-$node.txt
   mkdir -p "$dir/signals" || return 1
   [ ! -f "$dir/pids/node-$node.pid" ] || torchrun=$(<"$dir/pids/node-$node.pid")
-  for pid in $([ -z "$torchrun" ] || pgrep -P "$torchrun"); do
-    rank=$(tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | sed -n 's/^RANK=//p') || rank=""
+  for pid in $([ -z "$torchrun" ] || _ctx_ranks_below "$torchrun"); do
+    rank=$(_ctx_rank_env "$pid")
     if kill -s "$sig" "$pid" 2>/dev/null; then result=sent; sent=$((sent + 1)); else result=gone; fi
     echo "$(date -u +%FT%T.%3NZ) node=$node host=$host pid=$pid rank=${rank:-?} signal=$sig $result" >>"$out"
   done

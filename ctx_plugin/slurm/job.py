@@ -7,7 +7,7 @@ rendezvous on the job's first node — which the batch script then runs, recordi
 
 Each attempt of the job (a requeued job keeps its id; SLURM counts ``SLURM_RESTART_COUNT``) gets its own directory
 ``<run dir>/attempt-<n>`` with ``command.sh``, the logs, its status and the run records
-(:mod:`ctx_plugin.slurm.records`). The ranks (torchrun's children, whose pid each node writes to ``pids/``) get
+(:mod:`ctx_plugin.slurm.records`). The ranks (torchrun's children, below the pid each node writes to ``pids/``) get
 SLURM's time-limit warning as ``SIGUSR1`` (torchrun ignores it, and so does a program that installs no handler):
 a program that handles it (``ctx_plugin.train_hf``, Megatron with ``--exit-signal-handler --exit-signal SIGUSR1``)
 saves and stops. Which ranks were signalled, and which handled it, is recorded in the attempt's ``signals/``
@@ -177,7 +177,7 @@ def render(job: Job, env=os.environ) -> str:
     torchrun = [*prefix, py, "-m", "torch.distributed.run", f"--nnodes={job.nodes}",
                 f"--nproc-per-node={job.nproc_per_node}"]
     # SLURM's time-limit warning reaches the ranks, torchrun's children, as SIGUSR1 (the batch script signals the
-    # children of the pid written here on every node): torchrun ignores it, the ranks inherit the ignore and handle
+    # ranks below the pid written here on every node, through a CTX_EXEC_PREFIX that forks): torchrun ignores it, the ranks inherit the ignore and handle
     # it if they can; their own subprocesses (compilers, data-loader workers) are not signalled
     pid_file = shlex.quote(str(job.attempt_dir / "pids")) + '/node-"$SLURM_NODEID".pid'
     inner = (f"trap '' USR1; echo $$ > {pid_file}; exec " + shlex.join(torchrun) + ' --node-rank="$SLURM_NODEID" --master-addr="$CTX_MASTER_ADDR" '

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -213,6 +214,34 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def test_ctx_signal_node_finds_the_ranks_below_a_container_runtime_that_forks(tmp_path):
+    """CTX_EXEC_PREFIX (apptainer exec) may keep a parent process and run torchrun as its child: the pid file then
+    holds the runtime's pid, whose children are torchrun, not the ranks (SIGUSR1 went to torchrun, which ignores it,
+    and no rank saved). The ranks are found below it; a rank's own child (a data-loader worker, with RANK inherited)
+    is not signalled."""
+    (tmp_path / "rank.py").write_text(RANK)
+    (tmp_path / "pids").mkdir()
+    py, rank = shlex.quote(sys.executable), shlex.quote(str(tmp_path / "rank.py"))
+    (tmp_path / "rank6.sh").write_text(f"{py} -c 'import time; time.sleep(30)' &\nexec {py} {rank} {tmp_path}/r6\n")
+    (tmp_path / "torchrun.sh").write_text(f"RANK=6 bash {tmp_path}/rank6.sh &\n"
+                                          f"RANK=7 {py} {rank} {tmp_path}/r7 &\nwait\n")
+    runtime = subprocess.Popen(["bash", "-c", f"bash {tmp_path}/torchrun.sh & wait"], start_new_session=True)
+    try:
+        (tmp_path / "pids" / "node-0.pid").write_text(f"{runtime.pid}\n")
+        wait_for(lambda: all(Path(f"{tmp_path}/r{r}.ready").exists() for r in (6, 7)), 20, "the ranks to start")
+        env = {**os.environ, "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu-a"}
+        out = subprocess.run(["bash", "-c", f'source "{COMMON}" && ctx_signal_node "$1" USR1', "_", str(tmp_path)],
+                             env=env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        lines = (tmp_path / "signals" / "node-0.txt").read_text().splitlines()
+        assert sorted(line.split(" rank=")[1] for line in lines) == ["6 signal=USR1 sent", "7 signal=USR1 sent"]
+        wait_for(lambda: all((tmp_path / f"r{r}").exists() for r in (6, 7)), 20, "the ranks to stop")
+        assert {(tmp_path / f"r{r}").read_text() for r in (6, 7)} == {f"{r} got {int(signal.SIGUSR1)}" for r in (6, 7)}
+    finally:
+        os.killpg(runtime.pid, signal.SIGKILL)
+        runtime.wait(timeout=5)
 
 
 def test_ctx_signal_node_signals_and_records_each_rank(tmp_path):
