@@ -177,8 +177,9 @@ def render(job: Job, env=os.environ) -> str:
     torchrun = [*prefix, py, "-m", "torch.distributed.run", f"--nnodes={job.nodes}",
                 f"--nproc-per-node={job.nproc_per_node}"]
     # SLURM's time-limit warning reaches the ranks, torchrun's children, as SIGUSR1 (the batch script signals the
-    # ranks below the pid written here on every node, through a CTX_EXEC_PREFIX that forks): torchrun ignores it, the ranks inherit the ignore and handle
-    # it if they can; their own subprocesses (compilers, data-loader workers) are not signalled
+    # ranks below the pid written here on every node, also through a CTX_EXEC_PREFIX that forks): torchrun ignores
+    # it, the ranks inherit the ignore and handle it if they can; their own subprocesses (compilers, data-loader
+    # workers) are not signalled
     pid_file = shlex.quote(str(job.attempt_dir / "pids")) + '/node-"$SLURM_NODEID".pid'
     inner = (f"trap '' USR1; echo $$ > {pid_file}; exec " + shlex.join(torchrun) + ' --node-rank="$SLURM_NODEID" --master-addr="$CTX_MASTER_ADDR" '
              f"--master-port={job.port} " + shlex.join(job.program))

@@ -2,8 +2,9 @@
 
 SLURM's time-limit warning reaches the batch script only; it passes ``SIGUSR1`` on to every rank
 (``ctx_signal_node`` of ``launch/slurm_common.sh``: one task per node signals the children of that node's
-torchrun, found below the pid its job script wrote). The ranks agree on the step to stop after, so a rank can stop because another one was signalled before
-its own signal has come: only these records show that each rank got its own.
+torchrun, found below the pid its job script wrote). The ranks agree on the step to stop after, so a rank can stop
+because another one was signalled before its own signal has come: only these records show that each rank got its
+own.
 
 - ``node-<i>.txt``, written by the job script on node ``i``, a line per rank it signalled:
   ``<time> node=<i> host=<node> pid=<pid> rank=<RANK> signal=USR1 sent`` (``gone``: the rank had exited), or
