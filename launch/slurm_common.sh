@@ -107,7 +107,7 @@ _ctx_on_warning() {   # SLURM's time-limit warning: every rank (torchrun's child
   local nodes=${SLURM_JOB_NUM_NODES:-1}
   # one task per node, beside the running step; only the ranks (not their compilers or data-loader workers)
   # shellcheck disable=SC2016   # expanded by the task's bash
-  srun --overlap --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 \
+  srun --overlap --export=ALL --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 \
     bash -c 'source "$1" && ctx_signal_node "$2" USR1' _ "$_ctx_common" "$_ctx_attempt" \
     || echo "ctx_plugin: signalling the ranks failed on a node (see $_ctx_attempt/signals/)" >&2
 }

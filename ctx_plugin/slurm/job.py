@@ -36,7 +36,7 @@ _PROGRAM_HELP = {"megatron": "pretrain_gpt.py's arguments (Megatron's flags and 
 
 
 def job_parser(framework: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"launch/{framework}.sbatch", exit_on_error=False,
+    p = argparse.ArgumentParser(prog=f"launch/{framework}.sbatch", exit_on_error=False, allow_abbrev=False,
                                 usage=f"%(prog)s [job options] -- {_PROGRAM_HELP[framework]}")
     p.add_argument("--nodes", type=int, default=None,
                    help="nodes (default: the job's allocation; outside SLURM, for --dry-run: 1)")
@@ -145,6 +145,11 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
                          "request GPUs (sbatch --gpus-per-node N)")
     if device == "cuda" and gpus and nproc > gpus:
         raise ValueError(f"--nproc-per-node {nproc} is more than the {gpus} GPUs of each node")
+    cpus = env.get("SLURM_CPUS_ON_NODE")
+    if device == "cuda" and in_job and cpus and cpus.isdigit() and int(cpus) < nproc:
+        raise ValueError(f"the job has {cpus} CPU core(s) per node for {nproc} GPU processes (sbatch gave its one task "
+                         f"per node the default cores): every rank, its data loader and its CUDA launches would share "
+                         f"them; submit with --exclusive (whole nodes) or --cpus-per-task=<cores per node>")
     extra = {"megatron_lm": args.megatron_lm} if framework == "megatron" else {"ds_config": args.ds_config}
     summary = CHECKS[framework](rest, world=nodes * nproc, device=device, **extra)
     if framework == "megatron":
@@ -183,7 +188,10 @@ def render(job: Job, env=os.environ) -> str:
     pid_file = shlex.quote(str(job.attempt_dir / "pids")) + '/node-"$SLURM_NODEID".pid'
     inner = (f"trap '' USR1; echo $$ > {pid_file}; exec " + shlex.join(torchrun) + ' --node-rank="$SLURM_NODEID" --master-addr="$CTX_MASTER_ADDR" '
              f"--master-port={job.port} " + shlex.join(job.program))
-    srun = ["srun", f"--nodes={job.nodes}", f"--ntasks={job.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+    # --export=ALL: the environment of this script (site file, defaults) even under sbatch --export=NONE, which srun
+    # would otherwise inherit (SLURM_EXPORT_ENV) and start the tasks without PATH or the rendezvous variables
+    srun = ["srun", "--export=ALL", f"--nodes={job.nodes}", f"--ntasks={job.nodes}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
             f"--output={job.attempt_dir}/logs/node-%n-%N.log", *shlex.split(env.get("CTX_SRUN_ARGS", ""))]
     site = env.get("CTX_SITE")
     defaults = [("OMP_NUM_THREADS", str(job.threads), "CPU cores per process")]

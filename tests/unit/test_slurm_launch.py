@@ -514,7 +514,11 @@ def test_plan_ctx_runs_dir(tmp_path):
     ({}, ["--nproc-per-node", "3"], r"6 ranks .* not a multiple of TP × PP × CP"),
     ({}, ["--device", "tpu"], r"argument --device: invalid choice"),
     ({}, ["--nodes", "x"], r"argument --nodes: invalid int value"),
-], ids=["nodes", "nproc", "device-cuda", "cpu-no-nproc", "world", "device-choice", "nodes-int"])
+    ({"SLURM_CPUS_ON_NODE": "1"}, [], r"the job has 1 CPU core\(s\) per node for 4 GPU processes .* submit with "
+                                      r"--exclusive \(whole nodes\) or --cpus-per-task=<cores per node>"),
+    ({}, ["--megatron", "/x"], r"unrecognized arguments: --megatron /x"),
+], ids=["nodes", "nproc", "device-cuda", "cpu-no-nproc", "world", "device-choice", "nodes-int", "one-core",
+        "abbreviated"])
 def test_plan_inside_job_errors(tmp_path, env, options, message):
     with pytest.raises(ValueError, match=message):
         plan_megatron(in_job(tmp_path, **env), *options)
@@ -523,6 +527,7 @@ def test_plan_inside_job_errors(tmp_path, env, options, message):
 def test_plan_cpu_job_inside_slurm(tmp_path):
     plan = plan_megatron(in_job(tmp_path, SLURM_GPUS_ON_NODE="0"), "--nproc-per-node", "4")
     assert (plan.device, plan.nproc_per_node, plan.threads) == ("cpu", 4, 8)
+    assert plan_megatron(in_job(tmp_path, SLURM_CPUS_ON_NODE="4")).threads == 1      # a core per GPU process: fine
 
 
 def test_plan_unknown_framework():
@@ -551,7 +556,7 @@ def test_render_cuda_megatron(tmp_path):
     for piece in ('--node-rank="$SLURM_NODEID"', "--nnodes=2", "--nproc-per-node=4", "--master-port=20017",
                   "export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}",
                   "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}",
-                  "srun --nodes=2 --ntasks=2 --ntasks-per-node=1",
+                  "srun --export=ALL --nodes=2 --ntasks=2 --ntasks-per-node=1",
                   f"--output={plan.run_dir}/attempt-1/logs/node-%n-%N.log", "scontrol show hostnames",
                   "/opt/ctx/bin/python -m torch.distributed.run", f"mkdir -p {plan.run_dir / 'attempt-1' / 'logs'}",
                   "# no site file (CTX_SITE)", "set -euo pipefail", f"export CTX_RUN_DIR={plan.run_dir}",

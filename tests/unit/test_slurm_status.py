@@ -246,7 +246,7 @@ def test_warning_reaches_the_ranks_then_the_job_waits_for_the_limit(job, tmp_pat
     assert lines[0] == "timeout" and "exit_code=0" in lines
     assert status_lines(j.run)[0] == "timeout"
     srun = j.args("srun")
-    assert len(srun) == 1 and srun[0].startswith("--overlap --nodes=1 --ntasks=1 --ntasks-per-node=1 bash -c")
+    assert len(srun) == 1 and srun[0].startswith("--overlap --export=ALL --nodes=1 --ntasks=1 --ntasks-per-node=1 bash -c")
     assert not any(a.startswith("requeue") for a in j.args("scontrol"))
     # the node's record of the rank it signalled; the rank keeps none (a program without ctx_plugin's handler)
     sent = (j.attempt / "signals" / "node-0.txt").read_text().splitlines()
