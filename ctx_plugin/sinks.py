@@ -22,7 +22,8 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tu
     """``(out', lse')`` of ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` (accumulation dtype) with the sink
     logits ``sinks`` ``[H]``; ``out'`` in ``lse``'s dtype."""
     new_lse = torch.logaddexp(lse, sinks.detach().to(lse.dtype).view(1, -1, 1))
-    weight = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)          # [B, S, H, 1]
+    # a row with no key (padding) and a sink of -inf has nothing to weigh: 0, not exp(-inf - -inf) = NaN
+    weight = torch.where(torch.isneginf(new_lse), 0.0, torch.exp(lse - new_lse)).transpose(1, 2).unsqueeze(-1)
     return out.to(lse.dtype) * weight, new_lse
 
 
@@ -31,4 +32,5 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
     acc = lse.dtype
     delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)            # [B, H, S]
     weight = torch.exp(sinks.detach().to(acc).view(1, -1, 1) - lse)
+    weight = torch.where(torch.isneginf(lse), 0.0, weight)                 # rows with neither key nor sink
     return -(weight * delta).sum(dim=(0, 2)).to(sinks.dtype)

@@ -117,6 +117,24 @@ def test_documents_with_window_softcap_and_sinks(backend, size, u):
         check(config, size, docs, causal=causal, window=window, softcap=2.0, sinks=True)
 
 
+@pytest.mark.parametrize("backend,size,u", [(Backend.ZIGZAG, 2, 1), (Backend.RING, 3, 1), (Backend.ULYSSES_RING, 4, 2)])
+def test_a_sink_of_minus_infinity_next_to_padding_gives_zeros(backend, size, u):
+    """A sink logit of -inf (no sink for that head) on padding rows, which have no key either: output 0 and no
+    gradient there, the sink's gradient 0 (both were 0/0 = NaN), the rest as without that sink."""
+    config = ctx_plugin.CPConfig(backend=backend, kernel="torch", ulysses_size=u)
+    docs = packed(config, size, MIXES["unequal"])
+    assert docs.valid is not None
+    q, k, v, dout, sinks = inputs(docs.seq_len, seed=3)
+    sinks[1] = float("-inf")
+    got, dsinks, _, _ = run(config, size, q, k, v, dout, docs, causal=True, sinks=sinks)
+    want = documents_with_grads(q, k, v, dout, docs, causal=True, sinks=sinks)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(g).all() and rel_err(g, w) < 1e-10, name
+    assert dsinks[1] == 0 and torch.isfinite(dsinks).all() and rel_err(dsinks, want[4]) < 1e-10, (dsinks, want[4])
+    pads = torch.tensor([not docs.is_real(i) for i in range(docs.seq_len)])
+    assert all(torch.all(t[:, pads] == 0) for t in got)
+
+
 def test_unpadded_documents_that_fit_need_no_padding():
     """Documents already a multiple of the unit run as given (no valid counts): zigzag over 2 ranks, unit 4."""
     config = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
