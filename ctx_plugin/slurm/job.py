@@ -91,6 +91,25 @@ def _gpus_on_node(env) -> int:
     return 0
 
 
+def _check_tasks(env, nodes: int, device: str) -> None:
+    """The allocation's shape the job script relies on: one task per node (torchrun starts the node's ranks) holding
+    all of the node's GPUs, the same number on every node (the batch node's count is every node's)."""
+    per_node = env.get("SLURM_NTASKS_PER_NODE")
+    if per_node and per_node != "1":
+        raise ValueError(f"the job was submitted with --ntasks-per-node {per_node}: the job script runs one task per "
+                         f"node, whose torchrun starts the node's ranks (--nproc-per-node); drop it from the sbatch "
+                         f"line (GPUs: --gpus-per-node N)")
+    if device != "cuda":
+        return
+    if env.get("SLURM_GPUS_PER_TASK"):
+        raise ValueError(f"the job was submitted with --gpus-per-task {env['SLURM_GPUS_PER_TASK']}: the job script's "
+                         f"one task per node would see only those GPUs; request them per node: --gpus-per-node N")
+    if nodes > 1 and env.get("SLURM_GPUS") and not env.get("SLURM_GPUS_PER_NODE"):
+        raise ValueError(f"the job was submitted with --gpus {env['SLURM_GPUS']} (for the whole job), which SLURM may "
+                         f"spread unevenly over its {nodes} nodes while every node starts as many ranks as the first "
+                         f"has GPUs; request them per node: --gpus-per-node N")
+
+
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
         i = argv.index("--")
@@ -145,6 +164,8 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
                          "request GPUs (sbatch --gpus-per-node N)")
     if device == "cuda" and gpus and nproc > gpus:
         raise ValueError(f"--nproc-per-node {nproc} is more than the {gpus} GPUs of each node")
+    if in_job:
+        _check_tasks(env, nodes, device)
     cpus = env.get("SLURM_CPUS_ON_NODE")
     if device == "cuda" and in_job and cpus and cpus.isdigit() and int(cpus) < nproc:
         raise ValueError(f"the job has {cpus} CPU core(s) per node for {nproc} GPU processes (sbatch gave its one task "

@@ -517,8 +517,12 @@ def test_plan_ctx_runs_dir(tmp_path):
     ({"SLURM_CPUS_ON_NODE": "1"}, [], r"the job has 1 CPU core\(s\) per node for 4 GPU processes .* submit with "
                                       r"--exclusive \(whole nodes\) or --cpus-per-task=<cores per node>"),
     ({}, ["--megatron", "/x"], r"unrecognized arguments: --megatron /x"),
+    ({"SLURM_NTASKS_PER_NODE": "4"}, [], r"submitted with --ntasks-per-node 4: the job script runs one task per node"),
+    ({"SLURM_GPUS_PER_TASK": "1"}, [], r"submitted with --gpus-per-task 1: .* --gpus-per-node N$"),
+    ({"SLURM_GPUS": "8"}, [], r"submitted with --gpus 8 \(for the whole job\), .* unevenly over its 2 nodes .* "
+                              r"--gpus-per-node N$"),
 ], ids=["nodes", "nproc", "device-cuda", "cpu-no-nproc", "world", "device-choice", "nodes-int", "one-core",
-        "abbreviated"])
+        "abbreviated", "tasks-per-node", "gpus-per-task", "gpus-per-job"])
 def test_plan_inside_job_errors(tmp_path, env, options, message):
     with pytest.raises(ValueError, match=message):
         plan_megatron(in_job(tmp_path, **env), *options)
@@ -528,6 +532,8 @@ def test_plan_cpu_job_inside_slurm(tmp_path):
     plan = plan_megatron(in_job(tmp_path, SLURM_GPUS_ON_NODE="0"), "--nproc-per-node", "4")
     assert (plan.device, plan.nproc_per_node, plan.threads) == ("cpu", 4, 8)
     assert plan_megatron(in_job(tmp_path, SLURM_CPUS_ON_NODE="4")).threads == 1      # a core per GPU process: fine
+    assert plan_megatron(in_job(tmp_path, SLURM_NTASKS_PER_NODE="1", SLURM_GPUS="8",     # the script's own shape
+                                SLURM_GPUS_PER_NODE="4")).nproc_per_node == 4
 
 
 def test_plan_unknown_framework():
