@@ -48,7 +48,7 @@ FIELDS = (
     Field("dtype", str, 3), Field("device", str, 2), Field("requires_grad", bool),
     Field("backend", str, 2), Field("ulysses_size", int), Field("kernel", str, 2),
     Field("causal", bool), Field("softmax_scale", float),
-    Field("window", str, 2), Field("softcap", float), Field("sinks", bool), Field("documents", str, 3),
+    Field("window", str, 2), Field("softcap", float), Field("sinks", str, 2), Field("documents", str, 3),
     Field("input_check", str, 32),
 )
 """The signature of every call, one schema for both operations (so the vectors have one length on every rank,
@@ -131,6 +131,14 @@ def _dims(t, *index: int) -> list[int | None]:
     return [shape[i] if i < len(shape) else None for i in index]
 
 
+def _sinks(sinks) -> str:
+    """``"-"`` without sinks, else their dtype (ranks whose sinks round differently would compute different
+    softmaxes)."""
+    if sinks is None:
+        return "-"
+    return str(sinks.dtype) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+
+
 def _common(x, groups: CPGroups, error: BaseException | None, tensors: tuple) -> dict:
     tensor = isinstance(x, torch.Tensor)
     return {"dtype": str(x.dtype) if tensor else type(x).__name__, "device": x.device.type if tensor else None,
@@ -147,7 +155,8 @@ def attention_signature(q, k, v, *, groups: CPGroups, causal, softmax_scale, ker
     ``error`` is what this rank's own checks raised, ``kernel`` the selected local kernel's name; ``window`` as
     checked (:class:`ctx_plugin.mask.Mask`'s) when it was valid, ``documents``
     ``"-"`` without packed documents, else their count and :meth:`~ctx_plugin.documents.Documents.signature`;
-    ``sinks`` the sinks as given (None without): whether they need a gradient counts like q's, k's and v's, since
+    ``sinks`` the sinks as given (None without; their dtype is compared): whether they need a gradient counts like
+    q's, k's and v's, since
     a backward on some ranks only would wait on the others' communication)."""
     batch, seq, heads, head_dim = _dims(q, 0, 1, 2, 3)
     scale = None
@@ -157,7 +166,7 @@ def attention_signature(q, k, v, *, groups: CPGroups, causal, softmax_scale, ker
         scale = float(softmax_scale) if abs(softmax_scale) < 1e300 else None   # bad values: the input check
     return {"op": "cp_attention", "batch": batch, "local_seq": seq, "heads": heads, "kv_heads": _dims(k, 2)[0],
             "head_dim": head_dim, "kernel": kernel, "causal": causal if isinstance(causal, bool) else None,
-            "softmax_scale": scale, "window": _window(window), "sinks": sinks is not None, "documents": documents,
+            "softmax_scale": scale, "window": _window(window), "sinks": _sinks(sinks), "documents": documents,
             "softcap": float(softcap) if isinstance(softcap, (int, float)) and not isinstance(softcap, bool) else None,
             **_common(q, groups, error, (q, k, v, sinks))}
 

@@ -62,7 +62,7 @@ def test_ring_transfers_follow_the_window(world):
 @pytest.mark.parametrize("world", [3, 4])
 def test_ranks_that_disagree_raise_the_same_error(world):
     errors = [res["errors"] for res in results_for(world)]
-    for name, field in (("disagree", "window"), ("sinks_on_one", "sinks")):
+    for name, field in (("disagree", "window"), ("sinks_on_one", "sinks"), ("sinks_dtype", "sinks")):
         assert all(e[name] == errors[0][name] for e in errors), name
         assert "disagree" in errors[0][name] and f"  {field}: " in errors[0][name]
     assert all(e["bad_on_one"] == errors[0]["bad_on_one"] for e in errors)

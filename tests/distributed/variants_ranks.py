@@ -56,8 +56,10 @@ def variants(rank: int, world: int, payload: dict) -> dict:
     q = torch.randn(1, SEQ // world, 4, 8, dtype=torch.float64)
     errors = {}
     for name, window in (("disagree", (3, 0) if rank == 0 else (4, 0)), ("bad_on_one", (-1, 0) if rank == 1 else None),
-                         ("sinks_on_one", None)):
+                         ("sinks_on_one", None), ("sinks_dtype", None)):
         sinks = torch.zeros(4, dtype=torch.float64) if name == "sinks_on_one" and rank == 0 else None
+        if name == "sinks_dtype":                   # float64 on rank 0, float32 elsewhere: different softmaxes
+            sinks = torch.zeros(4, dtype=torch.float64 if rank == 0 else torch.float32)
         try:
             ctx_plugin.cp_attention(q, q[:, :, :2], q[:, :, :2], config=cfg, groups=groups, window=window, sinks=sinks)
             errors[name] = None

@@ -19,13 +19,13 @@ from ctx_plugin.bench.counting import CommCounter
 FULL = {"op": "cp_attention", "batch": 2, "local_seq": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128,
         "shape": "(2, 4096, 32, 128)", "dim": 1, "dtype": "torch.bfloat16", "device": "cuda", "requires_grad": True,
         "backend": "ulysses_ring", "ulysses_size": 2, "kernel": "sdpa_cudnn", "causal": False,
-        "softmax_scale": 128 ** -0.5, "window": "-,-", "softcap": 50.0, "sinks": False, "documents": "-",
+        "softmax_scale": 128 ** -0.5, "window": "-,-", "softcap": 50.0, "sinks": "-", "documents": "-",
         "input_check": "ok"}
 # A second value for every field, to check that each one tells two ranks apart.
 OTHER = {"op": "gather_sequence", "batch": 1, "local_seq": 4095, "heads": 16, "kv_heads": 1, "head_dim": 64,
          "shape": "(2, 4096, 32, 127)", "dim": -1, "dtype": "torch.float16", "device": "cpu", "requires_grad": False,
          "backend": "zigzag", "ulysses_size": 1, "kernel": "flash_attn", "causal": True,
-         "softmax_scale": math.nextafter(128 ** -0.5, 1.0), "window": "4095,-", "softcap": 30.0, "sinks": True,
+         "softmax_scale": math.nextafter(128 ** -0.5, 1.0), "window": "4095,-", "softcap": 30.0, "sinks": "torch.float32",
          "documents": "1000:0123456789abcdef", "input_check": "ValueError: no"}
 
 
