@@ -216,6 +216,19 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def node_started(tmp_path, pid: int, node: int, ranks) -> None:
+    """Writes the node's pid file (what the job script's task writes) once the ranks are up."""
+    (tmp_path / "pids" / f"node-{node}.pid").write_text(f"{pid}\n")
+    wait_for(lambda: all(Path(f"{tmp_path}/r{r}.ready").exists() for r in ranks), 20, "the ranks to start")
+
+
+def signal_node(tmp_path, node: int, host: str) -> subprocess.CompletedProcess:
+    """``ctx_signal_node <attempt dir> USR1`` as the srun task on node ``node`` runs it."""
+    env = {**os.environ, "SLURM_NODEID": str(node), "SLURMD_NODENAME": host}
+    return subprocess.run(["bash", "-c", f'source "{COMMON}" && ctx_signal_node "$1" USR1', "_", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=30)
+
+
 def test_ctx_signal_node_finds_the_ranks_below_a_container_runtime_that_forks(tmp_path):
     """CTX_EXEC_PREFIX (apptainer exec) may keep a parent process and run torchrun as its child: the pid file then
     holds the runtime's pid, whose children are torchrun, not the ranks (SIGUSR1 went to torchrun, which ignores it,
@@ -229,11 +242,8 @@ def test_ctx_signal_node_finds_the_ranks_below_a_container_runtime_that_forks(tm
                                           f"RANK=7 {py} {rank} {tmp_path}/r7 &\nwait\n")
     runtime = subprocess.Popen(["bash", "-c", f"bash {tmp_path}/torchrun.sh & wait"], start_new_session=True)
     try:
-        (tmp_path / "pids" / "node-0.pid").write_text(f"{runtime.pid}\n")
-        wait_for(lambda: all(Path(f"{tmp_path}/r{r}.ready").exists() for r in (6, 7)), 20, "the ranks to start")
-        env = {**os.environ, "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu-a"}
-        out = subprocess.run(["bash", "-c", f'source "{COMMON}" && ctx_signal_node "$1" USR1', "_", str(tmp_path)],
-                             env=env, capture_output=True, text=True, timeout=30)
+        node_started(tmp_path, runtime.pid, 0, (6, 7))
+        out = signal_node(tmp_path, 0, "gpu-a")
         assert out.returncode == 0, out.stderr
         lines = (tmp_path / "signals" / "node-0.txt").read_text().splitlines()
         assert sorted(line.split(" rank=")[1] for line in lines) == ["6 signal=USR1 sent", "7 signal=USR1 sent"]
@@ -253,11 +263,8 @@ def test_ctx_signal_node_signals_and_records_each_rank(tmp_path):
                                                f"RANK=5 {sys.executable} {tmp_path}/rank.py {tmp_path}/r5 & wait"],
                                 start_new_session=True)
     try:
-        (tmp_path / "pids" / "node-2.pid").write_text(f"{torchrun.pid}\n")
-        wait_for(lambda: all(Path(f"{tmp_path}/r{r}.ready").exists() for r in (4, 5)), 20, "the ranks to start")
-        env = {**os.environ, "SLURM_NODEID": "2", "SLURMD_NODENAME": "gpu-c"}
-        out = subprocess.run(["bash", "-c", f'source "{COMMON}" && ctx_signal_node "$1" USR1', "_", str(tmp_path)],
-                             env=env, capture_output=True, text=True, timeout=30)
+        node_started(tmp_path, torchrun.pid, 2, (4, 5))
+        out = signal_node(tmp_path, 2, "gpu-c")
         assert out.returncode == 0, out.stderr
         assert torchrun.wait(timeout=20) == 0
         assert {(tmp_path / f"r{r}").read_text() for r in (4, 5)} == {f"{r} got {int(signal.SIGUSR1)}" for r in (4, 5)}
@@ -265,9 +272,7 @@ def test_ctx_signal_node_signals_and_records_each_rank(tmp_path):
         assert sorted(line.split(" ", 1)[1].split(" pid=")[0] for line in lines) == ["node=2 host=gpu-c"] * 2
         assert sorted(line.split(" rank=")[1] for line in lines) == ["4 signal=USR1 sent", "5 signal=USR1 sent"]
         # the ranks have exited: nothing to signal
-        out = subprocess.run(["bash", "-c", f'source "{COMMON}" && ctx_signal_node "$1" USR1', "_", str(tmp_path)],
-                             env=env, capture_output=True, text=True, timeout=30)
-        assert out.returncode == 1
+        assert signal_node(tmp_path, 2, "gpu-c").returncode == 1
         last = (tmp_path / "signals" / "node-2.txt").read_text().splitlines()[-1]
         assert last.endswith(f" node=2 host=gpu-c torchrun={torchrun.pid} signal=USR1 none")
     finally:
