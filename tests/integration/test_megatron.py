@@ -165,7 +165,7 @@ BAD = [
     (["--recompute-granularity", "full"], ValueError, "use --cp-recompute full instead"),
     (["--cp-recompute", "full:block:5"], ValueError, "full:block:5 counts 5 layers, but the stack has 4"),
     (["--cp-recompute", "full:uniform:3", "--pipeline-model-parallel-size", "2"], ValueError,
-     "counts 3 layers, but the stack has 2 (per pipeline stage)"),
+     "counts 3 layers, but the stack has 2 (per pipeline stage or virtual-pipeline chunk)"),
     (["--recompute-activations"], ValueError, "use --cp-recompute selective (or core_attn, mlp) instead"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mlp"], ValueError,
      "use --cp-recompute mlp instead"),
