@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import pinning
+from .inplace import SavedOutputs
 from .offload import HostOffload, hidden_first
 from .pinning import Recording, Reusable
 from .tiling import TilingState
@@ -35,7 +36,8 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
     The context-parallel attention needs no saving: it is pinned (recorded in forward, its output replayed in
     backward, see :mod:`ctx_plugin.recompute.pinning`), so its ring / all-to-all traffic runs once whatever this says. Any
-    other collective inside a layer belongs to the framework around it, and caching its result is wrong:
+    other collective inside a layer belongs to the framework around it, and caching its result is wrong (except an
+    in-place one on a saved output, :mod:`ctx_plugin.recompute.inplace`, which the regions add):
     torch.distributed's collectives write into buffers their caller owns and frees or refills, e.g. ZeRO-3
     all-gathers each module's parameters into a buffer it releases after the module ran, so a saved gather hands
     stale memory to the recomputation (NaN gradients at data parallel 2). Re-running them is what such
@@ -101,8 +103,9 @@ class Region:
         record = pinning.recording(run)
         if not self.selective:
             return record, Reusable(partial(pinning.replaying, run))
-        sac_fwd, sac_recompute = create_selective_checkpoint_contexts(self.policy)
-        return _entered(sac_fwd, record), Reusable(lambda: _entered(pinning.replaying(run), sac_recompute))
+        saved = SavedOutputs(self.policy)      # in-place collectives on saved outputs (sees each op before SAC)
+        sac_fwd, sac_recompute = create_selective_checkpoint_contexts(saved.policy)
+        return _entered(sac_fwd, saved, record), Reusable(lambda: _entered(pinning.replaying(run), sac_recompute))
 
     def _body(self, *args, **kwargs):
         out = None
