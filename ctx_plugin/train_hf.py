@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .cliargs import parse_strict
+from .cliargs import output_file, parse_strict
 from .slurm.signals import StopRequest
 
 
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pretrained", action="store_true", help="load the weights saved in the --model directory")
     p.add_argument("--data", default=None, help=".npy token ids [samples, seq_len] or 1-D; default: synthetic")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (synthetic data; checked for --data)")
-    p.add_argument("--samples", type=int, default=64, help="synthetic samples")
+    p.add_argument("--samples", type=int, default=None, help="synthetic samples (default 64; not with --data)")
     p.add_argument("--pack-eos", type=int, default=None, metavar="ID",
                    help="packed documents: each sample holds documents that end after every token ID (Megatron's "
                         "--reset-attention-mask / --reset-position-ids reading); attention stays inside each, positions "
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         '"pad_documents": true in the section unless every document fits the layout')
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--report", default=None, help="rank 0 writes its losses and throughput here (JSON)")
+    p.add_argument("--report", default=None, type=output_file,
+                   help="rank 0 writes its losses and throughput here (JSON)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="where a stop (SIGUSR1/SIGTERM) saves and --resume loads; default, under the job scripts: "
                         "<run dir>/checkpoints ($CTX_RUN_DIR, set by launch/deepspeed.sbatch's command.sh)")
@@ -68,6 +69,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ValueError("--pretrained loads weights from a directory: give --model the saved model's directory")
     if args.data is not None and not Path(args.data).expanduser().is_file():
         raise ValueError(f"--data {args.data}: no such file")
+    if args.data is not None and args.samples is not None:
+        raise ValueError(f"--samples {args.samples} sets the number of synthetic samples; with --data every sample of "
+                         f"the file is used: drop --samples (or trim the file)")
+    args.samples = 64 if args.samples is None else args.samples
     for name in ("seq_len", "samples", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -160,6 +165,15 @@ def eos_positions(tokens: torch.Tensor, eos: int) -> torch.Tensor:
     return index - torch.cummax(starts, 0).values
 
 
+def check_replicas(samples: int, replicas: int) -> None:
+    """The samples split evenly over the data-parallel replicas (``DistributedSampler`` would otherwise repeat the
+    first ones in every pass, and shift every later step's samples)."""
+    if samples % replicas:
+        raise ValueError(f"{samples} samples do not split evenly over {replicas} data-parallel replicas: the sampler "
+                         f"would repeat the first {replicas - samples % replicas} in every pass; give a multiple of "
+                         f"{replicas} samples")
+
+
 def micro_batches(loader, skip: int):
     """The loader's micro-batches over and over (it does not shuffle), the first ``skip`` left out (a resume)."""
     skip %= len(loader)
@@ -191,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     model, data = load_model(args), load_data(args)
     engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(), training_data=data,
                                            config=args.deepspeed_config)
+    try:
+        check_replicas(len(data), dist.get_world_size() // engine.ctx_plugin_groups.size)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if len(loader) == 0:
         raise ValueError(f"{len(data)} samples make no micro-batch of {engine.train_micro_batch_size_per_gpu()} per "
                          f"data-parallel replica: give more samples")
@@ -201,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     # every rank built the same weights from --seed; from here each draws its own random numbers, so the ranks
     # sharing a sequence do not repeat each other's dropout masks on their shards (a resume restores these streams)
     torch.manual_seed(args.seed + 1 + rank)
-    run_layout = checkpoints.layout(engine, engine.ctx_plugin_groups.size)
+    run_layout = checkpoints.layout(engine, engine.ctx_plugin_groups.size, samples=len(data), seq_len=args.seq_len,
+                                    pack_eos=args.pack_eos, micro_batches=len(loader))
     losses = []
     if args.resume:
         try:

@@ -8,8 +8,9 @@ DeepSpeed's files. DeepSpeed's ``save_checkpoint`` ends with a barrier; after it
 (through a temporary file and a rename), so a checkpoint cut short by the job's end (SIGKILL during the save) is
 never resumed: DeepSpeed's own ``latest`` is written by rank 0 before the other ranks have finished, and a
 requeued attempt reading it would fail on every attempt. A resume takes the newest complete checkpoint (the ranks
-must see the same one) and refuses another layout (world size, context-parallel size, micro batch, accumulation:
-its skip over the data would land on other samples)."""
+must see the same one) and refuses another layout (world size, context-parallel size, micro batch, accumulation,
+the data's sample count, sequence length, --pack-eos and micro batches per pass: its skip over the data would land
+on other samples)."""
 from __future__ import annotations
 
 import json
@@ -22,11 +23,13 @@ import torch.distributed as dist
 COMPLETE = "complete.json"
 
 
-def layout(engine, cp_size: int) -> dict:
-    """What decides which samples each step trains (the resumed run must have the same)."""
+def layout(engine, cp_size: int, **data) -> dict:
+    """What decides which samples each step trains (the resumed run must have the same): the parallel layout and
+    batch sizes, and ``data`` (the sample count, their length, the documents' end token, the loader's micro batches
+    per pass, which ``"dataloader_drop_last"`` changes)."""
     return {"world": dist.get_world_size(), "context_parallel": cp_size,
             "micro_batch": engine.train_micro_batch_size_per_gpu(),
-            "accumulation": engine.gradient_accumulation_steps()}
+            "accumulation": engine.gradient_accumulation_steps(), **data}
 
 
 def _rng_file(tag_dir: Path, rank: int) -> Path:

@@ -34,7 +34,9 @@ def test_a_save_cut_short_is_not_resumed(runs):
 
 
 def test_another_layout_is_refused(runs):
-    assert "was saved by a run of another layout (accumulation 2 -> 1, micro_batch 1 -> 2)" in runs["layout"]
+    assert "was saved by a run of another layout (accumulation 2 -> 1, micro_batch 1 -> 2, micro_batches 8 -> 4)" \
+        in runs["layout"]
+    assert "was saved by a run of another layout (seq_len 16 -> 32)" in runs["seq_len"]   # other samples
 
 
 def test_the_ranks_sharing_a_sequence_draw_their_own_dropout_masks(runs):

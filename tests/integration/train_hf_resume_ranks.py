@@ -70,5 +70,6 @@ def runs(rank: int, world: int, payload: dict) -> dict:
     out["latest"] = (root / "cut" / "latest").read_text() if rank == 0 else ""
     main("layout-1", "ds", 1)
     out["layout"] = main("layout-2", "other", None, "--resume")      # micro batch 2 × accumulation 1
+    out["seq_len"] = main("layout-3", "ds", None, "--resume", "--seq-len", "32")
     out["seed"] = torch.initial_seed()          # the dropout stream this rank trained with
     return out
