@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from . import comm, hf, hf_loss
 from .deepspeed_config import (SECTION, ContextParallelSection, _load_config, _refuse_curriculum,
-                               _refuse_ds_checkpointing, _refuse_patched_linear, _zero_config, batch_sizes, parse_section)
+                               _refuse_ds_checkpointing, _refuse_model_parallel, _refuse_patched_linear, _zero_config,
+                               batch_sizes, parse_section)
 from .deepspeed_data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, tiled_causal_lm_loss
 from .groups import CPGroups, build_cp_groups
 from .names import Recompute
@@ -199,6 +200,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                     collate_fn=collate_fn, config=config)
     section = parse_section(config.pop(SECTION))
     _refuse_curriculum(config)
+    _refuse_model_parallel(config, model)
     if mpu is not None:
         raise ValueError(f'"{SECTION}" builds the process groups itself; do not pass mpu=')
     own_sp = config.get("sequence_parallel_size", 1)

@@ -211,6 +211,27 @@ def _refuse_curriculum(config: dict) -> None:
                          f'false (or drop it), or train without "{SECTION}"')
 
 
+def _refuse_model_parallel(config: dict, model) -> None:
+    """DeepSpeed's automatic tensor parallelism (``"tensor_parallel": {"autotp_size": N}``, N > 1) and pipeline
+    models (``deepspeed.pipe.PipelineModule``) split the ranks in ways the section's groups do not know: it gives
+    DeepSpeed an mpu with data × context parallelism only. A ValueError naming what to drop."""
+    tp = config.get("tensor_parallel")
+    size = tp.get("autotp_size", 0) if isinstance(tp, dict) else 0
+    if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+        raise ValueError(f'"tensor_parallel.autotp_size" {size} cannot be combined with "{SECTION}": ctx_plugin\'s '
+                         "DeepSpeed integration runs data × context parallelism only (its groups take every rank of "
+                         "a context-parallel group as one sequence's); drop it, or run tensor × context parallelism "
+                         "through Megatron")
+    try:
+        from deepspeed.pipe import PipelineModule
+    except ImportError:           # the caller imported deepspeed already; a build without pipe has no such models
+        return
+    if isinstance(model, PipelineModule):
+        raise ValueError(f'a DeepSpeed PipelineModule cannot be combined with "{SECTION}": its pipeline stages '
+                         "would split the ranks the context-parallel groups take; train the Hugging Face model "
+                         "itself, or run pipeline × context parallelism through Megatron")
+
+
 _DS_CHECKPOINTING = "activation_checkpointing"
 
 

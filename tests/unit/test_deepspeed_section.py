@@ -116,6 +116,23 @@ def test_curriculum_data_sampling_is_refused_with_the_section():
         initialize(model=model, config={**base, **curriculum}, mpu=object())
 
 
+def test_deepspeed_tensor_and_pipeline_parallelism_are_refused_with_the_section():
+    pytest.importorskip("deepspeed")
+    from deepspeed.pipe import PipelineModule
+
+    from ctx_plugin.deepspeed import initialize
+
+    base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
+    with pytest.raises(ValueError, match=r'"tensor_parallel.autotp_size" 2 cannot be combined with "context_parallel"'
+                                         r": .* data × context parallelism only"):
+        initialize(model=torch.nn.Linear(2, 2), config={**base, "tensor_parallel": {"autotp_size": 2}})
+    with pytest.raises(ValueError, match="do not pass mpu="):        # autotp_size 1 (or 0: off) goes on
+        initialize(model=torch.nn.Linear(2, 2), config={**base, "tensor_parallel": {"autotp_size": 1}}, mpu=object())
+    pipe = PipelineModule.__new__(PipelineModule)       # isinstance is what is checked; no process groups built
+    with pytest.raises(ValueError, match=r'a DeepSpeed PipelineModule cannot be combined with "context_parallel"'):
+        initialize(model=pipe, config=base)
+
+
 def test_sharded_loader_drops_the_last_incomplete_batch_when_asked():
     from ctx_plugin.deepspeed import ShardedLoader
 
