@@ -108,8 +108,9 @@ def _parity(kind: str, backend: str, u: int, reference: dict) -> dict:
 
 
 PACKED_LENGTHS = {"fit": [8, 16, 4, 12], "padded": [5, 17, 1, 9]}
-"""Documents of the packed parity runs: lengths that every layout at CP 2 and 4 splits as they are (multiples of 8:
-passed as transformers' cu_seq_lens_q/k), and lengths that need padding (ctx_plugin.packing.pad_packed_batch)."""
+"""Documents of the packed parity runs: lengths the "fit" runs' layouts split as they are (multiples of 4: zigzag at
+CP 2; ring and Ulysses take any; passed as transformers' cu_seq_lens_q/k), and lengths that need padding
+(ctx_plugin.packing.pad_packed_batch)."""
 
 
 def _packed_reference(kind: str, lengths: list[int]) -> dict:
