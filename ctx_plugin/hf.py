@@ -233,6 +233,10 @@ def _unsupported(model) -> list[str]:
                      f"implemented; recurrent/linear token mixers and other attention types are not)", where)
         if getattr(c, "attention_chunk_size", None) is not None:
             note("attention_chunk_size", f"attention_chunk_size={c.attention_chunk_size} (chunked attention)", where)
+        v_dim, qk_dim = getattr(c, "v_head_dim", None), getattr(c, "qk_head_dim", None)
+        if isinstance(v_dim, int) and isinstance(qk_dim, int) and v_dim != qk_dim:
+            note("v_head_dim", f"v_head_dim={v_dim} next to qk_head_dim={qk_dim} (multi-head latent attention with "
+                 f"values of another width than queries and keys; ctx_plugin's attention takes one head_dim)", where)
         if getattr(c, "attention_dropout", 0) or 0:
             note("attention_dropout", f"attention_dropout={c.attention_dropout} (ctx_plugin's attention has no "
                  f"dropout: set it to 0 before building the model)", where)
