@@ -224,7 +224,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if section.recompute.tile_loss and attention is None:
         hf_loss.check_model(model)            # a Hugging Face model whose logits the tiled loss reproduces
     config = _zero_config(config, section.recompute)
-    deepspeed.init_distributed()        # wraps an already initialised torch.distributed; else starts it
+    # wraps an already initialised torch.distributed; else starts it (dist_init_required=False: DeepSpeed's error)
+    deepspeed.init_distributed(dist_init_required=dist_init_required)
     _set_device(args)
     world = dist.get_world_size()
     if world % section.size:

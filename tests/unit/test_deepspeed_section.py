@@ -133,6 +133,27 @@ def test_deepspeed_tensor_and_pipeline_parallelism_are_refused_with_the_section(
         initialize(model=pipe, config=base)
 
 
+@pytest.mark.parametrize("required", [None, False, True])
+def test_dist_init_required_reaches_deepspeed(monkeypatch, required):
+    """initialize's dist_init_required goes to deepspeed.init_distributed as DeepSpeed's own initialize passes it
+    (False with torch.distributed not started is DeepSpeed's error, not a silent start)."""
+    deepspeed = pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed import initialize
+
+    class Reached(Exception):
+        pass
+
+    def init_distributed(**kwargs):
+        raise Reached(kwargs)
+
+    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(Reached) as seen:
+        initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 1}},
+                   dist_init_required=required, attention=lambda groups: None)
+    assert seen.value.args[0] == {"dist_init_required": required}
+
+
 def test_sharded_loader_drops_the_last_incomplete_batch_when_asked():
     from ctx_plugin.deepspeed import ShardedLoader
 
