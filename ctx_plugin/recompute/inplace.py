@@ -61,14 +61,17 @@ class SavedOutputs(TorchDispatchMode):
                 entry[1] = False
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outputs = {_storage(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
         if self.base(None, func, *args, **kwargs) == CheckpointPolicy.MUST_SAVE:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.saved[_storage(t)] = [StorageWeakRef(t.untyped_storage()), False]
             return out
-        for t in inputs:                   # a recomputed operator reads what it does not alias (views do not)
+        if not self.saved:
+            return out
+        outputs = {_storage(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves((args, kwargs)):      # a recomputed operator reads what it does not alias (views do not)
+            if not isinstance(t, torch.Tensor):
+                continue
             key = _storage(t)
             if key in self.saved and key not in outputs:
                 self.saved[key][1] = True
