@@ -17,8 +17,10 @@
 # signals/node-<n>.txt; ranks of ctx_plugin.train_hf, and of Megatron with --exit-signal-handler (through
 # ctx_plugin's entry point), record their own handler's in signals/rank-<r>.txt, and the status gets a summary
 # (signals=). Then, with --requeue (or CTX_REQUEUE=1), the job requeues itself (same job id, next
-# attempt); without, it waits for the time limit, so SLURM records TIMEOUT. A SIGTERM (scancel, the time limit) is
-# classified by asking slurmctld for the job's state.
+# attempt); without, it waits for the time limit, so SLURM records TIMEOUT. A warning sent to the job step instead
+# (--signal=USR1@120 without B:) reaches the ranks only: when a rank's handler recorded SIGUSR1, the attempt counts
+# as warned all the same (status line warning=). A SIGTERM (scancel, the time limit) is classified by asking
+# slurmctld for the job's state.
 # Preemption with a GraceTime (PreemptMode=REQUEUE or CANCEL): slurmctld sends SIGCONT and SIGTERM to the job steps
 # (SLURM 22.05: not to this shell), so every rank gets SIGTERM from SLURM (and again from its torchrun, which waits
 # 30 s for it) and saves; the step ends. Seeing PreemptTime set, this shell records "preempted" and waits for SLURM
@@ -233,21 +235,24 @@ _ctx_after_warning() {   # the ranks stopped after the warning: requeue, or wait
     return 0
   fi
   _ctx_note_signals   # before the requeue, which ends this shell
+  local direct=()
+  [ -z "$_ctx_direct" ] || direct=("$_ctx_direct")
   if [ "$rc" -ne 0 ]; then
     _ctx_reason=timeout
-    ctx_status timeout "$rc" "note=the job step failed after the time-limit warning: not requeued"
+    ctx_status timeout "$rc" "note=the job step failed after the time-limit warning: not requeued" "${direct[@]}"
   elif [ "$_ctx_requeue" = 1 ]; then
     _ctx_reason=requeued
-    ctx_status requeued "$rc"
+    ctx_status requeued "$rc" "${direct[@]}"
     if scontrol requeue "${SLURM_JOB_ID:-0}"; then
       echo "ctx_plugin: requeued job ${SLURM_JOB_ID:-}: attempt $((_ctx_n + 1)) resumes" >&2
     else
       _ctx_reason=timeout
-      ctx_status timeout "$rc" "note=scontrol requeue failed (submitted with --no-requeue, or JobRequeue=0?)"
+      ctx_status timeout "$rc" "note=scontrol requeue failed (submitted with --no-requeue, or JobRequeue=0?)" \
+        "${direct[@]}"
     fi
   else
     _ctx_reason=timeout
-    ctx_status timeout "$rc"
+    ctx_status timeout "$rc" "${direct[@]}"
   fi
   [ -n "$_ctx_deadline" ] || return 0
   left=$((_ctx_deadline - $(date +%s) + 60))
@@ -270,7 +275,7 @@ ctx_run() {       # ctx_run RUN_DIR ATTEMPT_DIR [REQUEUE]: runs ATTEMPT_DIR/comm
   local left
   _ctx_run=$1 _ctx_attempt=$2 _ctx_requeue=${3:-0}
   _ctx_n=${_ctx_attempt##*/attempt-}
-  _ctx_started=$(date -u +%FT%TZ) _ctx_reason="" _ctx_deadline="" _ctx_pid="" _ctx_rc=0 _ctx_termed="" _ctx_signals="" _ctx_trapped=""
+  _ctx_started=$(date -u +%FT%TZ) _ctx_reason="" _ctx_deadline="" _ctx_pid="" _ctx_rc=0 _ctx_termed="" _ctx_signals="" _ctx_trapped="" _ctx_direct=""
   left=$(ctx_seconds "$(squeue -h -j "${SLURM_JOB_ID:-0}" -o %L 2>/dev/null || true)")
   [ -z "$left" ] || _ctx_deadline=$(($(date +%s) + left))
   trap _ctx_on_warning USR1
@@ -287,6 +292,15 @@ ctx_run() {       # ctx_run RUN_DIR ATTEMPT_DIR [REQUEUE]: runs ATTEMPT_DIR/comm
   local rc=$_ctx_rc failure
   if [ -z "$_ctx_reason" ] && [ "$(ctx_end_reason)" = preempting ]; then
     _ctx_reason=preempting   # the ranks got SLURM's SIGTERM within a preemption's GraceTime (this shell did not)
+  fi
+  if [ -z "$_ctx_reason" ] && grep -qs ' signal=SIGUSR1 ' "$_ctx_attempt"/signals/rank-*.txt; then
+    # SLURM's warning went to the job step, not this shell (--signal=USR1@<s> without B:, or scancel --signal=USR1
+    # without --batch): the ranks handled it, saved and stopped, so the step ended early; counted as the warning
+    _ctx_reason=warned
+    _ctx_direct="warning=SIGUSR1 reached the ranks from SLURM directly, not through this script (--signal without \
+B:, or scancel --signal without --batch); counted as the time-limit warning: use --signal=B:USR1@<seconds>"
+    echo "ctx_plugin: the ranks got SIGUSR1 from SLURM directly (not this script): counted as the time-limit \
+warning; submit with --signal=B:USR1@<seconds>" >&2
   fi
   if [ "$_ctx_reason" = warned ]; then _ctx_after_warning "$rc"
   elif [ "$_ctx_reason" = preempting ]; then _ctx_after_preemption "$rc"

@@ -368,3 +368,33 @@ def test_bad_layout_job_says_so(cluster, tmp_path):
     cluster.wait(bad)
     status = _status(tmp_path / "bad")
     assert status["word"] == "failed" and "not a multiple" in status["reason"]
+
+
+def test_warning_to_the_step_counts_as_the_warning(cluster, tmp_path):
+    """SLURM's warning sent to the job step rather than the batch script (``--signal=USR1@<s>`` without ``B:``; here
+    ``scancel --signal=USR1`` without ``--batch``, which signals the steps alone): the ranks save and stop and the step
+    ends 0 without the script having been warned. It must not be recorded as completed: the ranks' records show the
+    warning, so the job requeues itself (``--requeue``), says so in the status, and attempt 2 resumes to the end."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA))
+    run = tmp_path / "direct"
+    job = _submit(cluster, tmp_path, "deepspeed.sbatch", "--requeue", "--nproc-per-node", "2", "--run-dir", str(run),
+                  "--ds-config", str(_ds_config(tmp_path / "ds2.json", 2)), "--", "-m", "ctx_plugin.train_hf",
+                  "--model", str(tmp_path / "model"), "--seq-len", "32", "--samples", "8", "--steps", "80", "--resume",
+                  "--report", str(tmp_path / "direct.json"))
+    _wait_for("the job to train a few steps", lambda: _logged(run, 1, "step     3"), 420)
+    subprocess.run(["scancel", "--signal=USR1", job], env=cluster.env, check=True, timeout=30)
+    _wait_for("the requeue", lambda: _status(run)["word"] == "requeued")
+    _wait_for("the job pending", lambda: _job_state(cluster, job) == "PENDING", 60)
+    time.sleep(3)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env, check=True)
+    cluster.wait(job)
+    first = _status(run / "attempt-1")
+    assert first["word"] == "requeued" and first["exit_code"] == "0", first
+    assert first["warning"].startswith("SIGUSR1 reached the ranks from SLURM directly"), first
+    assert "received: SIGUSR1 by ranks 0 1" in first["signals"], first
+    assert not (run / "attempt-1" / "signals" / "node-0.txt").exists()     # the script signalled no rank
+    status = _status(run)
+    assert status["word"] == "completed" and status["attempt"] == "2", status
+    assert _logged(run, 2, f"rank 0: resumed from {run}/checkpoints/step")
+    assert len(json.loads((tmp_path / "direct.json").read_text())["losses"]) == 80
