@@ -1,4 +1,4 @@
-"""The one source of names: backends and local kernels.
+"""The one source of names: backends, local kernels, recompute presets, frameworks.
 
 Command-line choices, JSON validation, documentation tables and test parametrization all read these
 enums; nothing else spells the names.
@@ -81,6 +81,17 @@ class Modifier(StrEnum):
     region's forward and brought back one region ahead in backward; at most ``<GiB>`` of host memory per rank."""
     OFFLOAD_ATTN = "offload_attn"
     """``offload_attn:<GiB>``: as ``offload``, and the pinned attention tensors too (same host budget)."""
+
+
+class Framework(StrEnum):
+    """The training frameworks ctx_plugin plugs into: what the memory model and the planner hold a layout's model
+    state to (:mod:`ctx_plugin.plan.frameworks` says which layouts each runs)."""
+
+    MEGATRON = "megatron"
+    """Megatron-LM / megatron-core: tensor parallelism, ZeRO 0 or 1 (``--use-distributed-optimizer``), bf16
+    gradients accumulated in fp32 by default."""
+    DEEPSPEED = "deepspeed"
+    """DeepSpeed (and Hugging Face models under it): ZeRO 0–3, optimizer offload, no tensor parallelism."""
 
 
 class Part(StrEnum):

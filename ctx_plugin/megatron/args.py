@@ -209,6 +209,7 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
         raise ValueError(f"--cp-recompute {recompute} is resolved from Megatron's {' and '.join(missing)}, which "
                          f"Megatron sets in validate_args/set_global_variables: call settings_from_args after them")
     from ..memory import ModelSpec, ParallelSpec, resolve
+    from ..names import Framework
 
     model = ModelSpec(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
                       kv_heads=(args.num_query_groups if getattr(args, "group_query_attention", False)
@@ -222,12 +223,16 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
                                                              or getattr(args, "add_qkv_bias", False)),
                       bias_activation_fusion=bool(getattr(args, "bias_swiglu_fusion" if getattr(args, "swiglu", False)
                                                           else "bias_gelu_fusion", True)))
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
+        else torch.float32
+    # validate_args's verdict on the gradient buffer (fp32 for bf16 unless --grad-reduce-in-bf16 / --main-grads-dtype)
+    fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", None)
     parallel = ParallelSpec(cp=args.context_parallel_size, backend=args.cp_backend,
                             ulysses_size=args.cp_ulysses_size, tp=getattr(args, "tensor_model_parallel_size", 1),
                             sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
                             dp=args.data_parallel_size,
-                            zero_stage=1 if getattr(args, "use_distributed_optimizer", False) else 0)
-    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
-        else torch.float32
+                            zero_stage=1 if getattr(args, "use_distributed_optimizer", False) else 0,
+                            framework=Framework.MEGATRON, grad_dtype=None if fp32_grads is None else
+                            torch.float32 if fp32_grads else dtype)
     return resolve(recompute, model, parallel, seq_len=args.seq_length, micro_batch=args.micro_batch_size,
                    dtype=dtype)

@@ -5,7 +5,7 @@
 """
 from .measure import saved_bytes
 from .model import GiB, MemoryEstimate, estimate, layer_activations, param_count, resolve
-from .specs import MODEL_PRESETS, ModelSpec, ParallelSpec
+from .specs import MODEL_PRESETS, ModelSpec, ParallelSpec, ZeroSettings
 
 __all__ = ["GiB", "MODEL_PRESETS", "MemoryEstimate", "ModelSpec", "ParallelSpec", "estimate", "layer_activations",
-           "param_count", "resolve", "saved_bytes"]
+           "param_count", "resolve", "saved_bytes", "ZeroSettings"]

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..names import Backend, Recompute
+from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig, candidates, regions
 from ..rules import SettingNames, check_heads, check_seq_len, check_tp_heads, document_unit
 from ..tiled_loss import auto_tokens
 from .blocks import layer_terms
 from .flops import Packing, check_documents, pack
 from .specs import ModelSpec, ParallelSpec, ceil_div
+from .state import model_state
 
 _NAMES = SettingNames(cp="cp", heads="query heads per tensor-parallel rank",
                       kv_heads="K/V heads per tensor-parallel rank")
@@ -170,8 +171,11 @@ class MemoryEstimate:
     """Bytes per GPU (one rank) for one training step's peak, and the recompute it costs."""
 
     params: int
+    """Parameters on the GPU through forward and backward (:mod:`ctx_plugin.memory.state`)."""
     grads: int
+    """Gradients alive at the backward's peak (the framework's buffer or partition, and full gradients in flight)."""
     optimizer: int
+    """fp32 master weights (16-bit training) and Adam's two moments."""
     activations: int
     """Kept for backward on the GPU after the forward: all layers (less what is offloaded), per-model tensors,
     the final norm/head inputs."""
@@ -197,12 +201,31 @@ class MemoryEstimate:
     with core_attn or +recompute_attn (re-run in backward), else 1."""
     family: str = "ctx_plugin"
     """The block family described (:attr:`ModelSpec.family`)."""
+    framework_buffers: int = 0
+    """The framework's buffers next to the activations: DeepSpeed's gradient reduction bucket and its copy, and
+    ZeRO-3's gathered parameters and a full parameter's gradient."""
+    step_peak: int = 0
+    """The model state at the optimizer step's peak (fp32 gradient copies and the update's temporaries; the
+    activations are gone by then)."""
+    framework: Framework = Framework.MEGATRON
+    """The framework whose model state is counted (:attr:`ParallelSpec.runs_on`)."""
+
+    @property
+    def training_peak(self) -> int:
+        """Model state + the framework's buffers + kept activations + the largest transient (loss, or backward +
+        communication)."""
+        return self.params + self.grads + self.optimizer + self.framework_buffers + self.activations + \
+            max(self.logits_peak, self.recompute_peak + self.cp_buffers)
 
     @property
     def peak(self) -> int:
-        """Static state + kept activations + the largest transient (loss, or backward + communication)."""
-        return self.params + self.grads + self.optimizer + self.activations + \
-            max(self.logits_peak, self.recompute_peak + self.cp_buffers)
+        """The larger of the forward/backward peak and the optimizer step's."""
+        return max(self.training_peak, self.step_peak)
+
+    @property
+    def offloaded_peak(self) -> int:
+        """The peak with the optimizer offloaded (DeepSpeed ZeRO-Offload: state and step on the host)."""
+        return self.training_peak - self.optimizer
 
     @property
     def fits_host(self) -> bool:
@@ -248,12 +271,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     documents = check_documents(documents)
     e = torch.empty((), dtype=dtype).element_size()
     acc = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
-    n_params = param_count(model, parallel.tp)
-    opt_bytes = 8 if dtype == torch.float32 else 12
-    z, shards = parallel.zero_stage, parallel.shard_degree
-    params = n_params * e // (shards if z >= 3 else 1)
-    grads = n_params * e // (shards if z >= 2 else 1)
-    optimizer = n_params * opt_bytes // (shards if z >= 1 else 1)
+    state = model_state(model, parallel, param_count(model, parallel.tp), dtype)
     per_layer = layer_activations(model, parallel, recompute, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                                   device=device)
     k = layer_terms(model, parallel, seq_len, micro_batch, dtype, device)
@@ -294,7 +312,9 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
         loss_tokens = min(t, recompute.loss_tokens or auto_tokens(vocab))
         extra += 2 * t * model.hidden * vocab      # the head's forward runs again, chunk by chunk, in backward
     passes = 2 if preset == Recompute.CORE_ATTN or recompute.recompute_attention else 1
-    return MemoryEstimate(params=params, grads=grads, optimizer=optimizer, activations=activations,
+    return MemoryEstimate(params=state.params, grads=state.grads, optimizer=state.optimizer,
+                          framework_buffers=state.buffers + state.gathered, step_peak=state.step,
+                          framework=parallel.runs_on, activations=activations,
                           per_layer=per_layer, recompute_peak=max(backward - activations, k.norm_bwd, 0),
                           cp_buffers=_cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc, device),
                           logits_peak=loss_tokens * vocab * 3 * acc, recompute_fraction=extra / step,

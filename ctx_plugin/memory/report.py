@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..cliargs import output_file, positive_float, positive_int, read_json_object, tokens
-from ..names import Backend, Recompute
+from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig
 from ..rules import SettingNames, check_sequence_parallel, check_tp_heads
 from .flops import describe as describe_documents
@@ -110,6 +110,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel size")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage (distributed optimizer = 1)")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--framework", default=None, choices=[f.value for f in Framework],
+                   help="whose model state to count (default: deepspeed for --zero 2/3, else megatron)")
+    p.add_argument("--grad-dtype", default=None, choices=list(DTYPES),
+                   help="the gradient buffer's dtype (default: the framework's: Megatron fp32 for bf16 training, "
+                        "e.g. bf16 for --grad-reduce-in-bf16; DeepSpeed the training dtype)")
     p.add_argument("--budget", type=positive_float, default=None, help="GiB per GPU: also report the preset budget:<GiB> picks")
     p.add_argument("--recompute", type=recompute_arg, default=None,
                    help="one recompute preset with modifiers to report instead of the preset table, e.g. "
@@ -147,7 +152,7 @@ def need_matplotlib() -> None:
 
 
 def _row(name: str, est: MemoryEstimate, width: int = 16) -> str:
-    static = (est.params + est.grads + est.optimizer) / GiB
+    static = (est.params + est.grads + est.optimizer + est.framework_buffers) / GiB
     return (f"{name:<{width}} {est.activations / GiB:>11.1f} {est.recompute_peak / GiB:>10.1f} "
             f"{est.cp_buffers / GiB:>8.2f} {est.logits_peak / GiB:>8.1f} {static:>14.1f} {est.peak / GiB:>9.1f} "
             f"{100 * est.recompute_fraction:>9.1f}% {est.host / GiB:>8.1f}")
@@ -164,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
     if family is not None and family != model.family:
         model = replace(model, family=family)
     parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
-                            sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero)
+                            sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero,
+                            framework=args.framework,
+                            grad_dtype=None if args.grad_dtype is None else DTYPES[args.grad_dtype])
     check_tp_heads(model.heads, model.kv_heads, parallel.tp, _NAMES, replicate_kv=False)
     if parallel.sequence_parallel:
         check_sequence_parallel(parallel.cp_config, args.seq_len, parallel.cp, parallel.tp, _NAMES)
@@ -191,13 +198,17 @@ def run(args: argparse.Namespace) -> int:
     qk = ", with per-head q/k norms (Qwen3)" if model.qk_norm else ""
     print(f"blocks: {model.family} ({_FAMILY_TEXT[model.family]}{qk})")
     print(f"parallel: cp={parallel.cp} ({parallel.backend}), tp={parallel.tp}, dp={parallel.dp} = {gpus} GPUs, "
-          f"ZeRO-{parallel.zero_stage}; GiB per GPU")
+          f"ZeRO-{parallel.zero_stage}, model state as {parallel.runs_on.value} holds it; GiB per GPU")
     if documents is not None:
         print(f"documents: {describe_documents(documents)}; memory as for one document (every saved tensor is per "
               f"token), extra FLOPs against the attention of the pairs inside each document")
     print(f"{'preset':<{width}} {'activations':>11} {'recompute':>10} {'cp bufs':>8} {'logits':>8} "
-          f"{'params+grad+opt':>14} {'peak':>9} {'extra FLOPs':>10} {'host':>8}")
+          f"{'model state':>14} {'peak':>9} {'extra FLOPs':>10} {'host':>8}")
     print("\n".join(rows))
+    first = estimate(model, parallel, presets[0], **kw)
+    print(f"model state: parameters {first.params / GiB:.1f}, gradients {first.grads / GiB:.1f}, optimizer "
+          f"{first.optimizer / GiB:.1f}, {first.framework.value}'s buffers {first.framework_buffers / GiB:.1f}; at the "
+          f"optimizer step {first.step_peak / GiB:.1f} (the peak when it is larger)")
     if chosen is not None:
         print(f"{budget} → {chosen} (fewest extra FLOPs among the presets that fit)")
     if args.plot:

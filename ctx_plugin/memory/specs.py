@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import CPConfig
-from ..names import Backend, parse_enum
+import torch
+
+from ..names import Backend, Framework, parse_enum
 from ..rules import SettingNames, check_ulysses_size
 
 _NAMES = SettingNames(cp="cp")
@@ -182,6 +184,41 @@ def _hf_int(config: dict, key: str) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ZeroSettings:
+    """DeepSpeed's zero_optimization settings that size its buffers (elements; its defaults, DeepSpeed 0.19.8):
+    :func:`ctx_plugin.memory.state.deepspeed_state`."""
+
+    reduce_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():      # DeepSpeed configs write 5e8
+                object.__setattr__(self, name, value := int(value))
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name.endswith("size") else 0):
+                raise ValueError(f"zero_optimization.{name} must be a {'positive' if name.endswith('size') else 'non-negative'} "
+                                 f"number of elements, got {value!r}")
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ZeroSettings":
+        """The settings of a DeepSpeed config (its ``zero_optimization`` section; missing keys keep DeepSpeed's
+        defaults). "auto" (resolved by the HF Trainer) is refused: give the number."""
+        section = config.get("zero_optimization", {}) if isinstance(config, dict) else None
+        if not isinstance(section, dict):
+            raise ValueError("the DeepSpeed config's zero_optimization must be an object")
+        values = {k: section[k] for k in cls.__dataclass_fields__ if k in section}
+        auto = [k for k, v in values.items() if v == "auto"]
+        if auto:
+            raise ValueError(f"zero_optimization {', '.join(auto)}: \"auto\" is resolved by the HF Trainer from the "
+                             f"model; give the number of elements it resolves to")
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelSpec:
     """How one training step is spread over GPUs."""
 
@@ -199,6 +236,14 @@ class ParallelSpec:
     """Data-parallel size."""
     zero_stage: int = 0
     """0 (replicated), 1 (optimizer state sharded over dp×cp), 2 (+ gradients), 3 (+ parameters)."""
+    framework: Framework | None = None
+    """The framework whose model state is counted (:mod:`ctx_plugin.memory.state`); None: :attr:`runs_on`."""
+    zero_settings: ZeroSettings = ZeroSettings()
+    """DeepSpeed's bucket sizes (its defaults unless given; Megatron's buffers do not depend on them)."""
+    grad_dtype: torch.dtype | None = None
+    """The gradient buffer's dtype; None: the framework's default for the training dtype (Megatron: fp32 for bf16
+    training; DeepSpeed: the training dtype). Megatron takes fp32 or the training dtype (``--grad-reduce-in-bf16``);
+    DeepSpeed only the training dtype."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", parse_enum(Backend, self.backend, "backend"))
@@ -207,6 +252,18 @@ class ParallelSpec:
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
+        if self.framework is not None:
+            object.__setattr__(self, "framework", parse_enum(Framework, self.framework, "framework"))
+        if self.framework == Framework.MEGATRON and self.zero_stage > 1:
+            raise ValueError(f"framework megatron with zero_stage {self.zero_stage}: Megatron's distributed "
+                             f"optimizer is ZeRO-1 (zero_stage 0 or 1); ZeRO-2/3 are DeepSpeed's (framework "
+                             f"deepspeed)")
+        if self.framework == Framework.DEEPSPEED and self.tp > 1:
+            raise ValueError(f"framework deepspeed with tp={self.tp}: DeepSpeed's context_parallel section has no "
+                             f"tensor parallelism; use tp 1, or framework megatron (ZeRO 0 or 1)")
+        if self.grad_dtype is not None and self.grad_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"grad_dtype must be torch.float32, torch.bfloat16, torch.float16 or None, got "
+                            f"{self.grad_dtype!r}")
         if self.backend == Backend.ULYSSES_RING:
             check_ulysses_size(self.cp_config, self.cp, _NAMES)
         elif self.ulysses_size != 1:
@@ -221,6 +278,15 @@ class ParallelSpec:
     def ulysses(self) -> int:
         """Ranks of the all-to-all axis."""
         return self.cp if self.backend == Backend.ULYSSES else self.ulysses_size
+
+    @property
+    def runs_on(self) -> Framework:
+        """:attr:`framework`, else the framework the layout needs: DeepSpeed for ZeRO-2/3, else Megatron (which
+        runs tensor parallelism; where both run a layout, its fp32 gradients outweigh DeepSpeed's 2 GB of buckets
+        from about a billion parameters)."""
+        if self.framework is not None:
+            return self.framework
+        return Framework.DEEPSPEED if self.zero_stage >= 2 else Framework.MEGATRON
 
     @property
     def shard_degree(self) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import CPConfig
-from ..memory.specs import ModelSpec, ParallelSpec
+from ..memory.specs import ModelSpec, ParallelSpec, ZeroSettings
 from ..recompute.presets import RecomputeConfig, candidates
 from ..rules import sequence_unit
 from .cluster import Cluster
@@ -39,7 +39,8 @@ MAX_TOKENS = 2**34
 
 
 def parallel_layouts(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int],
-                     zero_stages: Iterable[int] = (0,)) -> list[ParallelSpec]:
+                     zero_stages: Iterable[int] = (0,), zero_settings: ZeroSettings = ZeroSettings()
+                     ) -> list[ParallelSpec]:
     """Every layout (tp × cp × backend × Ulysses size, dp the rest) whose heads split and that a framework runs at
     one of ``zero_stages`` (:mod:`.frameworks`: tp > 1 at ZeRO 0 or 1); ZeRO stage 0, sequence parallelism with
     tp > 1."""
@@ -50,7 +51,7 @@ def parallel_layouts(model: ModelSpec, cluster: Cluster, tp_options: Iterable[in
         for cp in divisors(cluster.gpus // tp):
             for backend, u in layouts(cp):
                 parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
-                                        dp=cluster.gpus // (tp * cp))
+                                        dp=cluster.gpus // (tp * cp), zero_settings=zero_settings)
                 try:
                     check_heads_split(model, parallel)
                 except ValueError:
@@ -98,10 +99,12 @@ def _overflow(fp: Footprint, cluster: Cluster) -> float:
 
 def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (1,),
             zero_stages: Iterable[int] = (0, 1, 2, 3), presets: Iterable[RecomputeConfig | str] | None = None,
-            micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, documents=None) -> Longest:
+            micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, documents=None,
+            zero_settings: ZeroSettings = ZeroSettings()) -> Longest:
     """The longest sequence that fits, its fastest configurations and the one closest to fitting one unit longer
     (see the module docstring); ValueError when nothing fits even one unit. ``documents`` (packed documents: None,
-    a mean length or lengths) change the step times, not the memory, so not the length found."""
+    a mean length or lengths) change the step times, not the memory, so not the length found. ``zero_settings``:
+    DeepSpeed's bucket sizes (its defaults), which size its buffers at ZeRO-2/3 (:mod:`ctx_plugin.memory.state`)."""
     if not isinstance(model, ModelSpec) or not isinstance(cluster, Cluster):
         raise TypeError("longest(model=ModelSpec, cluster=Cluster, ...)")
     stages = tuple(sorted(set(zero_stages)))
@@ -115,7 +118,7 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
     if not presets:
         raise ValueError("give at least one recompute preset")
     check_search(_check_tp(model, cluster, tp_options), stages)
-    parallels = parallel_layouts(model, cluster, tp_options, stages)
+    parallels = parallel_layouts(model, cluster, tp_options, stages, zero_settings)
     if not parallels:
         raise ValueError(f"no parallel layout splits {model.name}'s heads over {cluster.gpus} GPUs")
     step = unit(parallels)
@@ -197,7 +200,8 @@ def binding(p: Prediction, cluster: Cluster) -> str:
     parts = {"activations kept for backward": est.activations,
              f"transient ({transient_name})": max(est.logits_peak, est.recompute_peak + est.cp_buffers),
              "parameters": est.params, "gradients": est.grads,
-             "optimizer state": 0 if p.offload_optimizer else est.optimizer}
+             "optimizer state": 0 if p.offload_optimizer else est.optimizer,
+             f"{est.framework.value}'s buffers": est.framework_buffers}
     largest = max(parts, key=parts.get)
     text = ", ".join(f"{name} {value / gib:,.1f}" for name, value in sorted(parts.items(), key=lambda kv: -kv[1]))
     over = (p.memory_bytes - cluster.gpu_memory_gib * gib) / 2**20

@@ -171,7 +171,7 @@ def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConf
     gpu, host, opt_s = est.peak, est.host, 0.0
     if offload_optimizer:
         opt_host, opt_s = optimizer_offload(param_count(model, p.tp), p.shard_degree, dtype.itemsize, c)
-        gpu, host = gpu - est.optimizer, host + opt_host
+        gpu, host = est.offloaded_peak, host + opt_host
     return Footprint(estimate=est, gpu_bytes=gpu, host_bytes=host, optimizer_s=opt_s,
                      gpu_fits=gpu <= c.gpu_memory_gib * 2**30,
                      host_fits=host <= c.host_bytes_per_rank and est.fits_host)

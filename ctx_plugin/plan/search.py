@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 
 from ..config import CPConfig
-from ..memory.specs import ModelSpec, ParallelSpec
+from ..memory.specs import ModelSpec, ParallelSpec, ZeroSettings
 from ..names import Backend, Recompute
 from ..recompute.presets import RecomputeConfig, candidates
 from ..rules import check_tp_heads
@@ -85,7 +85,8 @@ def tp_sizes(model: ModelSpec, cluster: Cluster) -> list[int]:
 def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_batch: int = 1,
                     dtype: torch.dtype = torch.bfloat16, tp_options: Iterable[int] = (1,),
                     presets: Iterable[RecomputeConfig | str] | None = None, zero_stage: int | Iterable[int] = 1,
-                    modifiers: bool = False, documents=None) -> list[Prediction]:
+                    modifiers: bool = False, documents=None,
+                    zero_settings: ZeroSettings = ZeroSettings()) -> list[Prediction]:
     """Every valid configuration's prediction, best first (see the module docstring). ``zero_stage`` 1 is Megatron's
     distributed optimizer (several stages: each is tried); ``presets`` defaults to the memory model's candidates.
     ``modifiers``: each layout × preset also with the memory modifiers, activation offload and optimizer offload
@@ -94,7 +95,7 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
     configuration fits at all, also each such preset's memory-saving setting with the least GPU memory
     (:func:`ctx_plugin.plan.variants.saving_sets`), so that what comes closest, which :func:`explain` names, may
     carry modifiers. ``documents``: each sequence's packed documents (None, a mean length or lengths;
-    :func:`predict`)."""
+    :func:`predict`). ``zero_settings``: DeepSpeed's bucket sizes (:class:`ctx_plugin.memory.ZeroSettings`)."""
     if not isinstance(model, ModelSpec) or not isinstance(cluster, Cluster):
         raise TypeError("enumerate_plans(model=ModelSpec, seq_len, cluster=Cluster, ...)")
     stages = tuple(sorted(set([zero_stage] if isinstance(zero_stage, int) else zero_stage)))
@@ -118,7 +119,8 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
             for backend, u in layouts(cp):
                 try:
                     parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
-                                            dp=cluster.gpus // (tp * cp), zero_stage=tp_stages[-1])
+                                            dp=cluster.gpus // (tp * cp), zero_stage=tp_stages[-1],
+                                            zero_settings=zero_settings)
                     check_heads_split(model, parallel)
                     if modifiers:
                         row, near = _with_modifiers(model, parallel, presets, tp_stages, seq_len, cluster,

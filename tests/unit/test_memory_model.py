@@ -23,9 +23,9 @@ def test_zero_stages_shard_over_data_and_context_ranks():
     z1 = estimate(LLAMA, ParallelSpec(cp=4, dp=2, zero_stage=1), "none", **kw)
     z3 = estimate(LLAMA, ParallelSpec(cp=4, dp=2, zero_stage=3), "none", **kw)
     n = param_count(LLAMA)
-    assert base.params == 2 * n and base.grads == 2 * n and base.optimizer == 12 * n
-    assert z1.optimizer == 12 * n // 8 and z1.grads == 2 * n
-    assert z3.params == 2 * n // 8 and z3.grads == 2 * n // 8
+    assert base.params == 2 * n and base.grads == 4 * n and base.optimizer == 12 * n     # Megatron: fp32 grads
+    assert z1.optimizer == 12 * n // 8 and z1.grads == 4 * n
+    assert 2 * n // 8 <= z3.params < 2 * n // 8 + 2**20 and z3.grads == 2 * n // 8      # DeepSpeed's ZeRO-3
     assert base.activations == z3.activations
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ctx_plugin.cli import main
-from ctx_plugin.memory import ModelSpec, ParallelSpec, estimate
+from ctx_plugin.memory import ModelSpec, ParallelSpec, ZeroSettings, estimate
 from ctx_plugin.memory.model import layer_flops, param_count
 from ctx_plugin.plan import Cluster, predict
 from ctx_plugin.plan.costs import copy_exposed, mlp_chunks, optimizer_offload, tile_mlp_forwards
@@ -159,6 +159,8 @@ def test_mfu_is_model_flops_over_step_time_and_peak():
 
 SMALL = ModelSpec(layers=3, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=3000)    # the logits weigh most
 DEEP = ModelSpec(layers=4, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=256)       # the layers weigh most
+# DeepSpeed's buckets scaled to these models (its defaults, 5e8 elements, would be all of a few MiB GPU)
+TOY = ZeroSettings(reduce_bucket_size=1000, stage3_prefetch_bucket_size=1000, stage3_max_reuse_distance=2000)
 
 
 def two_gpus(gpu_mib: float, host_mib: float) -> Cluster:
@@ -169,7 +171,7 @@ def two_gpus(gpu_mib: float, host_mib: float) -> Cluster:
 def brute_force_fits(model: ModelSpec, c: Cluster, seq_len: int, stages=(0, 3), tps=(1,)) -> list:
     """Every configuration (no dominance rule) that fits at ``seq_len`` and that a framework runs, predicted."""
     out = []
-    for layout in parallel_layouts(model, c, tps, stages):
+    for layout in parallel_layouts(model, c, tps, stages, zero_settings=TOY):
         for z, base in itertools.product(stages, candidates(model.layers)):
             parallel = replace(layout, zero_stage=z)
             for s in settings(base, optimizer=z >= 1, offload=True):
@@ -190,7 +192,7 @@ def brute_force_fits(model: ModelSpec, c: Cluster, seq_len: int, stages=(0, 3), 
                                                      (DEEP, 8, 4), (DEEP, 8, 1000)])
 def test_longest_equals_a_brute_force_scan(model, gpu_mib, host_mib):
     c = two_gpus(gpu_mib, host_mib)
-    result = longest(model, c, zero_stages=(0, 3))
+    result = longest(model, c, zero_stages=(0, 3), zero_settings=TOY)
     step = unit(parallel_layouts(model, c, (1,)))
     assert result.unit == step == 4 and result.seq_len % step == 0
     at = brute_force_fits(model, c, result.seq_len)
@@ -212,9 +214,9 @@ def test_longest_with_tensor_parallelism_equals_a_brute_force_scan(model, gpus, 
     c = Cluster(nodes=1, gpus_per_node=gpus, gpu_memory_gib=gpu_mib / 1024, host_memory_gib=host_mib / 1024,
                 host_reserve_gib=0.0)
     stages = (0, 1, 3)
-    result = longest(model, c, tp_options=tps, zero_stages=stages)
-    step = unit(parallel_layouts(model, c, tps, stages))
-    assert {p.tp for p in parallel_layouts(model, c, tps, stages)} == set(tps)
+    result = longest(model, c, tp_options=tps, zero_stages=stages, zero_settings=TOY)
+    step = unit(parallel_layouts(model, c, tps, stages, zero_settings=TOY))
+    assert {p.tp for p in parallel_layouts(model, c, tps, stages, zero_settings=TOY)} == set(tps)
     assert result.unit == step and result.seq_len % step == 0
     at = brute_force_fits(model, c, result.seq_len, stages=stages, tps=tps)
     assert at, "the brute force finds nothing that fits at the planner's longest length"
@@ -226,7 +228,7 @@ def test_longest_with_tensor_parallelism_equals_a_brute_force_scan(model, gpus, 
 
 
 def test_more_host_memory_never_shortens_the_longest_sequence():
-    results = [longest(DEEP, two_gpus(8, h), zero_stages=(0, 3)) for h in (0.5, 1, 2, 4, 8, 1000)]
+    results = [longest(DEEP, two_gpus(8, h), zero_stages=(0, 3), zero_settings=TOY) for h in (0.5, 1, 2, 4, 8, 1000)]
     lengths = [r.seq_len for r in results]
     assert lengths == sorted(lengths) and lengths[-1] > lengths[0]
     # where host memory holds the length back, a configuration that fits its GPUs one unit longer says so
@@ -237,7 +239,7 @@ def test_more_host_memory_never_shortens_the_longest_sequence():
 
 def test_nothing_fits_is_one_clear_error():
     with pytest.raises(ValueError, match="nothing fits even"):
-        longest(SMALL, Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=1e-4))
+        longest(SMALL, Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=1e-4), zero_settings=TOY)
 
 
 # ---------------------------------------------------------------- the command
@@ -303,15 +305,15 @@ def test_readme_table_is_what_the_planner_prints(capsys):
 
 def test_summary_names_the_binding_term():
     c = Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=40 / 1024, host_memory_gib=40 / 1024, host_reserve_gib=0.0)
-    text = summary(longest(SMALL, c, zero_stages=(0, 3)), c)
+    text = summary(longest(SMALL, c, zero_stages=(0, 3), zero_settings=TOY), c)
     assert "longest sequence: " in text and "fastest configuration there: " in text
     assert re.search(r"does not fit: (GPU memory binds: .* over; its largest part is|host memory binds: )", text)
 
 
 def test_fitting_yields_exactly_the_minimal_fitting_settings_at_their_lowest_stage():
     c, stages = two_gpus(8, 4), (0, 1, 3)
-    layout = ParallelSpec(cp=2, backend="zigzag", dp=1)
-    result = longest(DEEP, c, zero_stages=(0, 3))
+    layout = ParallelSpec(cp=2, backend="zigzag", dp=1, zero_settings=TOY)
+    result = longest(DEEP, c, zero_stages=(0, 3), zero_settings=TOY)
     for seq_len in (result.seq_len // 16 * 4, result.seq_len * 3 // 32 * 4, result.seq_len * 5 // 32 * 4):
         check = Checker(DEEP, c, seq_len, micro_batch=1, dtype=torch.bfloat16)
         got = {(rec, opt, par.zero_stage) for par, rec, opt, _ in fitting(check, layout, candidates(DEEP.layers), stages)}

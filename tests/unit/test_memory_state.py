@@ -1,0 +1,101 @@
+"""The model state the memory model counts per framework (:mod:`ctx_plugin.memory.state`), against figures that
+do not come from it: Megatron's documented bytes per parameter (its distributed optimizer's "6 + 12/d" with fp32
+gradients under bf16) and the bytes measured on real DeepSpeed 0.19.8 engines on two CPU ranks (live tensor
+storages after the step and at the step's peak, foreach Adam, bf16, P = 3,281,920 parameters, largest 409,600,
+5,120 below the persistence threshold, reduce bucket 1e6 elements; the measurement also holds the batch and the
+activations, about 0.02 MB)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctx_plugin.memory import ModelSpec, ParallelSpec, ZeroSettings, estimate, param_count
+from ctx_plugin.memory.state import deepspeed_state, megatron_state
+from ctx_plugin.names import Framework
+
+LLAMA = ModelSpec.preset("llama3-8b")
+P, N, LARGEST, PERSISTENT = 3_281_920, 2, 409_600, 5_120
+BUCKET = ZeroSettings(reduce_bucket_size=1_000_000, stage3_prefetch_bucket_size=1_000_000)
+
+
+def _ds(stage: int):
+    return deepspeed_state(P, stage, N, torch.bfloat16, BUCKET, largest=LARGEST, persistent=PERSISTENT)
+
+
+@pytest.mark.parametrize("stage, measured_mb", [(0, 78.787), (1, 39.404), (2, 39.404), (3, 41.404)])
+def test_deepspeed_step_peak_is_the_measured_one(stage, measured_mb):
+    got = _ds(stage).step / 1e6
+    assert measured_mb - 0.03 <= got <= measured_mb, (stage, got)
+
+
+@pytest.mark.parametrize("stage, measured_mb", [(0, 45.947), (1, 26.255), (3, 28.266)])
+def test_deepspeed_state_after_the_step_is_the_measured_one(stage, measured_mb):
+    s = _ds(stage)
+    kept = s.params + s.optimizer + (s.buffers // 2 if stage == 3 else 0)       # ZeRO-3 keeps its bucket
+    kept += s.grads if stage == 3 else 0                                        # and its gradient partition
+    assert abs(kept / 1e6 - measured_mb) < 0.005, (stage, kept)
+
+
+def test_megatron_distributed_optimizer_is_6_plus_12_over_d_bytes_per_parameter():
+    n = param_count(LLAMA)
+    est = estimate(LLAMA, ParallelSpec(cp=4, dp=2, zero_stage=1), "full", seq_len=8192)
+    assert est.framework == Framework.MEGATRON
+    assert (est.params, est.grads, est.optimizer, est.framework_buffers) == (2 * n, 4 * n, 12 * n // 8, 0)
+    replicated = estimate(LLAMA, ParallelSpec(cp=4, dp=2), "full", seq_len=8192)
+    assert replicated.params + replicated.grads + replicated.optimizer == 18 * n
+    bf16 = megatron_state(n, 1, 8, torch.bfloat16, torch.bfloat16)         # --grad-reduce-in-bf16
+    assert bf16.grads == 2 * n and bf16.step == 4 * n + 12 * n // 8 + 4 * n // 8
+    fp32 = megatron_state(n, 0, 8, torch.float32, torch.float32)
+    assert (fp32.params, fp32.grads, fp32.optimizer, fp32.step) == (4 * n, 4 * n, 8 * n, 16 * n)
+
+
+def test_deepspeed_stages_and_their_buffers_at_scale():
+    n, kw = param_count(LLAMA), dict(seq_len=8192, dtype=torch.bfloat16)
+    z1 = estimate(LLAMA, ParallelSpec(cp=8, zero_stage=1, framework="deepspeed"), "full", **kw)
+    z2 = estimate(LLAMA, ParallelSpec(cp=8, zero_stage=2), "full", **kw)
+    z3 = estimate(LLAMA, ParallelSpec(cp=8, zero_stage=3), "full", **kw)
+    assert z2.framework == z3.framework == z1.framework == Framework.DEEPSPEED
+    bucket, head = 500_000_000, LLAMA.vocab * LLAMA.hidden
+    assert z1.grads == 2 * n + 2 * n // 8 and z2.grads == 2 * n // 8 + 2 * head
+    assert z1.framework_buffers == z2.framework_buffers == 4 * bucket
+    assert z3.params < 2 * n // 8 + 2_000_000 and z3.grads == 2 * n // 8
+    # ZeRO-3: bucket and its copy, the head gathered and its full gradient, the prefetch, half the reuse distance
+    assert z3.framework_buffers == 4 * bucket + 2 * (500_000_000 + head + 50_000_000) + 2 * head
+    # at 8k tokens the step binds: the fp32 copy of a whole sub-group (1e9 of its 1.004e9 elements) and Adam's temporary (8 GB)
+    assert z3.peak == z3.step_peak == z3.params + z3.grads + z3.optimizer + 2 * bucket + 8 * 10**9 > z3.training_peak
+    long = estimate(LLAMA, ParallelSpec(cp=8, zero_stage=3), "full", seq_len=1 << 20)
+    assert long.peak == long.training_peak > long.step_peak
+
+
+def test_zero_settings_from_a_deepspeed_config():
+    z = ZeroSettings.from_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7}})
+    assert z.reduce_bucket_size == 50_000_000 and z.stage3_prefetch_bucket_size == 50_000_000
+    with pytest.raises(ValueError, match="auto"):
+        ZeroSettings.from_config({"zero_optimization": {"reduce_bucket_size": "auto"}})
+    with pytest.raises(ValueError, match="positive"):
+        ZeroSettings(reduce_bucket_size=0)
+    small = estimate(LLAMA, ParallelSpec(cp=8, zero_stage=2, zero_settings=z), "full", seq_len=8192)
+    assert small.framework_buffers == 4 * 50_000_000
+
+
+def test_a_framework_that_does_not_run_the_layout_is_refused():
+    with pytest.raises(ValueError, match="ZeRO-2/3 are DeepSpeed's"):
+        ParallelSpec(zero_stage=2, framework="megatron")
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        ParallelSpec(tp=2, framework="deepspeed")
+    with pytest.raises(ValueError, match="grad_accum_dtype"):
+        estimate(LLAMA, ParallelSpec(cp=8, zero_stage=3, grad_dtype=torch.float32), "full", seq_len=8192)
+
+
+def test_the_memory_command_counts_the_framework_it_is_told(capsys):
+    from ctx_plugin.cli import main
+
+    base = ["memory", "--model", "llama3-8b", "--seq-len", "128k", "--cp", "8", "--recompute", "full"]
+    lines = {}
+    for extra in ([], ["--framework", "deepspeed"], ["--grad-dtype", "bf16"]):
+        assert main(base + extra) == 0
+        lines[tuple(extra)] = [l for l in capsys.readouterr().out.splitlines() if l.startswith("model state:")][0]
+    assert "gradients 29.9" in lines[()] and "megatron's buffers 0.0" in lines[()]
+    assert "gradients 16.8" in lines[("--framework", "deepspeed")]                 # 2P + the 2P/8 partition
+    assert "deepspeed's buffers 1.9" in lines[("--framework", "deepspeed")]        # bucket + its copy: 2 GB
+    assert "gradients 15.0" in lines[("--grad-dtype", "bf16")]
