@@ -25,6 +25,7 @@ import torch
 
 from ..config import CPConfig
 from ..memory.specs import ModelSpec, ParallelSpec, ZeroSettings
+from ..names import Framework
 from ..recompute.presets import RecomputeConfig, candidates
 from ..rules import sequence_unit
 from .cluster import Cluster
@@ -39,19 +40,20 @@ MAX_TOKENS = 2**34
 
 
 def parallel_layouts(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int],
-                     zero_stages: Iterable[int] = (0,), zero_settings: ZeroSettings = ZeroSettings()
-                     ) -> list[ParallelSpec]:
+                     zero_stages: Iterable[int] = (0,), zero_settings: ZeroSettings = ZeroSettings(),
+                     framework: Framework | None = None) -> list[ParallelSpec]:
     """Every layout (tp × cp × backend × Ulysses size, dp the rest) whose heads split and that a framework runs at
     one of ``zero_stages`` (:mod:`.frameworks`: tp > 1 at ZeRO 0 or 1); ZeRO stage 0, sequence parallelism with
     tp > 1."""
     out = []
     for tp in _check_tp(model, cluster, tp_options):
-        if not runnable_stages(tp, zero_stages):
+        if not runnable_stages(tp, zero_stages, framework):
             continue
         for cp in divisors(cluster.gpus // tp):
             for backend, u in layouts(cp):
                 parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
-                                        dp=cluster.gpus // (tp * cp), zero_settings=zero_settings)
+                                        dp=cluster.gpus // (tp * cp), zero_settings=zero_settings,
+                                        framework=framework)
                 try:
                     check_heads_split(model, parallel)
                 except ValueError:
@@ -100,11 +102,12 @@ def _overflow(fp: Footprint, cluster: Cluster) -> float:
 def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (1,),
             zero_stages: Iterable[int] = (0, 1, 2, 3), presets: Iterable[RecomputeConfig | str] | None = None,
             micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, documents=None,
-            zero_settings: ZeroSettings = ZeroSettings()) -> Longest:
+            zero_settings: ZeroSettings = ZeroSettings(), framework: Framework | None = None) -> Longest:
     """The longest sequence that fits, its fastest configurations and the one closest to fitting one unit longer
     (see the module docstring); ValueError when nothing fits even one unit. ``documents`` (packed documents: None,
     a mean length or lengths) change the step times, not the memory, so not the length found. ``zero_settings``:
-    DeepSpeed's bucket sizes (its defaults), which size its buffers at ZeRO-2/3 (:mod:`ctx_plugin.memory.state`)."""
+    DeepSpeed's bucket sizes (its defaults), which size its buffers at ZeRO-2/3 (:mod:`ctx_plugin.memory.state`);
+    ``framework``: search only what it runs, with its model state (:mod:`.frameworks`)."""
     if not isinstance(model, ModelSpec) or not isinstance(cluster, Cluster):
         raise TypeError("longest(model=ModelSpec, cluster=Cluster, ...)")
     stages = tuple(sorted(set(zero_stages)))
@@ -117,8 +120,8 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
     presets = candidates(model.layers) if presets is None else [RecomputeConfig.parse(p) for p in presets]
     if not presets:
         raise ValueError("give at least one recompute preset")
-    check_search(_check_tp(model, cluster, tp_options), stages)
-    parallels = parallel_layouts(model, cluster, tp_options, stages, zero_settings)
+    check_search(_check_tp(model, cluster, tp_options), stages, framework)
+    parallels = parallel_layouts(model, cluster, tp_options, stages, zero_settings, framework)
     if not parallels:
         raise ValueError(f"no parallel layout splits {model.name}'s heads over {cluster.gpus} GPUs")
     step = unit(parallels)
@@ -126,9 +129,9 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
     # length; the answer is the largest of those. Take the trial that fits the current length with most room,
     # find its longest length (doubling, then bisection), then keep only the trials that fit one unit longer
     # and repeat until none does: every trial that fails a length is never tried again.
-    tops = [replace(p, zero_stage=runnable_stages(p.tp, stages)[-1]) for p in parallels]
+    tops = [replace(p, zero_stage=runnable_stages(p.tp, stages, framework)[-1]) for p in parallels]
     trials = [(top, base, s) for top in tops for base in memory_presets(presets)
-              for s in saving_sets(base, optimizer=runnable(top.tp, top.zero_stage, True), offload=True)]
+              for s in saving_sets(base, optimizer=runnable(top.tp, top.zero_stage, True, framework), offload=True)]
     checkers: dict[int, Checker] = {}
 
     def at(j: int, k: int):

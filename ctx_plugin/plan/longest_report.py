@@ -5,6 +5,7 @@ import argparse
 
 from ..memory.report import DTYPES, documents_from
 from ..memory.specs import ModelSpec
+from ..names import Framework
 from .cluster import Cluster
 from .frameworks import excluded
 from .longest import Longest, binding, longest
@@ -49,15 +50,16 @@ def summary(result: Longest, cluster: Cluster) -> str:
 
 
 def run_longest(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> int:
-    stages = args.zero or [0, 1, 2, 3]
-    from .report import print_documents
+    stages = args.zero or ([0, 1] if args.framework == Framework.MEGATRON else [0, 1, 2, 3])
+    from .report import framework_options, print_documents, state_text
     documents = documents_from(args)
     result = longest(model, cluster, tp_options=args.tp, zero_stages=stages, micro_batch=args.micro_batch,
-                     dtype=DTYPES[args.dtype], documents=documents)
+                     dtype=DTYPES[args.dtype], documents=documents, **framework_options(args))
     print_header(model, cluster)
     print(f"search: micro-batch {args.micro_batch}, {args.dtype}, ZeRO {'/'.join(map(str, sorted(set(stages))))}, "
-          f"tp {'/'.join(map(str, args.tp))}, every backend, recompute preset, modifier and optimizer offload")
-    if (note := excluded(args.tp, stages, True)) is not None:
+          f"tp {'/'.join(map(str, args.tp))}, every backend, recompute preset, modifier and optimizer offload; "
+          f"{state_text(args.framework)}")
+    if (note := excluded(args.tp, stages, True, args.framework)) is not None:
         print(note)
     print_documents(documents)
     print(summary(result, cluster))

@@ -53,7 +53,7 @@ length). Balanced layouts split every document over the ranks, so every ring ste
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,7 +62,7 @@ from ..kernels import accum_dtype
 from ..memory.flops import check_documents, contiguous_rank_pairs
 from ..memory.model import MemoryEstimate, estimate, layer_flops, layout_packing, param_count
 from ..memory.specs import ModelSpec, ParallelSpec, ceil_div
-from ..names import Backend, Recompute
+from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig
 from ..rules import SettingNames, check_heads, check_sequence_parallel, check_tp_heads
 from .cluster import Cluster
@@ -158,8 +158,10 @@ def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConf
     if not isinstance(offload_optimizer, bool):
         raise TypeError(f"offload_optimizer must be True or False, got {offload_optimizer!r}")
     p, c = parallel, cluster
-    check_runnable(p.tp, p.zero_stage, offload_optimizer)
+    check_runnable(p.tp, p.zero_stage, offload_optimizer, p.framework)
     check_tp_heads(model.heads, model.kv_heads, p.tp, NAMES, replicate_kv=False)
+    if offload_optimizer and p.framework is None:      # optimizer offload is DeepSpeed's: its model state
+        p = replace(p, framework=Framework.DEEPSPEED)
     est = estimate(model, p, recompute, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, documents=documents)
     check_heads_split(model, p)
     if p.sequence_parallel:

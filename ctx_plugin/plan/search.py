@@ -27,7 +27,7 @@ import torch
 
 from ..config import CPConfig
 from ..memory.specs import ModelSpec, ParallelSpec, ZeroSettings
-from ..names import Backend, Recompute
+from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig, candidates
 from ..rules import check_tp_heads
 from .frameworks import check_search, runnable_stages
@@ -86,7 +86,8 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
                     dtype: torch.dtype = torch.bfloat16, tp_options: Iterable[int] = (1,),
                     presets: Iterable[RecomputeConfig | str] | None = None, zero_stage: int | Iterable[int] = 1,
                     modifiers: bool = False, documents=None,
-                    zero_settings: ZeroSettings = ZeroSettings()) -> list[Prediction]:
+                    zero_settings: ZeroSettings = ZeroSettings(),
+                    framework: Framework | None = None) -> list[Prediction]:
     """Every valid configuration's prediction, best first (see the module docstring). ``zero_stage`` 1 is Megatron's
     distributed optimizer (several stages: each is tried); ``presets`` defaults to the memory model's candidates.
     ``modifiers``: each layout × preset also with the memory modifiers, activation offload and optimizer offload
@@ -95,7 +96,8 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
     configuration fits at all, also each such preset's memory-saving setting with the least GPU memory
     (:func:`ctx_plugin.plan.variants.saving_sets`), so that what comes closest, which :func:`explain` names, may
     carry modifiers. ``documents``: each sequence's packed documents (None, a mean length or lengths;
-    :func:`predict`). ``zero_settings``: DeepSpeed's bucket sizes (:class:`ctx_plugin.memory.ZeroSettings`)."""
+    :func:`predict`). ``zero_settings``: DeepSpeed's bucket sizes (:class:`ctx_plugin.memory.ZeroSettings`);
+    ``framework``: only what it runs, with its model state (:mod:`.frameworks`)."""
     if not isinstance(model, ModelSpec) or not isinstance(cluster, Cluster):
         raise TypeError("enumerate_plans(model=ModelSpec, seq_len, cluster=Cluster, ...)")
     stages = tuple(sorted(set([zero_stage] if isinstance(zero_stage, int) else zero_stage)))
@@ -106,13 +108,13 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
     if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
         raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
     options = _check_tp(model, cluster, tp_options)
-    check_search(options, stages)
+    check_search(options, stages, framework)
     presets = candidates(model.layers) if presets is None else [RecomputeConfig.parse(p) for p in presets]
     if not presets:
         raise ValueError("give at least one recompute preset")
     plans, closest, skipped = [], [], []
     for tp in options:
-        tp_stages = runnable_stages(tp, stages)          # tp > 1: Megatron's ZeRO 0/1 only (plan.frameworks)
+        tp_stages = runnable_stages(tp, stages, framework)          # tp > 1: Megatron's ZeRO 0/1 only (plan.frameworks)
         if not tp_stages:
             continue
         for cp in divisors(cluster.gpus // tp):
@@ -120,7 +122,7 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
                 try:
                     parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
                                             dp=cluster.gpus // (tp * cp), zero_stage=tp_stages[-1],
-                                            zero_settings=zero_settings)
+                                            zero_settings=zero_settings, framework=framework)
                     check_heads_split(model, parallel)
                     if modifiers:
                         row, near = _with_modifiers(model, parallel, presets, tp_stages, seq_len, cluster,

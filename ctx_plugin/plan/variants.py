@@ -179,7 +179,7 @@ def memory_presets(presets: Iterable[RecomputeConfig]) -> list[RecomputeConfig]:
 def can_fit(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeConfig],
             zero_stages: tuple[int, ...]) -> Config | None:
     """A fitting configuration of this layout (the first found by rule 1), or None when none fits."""
-    stages = runnable_stages(layout.tp, zero_stages)
+    stages = runnable_stages(layout.tp, zero_stages, layout.framework)
     if not stages:
         return None
     top = replace(layout, zero_stage=stages[-1])
@@ -187,7 +187,7 @@ def can_fit(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeCon
     for base in memory_presets(presets):
         if block_failed and base.method == "block":
             continue
-        for setting in saving_sets(base, optimizer=runnable(top.tp, top.zero_stage, True), offload=True):
+        for setting in saving_sets(base, optimizer=runnable(top.tp, top.zero_stage, True, top.framework), offload=True):
             found = check(top, setting, base)
             if found is not None and found[3].fits:
                 return found
@@ -199,7 +199,7 @@ def fitting(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeCon
             zero_stages: tuple[int, ...]) -> Iterator[Config]:
     """Every configuration of this layout that fits and may be fastest (rules 1 and 2), each at its lowest ZeRO
     stage (only the stages and optimizer offload a framework runs the layout with: :mod:`.frameworks`)."""
-    stages = runnable_stages(layout.tp, zero_stages)
+    stages = runnable_stages(layout.tp, zero_stages, layout.framework)
     if not stages:
         return
     top = replace(layout, zero_stage=stages[-1])
@@ -207,7 +207,7 @@ def fitting(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeCon
     for base in _ordered(presets):
         if block_failed and base.method == "block":
             continue
-        optimizer = runnable(top.tp, top.zero_stage, True)
+        optimizer = runnable(top.tp, top.zero_stage, True, top.framework)
         if not any((f := check(top, s, base)) is not None and f[3].fits
                    for s in saving_sets(base, optimizer=optimizer, offload=True)):
             block_failed = base.method == "block"
@@ -222,7 +222,7 @@ def fitting(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeCon
             minimal.append(setting)
             found = check.tighten(found, setting, base)
             for z in stages:
-                if z < top.zero_stage and runnable(layout.tp, z, setting.offload_optimizer):
+                if z < top.zero_stage and runnable(layout.tp, z, setting.offload_optimizer, layout.framework):
                     lower = check(replace(layout, zero_stage=z), setting, base, found[1].offload_gib)
                     if lower is not None and lower[3].fits:
                         found = lower

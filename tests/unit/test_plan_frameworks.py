@@ -126,3 +126,36 @@ def test_the_output_says_what_it_left_out(capsys):
     assert main(["plan", "--model", "llama3-8b", "--seq-len", "32k", "--nodes", "1", "--tp", "1", "2",
                  "--zero", "1", "3", "--top", "1"]) == 0
     assert "not searched: tp 2 with ZeRO-3 (no supported framework runs them" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- one framework's search and model state
+
+def test_a_search_for_one_framework_keeps_to_it_and_counts_its_state():
+    c = Cluster(nodes=2)
+    both = enumerate_plans(LLAMA, 131072, c, tp_options=(1, 2), zero_stage=(1,), modifiers=True)
+    mega = enumerate_plans(LLAMA, 131072, c, tp_options=(1, 2), zero_stage=(1,), modifiers=True,
+                           framework="megatron")
+    ds = enumerate_plans(LLAMA, 131072, c, zero_stage=(1, 3), modifiers=True, framework="deepspeed")
+    assert not any(p.offload_optimizer for p in mega) and any(p.tp == 2 for p in mega)
+    assert {p.estimate.framework for p in mega} == {"megatron"} and {p.estimate.framework for p in ds} == {"deepspeed"}
+    # without a framework: Megatron's state for ZeRO-1, DeepSpeed's wherever the optimizer is offloaded
+    assert all(p.estimate.framework == ("deepspeed" if p.offload_optimizer else "megatron") for p in both)
+    plain = [next(p for p in enumerate_plans(LLAMA, 131072, c, framework=f, presets=["selective"])
+                  if p.layout == "zigzag cp=16 tp=1 dp=1") for f in ("megatron", "deepspeed")]
+    gib = 2**30          # DeepSpeed: bf16 gradients (2P + the 2P/16 partition) and 2 GB of buckets vs fp32 ones
+    n = 8_030_261_248
+    assert plain[0].memory_bytes - plain[1].memory_bytes == 4 * n - (2 * n + 2 * n // 16) - 4 * 500_000_000
+    assert plain[1].fits and not plain[0].fits and plain[0].memory_bytes > 89 * gib
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: enumerate_plans(LLAMA, 8192, Cluster(nodes=1), zero_stage=(1, 3), framework="megatron"),
+     "Megatron's distributed optimizer is ZeRO-1"),
+    (lambda: longest(LLAMA, Cluster(nodes=1), tp_options=(1, 2), framework="deepspeed"),
+     "DeepSpeed's context_parallel section has no tensor parallelism"),
+    (lambda: predict(LLAMA, ParallelSpec(cp=8, zero_stage=1, framework="megatron"), "full", seq_len=8192,
+                     cluster=Cluster(nodes=1), offload_optimizer=True), "Megatron: its distributed optimizer"),
+])
+def test_a_framework_that_does_not_run_the_search_is_one_clear_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -34,9 +34,10 @@ def cluster(**kw) -> Cluster:
     return Cluster(**{**base, **kw})
 
 
-def tiny(recompute="none", *, model=TINY, offload_optimizer=False, zero=1, **kw):
+def tiny(recompute="none", *, model=TINY, offload_optimizer=False, zero=1, framework=None, **kw):
     c = cluster(**kw)
-    parallel = ParallelSpec(cp=4, backend="zigzag", dp=c.gpus // 4, zero_stage=zero)
+    parallel = ParallelSpec(cp=4, backend="zigzag", dp=c.gpus // 4, zero_stage=zero, framework=framework,
+                            zero_settings=TOY)
     return predict(model, parallel, recompute, seq_len=SEQ, cluster=c, offload_optimizer=offload_optimizer)
 
 
@@ -127,9 +128,14 @@ def test_optimizer_offload_moves_the_state_to_host_and_costs_the_cpu_step():
     assert host == 16 * shard
     assert cost == pytest.approx(shard * 4 / 1e3 + shard * 4 / 1e3)    # 2·2 B/param over PCIe + 4 ranks' Adam
     on, off = (tiny("none", offload_optimizer=o, host_bw_gbs=1e3 / 1e9, host_adam_gparams_s=1e3 / 1e9,
-                    gpus_per_host_link=1) for o in (True, False))
-    est = estimate(TINY, ParallelSpec(cp=4, dp=1, zero_stage=1), "none", seq_len=SEQ)
-    assert off.memory_bytes - on.memory_bytes == est.optimizer and on.host_bytes == 16 * shard
+                    gpus_per_host_link=1, framework="deepspeed") for o in (True, False))
+    est = estimate(TINY, ParallelSpec(cp=4, dp=1, zero_stage=1, framework="deepspeed", zero_settings=TOY), "none",
+                   seq_len=SEQ)
+    assert off.memory_bytes - on.memory_bytes == est.peak - est.offloaded_peak and on.host_bytes == 16 * shard
+    assert est.peak == est.training_peak and est.peak - est.offloaded_peak == est.optimizer
+    # without a framework the offloaded configuration is DeepSpeed's, the other Megatron's (fp32 gradients)
+    assert tiny("none", offload_optimizer=True).estimate.framework == "deepspeed"
+    assert tiny("none").estimate.grads == 4 * params
     assert on.optimizer_ms == pytest.approx(cost * 1000) and on.exposed_ms - off.exposed_ms == pytest.approx(cost * 1000)
     with pytest.raises(ValueError, match="ZeRO stage 1, 2 or 3"):
         tiny("none", offload_optimizer=True, zero=0)
