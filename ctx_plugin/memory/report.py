@@ -14,7 +14,7 @@ from ..recompute.presets import RecomputeConfig
 from ..rules import SettingNames, check_sequence_parallel, check_tp_heads
 from .flops import describe as describe_documents
 from .model import GiB, MemoryEstimate, estimate, resolve
-from .specs import FAMILIES, MODEL_PRESETS, ModelSpec, ParallelSpec
+from .specs import FAMILIES, MODEL_PRESETS, ModelSpec, ParallelSpec, ZeroSettings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _NAMES = SettingNames(seq_len="--seq-len", cp="--cp", tp="--tp", ulysses_size="--ulysses-size", heads="query heads",
@@ -112,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     p.add_argument("--framework", default=None, choices=[f.value for f in Framework],
                    help="whose model state to count (default: deepspeed for --zero 2/3, else megatron)")
+    p.add_argument("--deepspeed-config", type=read_json_object, default=None,
+                   help="a DeepSpeed config JSON whose zero_optimization bucket sizes size DeepSpeed's buffers "
+                        "(default: DeepSpeed's defaults)")
     p.add_argument("--grad-dtype", default=None, choices=list(DTYPES),
                    help="the gradient buffer's dtype (default: the framework's: Megatron fp32 for bf16 training, "
                         "e.g. bf16 for --grad-reduce-in-bf16; DeepSpeed the training dtype)")
@@ -170,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
         model = replace(model, family=family)
     parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
                             sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero,
-                            framework=args.framework,
+                            framework=args.framework, zero_settings=ZeroSettings() if args.deepspeed_config is None
+                            else ZeroSettings.from_config(args.deepspeed_config),
                             grad_dtype=None if args.grad_dtype is None else DTYPES[args.grad_dtype])
     check_tp_heads(model.heads, model.kv_heads, parallel.tp, _NAMES, replicate_kv=False)
     if parallel.sequence_parallel:

@@ -87,15 +87,20 @@ def test_a_framework_that_does_not_run_the_layout_is_refused():
         estimate(LLAMA, ParallelSpec(cp=8, zero_stage=3, grad_dtype=torch.float32), "full", seq_len=8192)
 
 
-def test_the_memory_command_counts_the_framework_it_is_told(capsys):
+def test_the_memory_command_counts_the_framework_it_is_told(capsys, tmp_path):
     from ctx_plugin.cli import main
+
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 1, "reduce_bucket_size": 5e7}}')
 
     base = ["memory", "--model", "llama3-8b", "--seq-len", "128k", "--cp", "8", "--recompute", "full"]
     lines = {}
-    for extra in ([], ["--framework", "deepspeed"], ["--grad-dtype", "bf16"]):
+    for extra in ([], ["--framework", "deepspeed"], ["--grad-dtype", "bf16"],
+                  ["--framework", "deepspeed", "--deepspeed-config", str(config)]):
         assert main(base + extra) == 0
         lines[tuple(extra)] = [l for l in capsys.readouterr().out.splitlines() if l.startswith("model state:")][0]
     assert "gradients 29.9" in lines[()] and "megatron's buffers 0.0" in lines[()]
     assert "gradients 16.8" in lines[("--framework", "deepspeed")]                 # 2P + the 2P/8 partition
     assert "deepspeed's buffers 1.9" in lines[("--framework", "deepspeed")]        # bucket + its copy: 2 GB
     assert "gradients 15.0" in lines[("--grad-dtype", "bf16")]
+    assert "deepspeed's buffers 0.2" in lines[("--framework", "deepspeed", "--deepspeed-config", str(config))]
