@@ -104,3 +104,31 @@ def test_the_memory_command_counts_the_framework_it_is_told(capsys, tmp_path):
     assert "deepspeed's buffers 1.9" in lines[("--framework", "deepspeed")]        # bucket + its copy: 2 GB
     assert "gradients 15.0" in lines[("--grad-dtype", "bf16")]
     assert "deepspeed's buffers 0.2" in lines[("--framework", "deepspeed", "--deepspeed-config", str(config))]
+
+
+def test_megatrons_budget_counts_the_gradient_buffer_validate_args_chose():
+    """budget:<GiB> from Megatron's arguments: fp32 gradients (bf16's default) cost 2 bytes per parameter more than
+    --grad-reduce-in-bf16's, so a budget between the two resolves to a heavier preset only with bf16 gradients."""
+    import argparse
+
+    from ctx_plugin.megatron.args import add_arguments, settings_from_args
+
+    def args_with(fp32_grads: bool, budget: str):
+        args = add_arguments(argparse.ArgumentParser()).parse_args(["--cp-recompute", budget])
+        for k, v in dict(context_parallel_size=8, num_attention_heads=32, num_query_groups=8,
+                         group_query_attention=True, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
+                         seq_length=131072, micro_batch_size=1, padded_vocab_size=128256, data_parallel_size=1,
+                         swiglu=True, normalization="RMSNorm", bf16=True, use_distributed_optimizer=True,
+                         untie_embeddings_and_output_weights=True, add_bias_linear=False,
+                         accumulate_allreduce_grads_in_fp32=fp32_grads).items():
+            setattr(args, k, v)
+        return args
+
+    model = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, family="megatron",
+                      tied_embeddings=False)
+    peaks = {g: estimate(model, ParallelSpec(cp=8, zero_stage=1, grad_dtype=g), "selective",
+                         seq_len=131072).peak for g in (torch.float32, torch.bfloat16)}
+    assert peaks[torch.float32] - peaks[torch.bfloat16] == 2 * param_count(model)
+    budget = f"budget:{(peaks[torch.float32] + peaks[torch.bfloat16]) / 2 / 2**30:.3f}"
+    fp32, bf16 = (str(settings_from_args(args_with(g, budget)).recompute) for g in (True, False))
+    assert bf16 == "selective" and fp32 not in ("selective", "none", "attn_out")
