@@ -35,6 +35,21 @@ _PROGRAM_HELP = {"megatron": "pretrain_gpt.py's arguments (Megatron's flags and 
                               "appends --deepspeed_config <--ds-config>)"}
 
 
+
+# (first, count) of the default rendezvous ports: 20000-31999, with the preflight's 200 tries still below 32768
+_PORTS = (20000, 12000)
+
+
+def _port(text: str) -> int:
+    """``--master-port``: a TCP port an unprivileged rank can listen on (argparse ``type=``)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1024 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port in 1024-65535")
+    return port
+
 def job_parser(framework: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"launch/{framework}.sbatch", exit_on_error=False, allow_abbrev=False,
                                 usage=f"%(prog)s [job options] -- {_PROGRAM_HELP[framework]}")
@@ -44,7 +59,9 @@ def job_parser(framework: str) -> argparse.ArgumentParser:
                    help="processes per node (default: the GPUs SLURM gives each node; required on CPU nodes)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: cuda when the node has GPUs, else CPU processes with gloo")
-    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default 20000 + job id mod 20000)")
+    p.add_argument("--master-port", type=_port, default=None,
+                   help=f"rendezvous port, {_PORTS[0]}-65535 (default {_PORTS[0]} + job id mod {_PORTS[1]}: below "
+                        f"Linux's ephemeral ports, 32768-60999, which outgoing connections take)")
     p.add_argument("--run-dir", default=None, help="default: $CTX_RUNS_DIR (else <submit dir>/runs)/<framework>-<job id>")
     p.add_argument("--requeue", action="store_true",
                    help="on SLURM's time-limit warning, once the ranks have saved and stopped, requeue the job (same "
@@ -191,7 +208,7 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
         raise ValueError(f"SLURM_RESTART_COUNT={restarts!r} is not a count")
     cpus = int(env.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
     return Job(framework=framework, nodes=nodes, nproc_per_node=nproc, device=device,
-               threads=max(1, cpus // nproc), port=args.master_port or 20000 + int(job_id or 0) % 20000,
+               threads=max(1, cpus // nproc), port=args.master_port or _PORTS[0] + int(job_id or 0) % _PORTS[1],
                run_dir=run_dir(framework, args.run_dir, env), program=program, summary=summary, dry_run=args.dry_run,
                requeue=requeue, attempt=int(restarts) + 1)
 

@@ -498,7 +498,12 @@ def test_plan_port_and_run_dir_options(tmp_path):
     plan = plan_megatron(in_job(tmp_path, SLURM_JOB_ID="123456"), "--master-port", "29500", "--run-dir",
                          str(tmp_path / "mine"))
     assert plan.port == 29500 and plan.run_dir == tmp_path / "mine"
-    assert plan_megatron(in_job(tmp_path, SLURM_JOB_ID="123456")).port == 20000 + 123456 % 20000
+    assert plan_megatron(in_job(tmp_path, SLURM_JOB_ID="123456")).port == 20000 + 123456 % 12000
+    # every default, and the preflight's tries above it, stays below Linux's ephemeral ports (32768-60999)
+    assert plan_megatron(in_job(tmp_path, SLURM_JOB_ID=str(11999))).port + 200 < 32768
+    for bad in ("80", "70000", "x"):
+        with pytest.raises(ValueError, match="port"):
+            plan_megatron(in_job(tmp_path), "--master-port", bad)
 
 
 def test_plan_ctx_runs_dir(tmp_path):
