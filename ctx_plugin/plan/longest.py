@@ -33,7 +33,7 @@ from .frameworks import check_search, runnable, runnable_stages
 from .predict import Footprint, check_heads_split, predict
 from .prediction import Prediction
 from .search import _check_tp, divisors, layouts, rank_key
-from .variants import Checker, fitting, memory_presets, saving_sets
+from .variants import Checker, fitting, memory_presets, saving_sets, stage_order
 
 MAX_TOKENS = 2**34
 """The search gives up above this many tokens (a model that still fits there is not bounded by memory)."""
@@ -129,7 +129,7 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
     # length; the answer is the largest of those. Take the trial that fits the current length with most room,
     # find its longest length (doubling, then bisection), then keep only the trials that fit one unit longer
     # and repeat until none does: every trial that fails a length is never tried again.
-    tops = [replace(p, zero_stage=runnable_stages(p.tp, stages, framework)[-1]) for p in parallels]
+    tops = [replace(p, zero_stage=stage_order(model, p, stages, dtype)[-1]) for p in parallels]
     trials = [(top, base, s) for top in tops for base in memory_presets(presets)
               for s in saving_sets(base, optimizer=runnable(top.tp, top.zero_stage, True, framework), offload=True)]
     checkers: dict[int, Checker] = {}

@@ -32,7 +32,7 @@ from ..recompute.presets import RecomputeConfig, candidates
 from ..rules import check_tp_heads
 from .frameworks import check_search, runnable_stages
 from .predict import NAMES, Cluster, Prediction, check_heads_split, predict
-from .variants import Checker, Config, Setting, fitting
+from .variants import Checker, Config, Setting, fitting, stage_order
 
 
 def divisors(n: int) -> list[int]:
@@ -92,7 +92,7 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
     distributed optimizer (several stages: each is tried); ``presets`` defaults to the memory model's candidates.
     ``modifiers``: each layout × preset also with the memory modifiers, activation offload and optimizer offload
     that make it fit (:func:`ctx_plugin.plan.variants.fitting`: the settings that may be fastest, at the lowest
-    ZeRO stage given that fits), and the plain preset at the highest stage where nothing makes it fit; when no
+    ZeRO stage given that fits), and the plain preset at the lightest stage where nothing makes it fit; when no
     configuration fits at all, also each such preset's memory-saving setting with the least GPU memory
     (:func:`ctx_plugin.plan.variants.saving_sets`), so that what comes closest, which :func:`explain` names, may
     carry modifiers. ``documents``: each sequence's packed documents (None, a mean length or lengths;
@@ -123,6 +123,7 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
                     parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
                                             dp=cluster.gpus // (tp * cp), zero_stage=tp_stages[-1],
                                             zero_settings=zero_settings, framework=framework)
+                    parallel = replace(parallel, zero_stage=stage_order(model, parallel, tp_stages, dtype)[-1])
                     check_heads_split(model, parallel)
                     if modifiers:
                         row, near = _with_modifiers(model, parallel, presets, tp_stages, seq_len, cluster,
@@ -147,7 +148,7 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
 
 class _Closest(Checker):
     """A :class:`Checker` that also keeps, for each preset, the configuration with the least GPU memory among those
-    it found not to fit (for a preset nothing makes fit: its memory-saving settings at the highest stage)."""
+    it found not to fit (for a preset nothing makes fit: its memory-saving settings at the lightest stage)."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

@@ -4,11 +4,13 @@ optimizer offload — and the dominance rules that keep their number small.
 
 Rules (each checked against a brute-force scan in ``tests/unit/test_plan_longest.py``):
 
-1. Memory: a higher ZeRO stage never needs more GPU memory and the same host memory; ``+tile_loss`` and
+1. Memory: the ZeRO stage changes only the model state, never what else the GPU holds, so the stage with the least
+   model state (:func:`stage_order`; normally the highest, but DeepSpeed's fixed buffers can outweigh what ZeRO-2/3
+   shard of a small model) never needs more GPU memory, and the same host memory; ``+tile_loss`` and
    ``+tile_mlp`` never add memory; ``+offload_attn`` keeps no more on the GPU than ``+offload``; ``full:block:N``
    needs no less than ``full:block:N+1`` (more layers keep all their activations) and ``full`` is
    ``full:block:L``, so no ``full:block:N`` fits where ``full`` does not. So a preset fits at some
-   setting iff it fits with both tilings, the highest stage allowed and one of the *memory-saving* modifier sets
+   setting iff it fits with both tilings, the lightest stage allowed and one of the *memory-saving* modifier sets
    (:func:`saving_sets`), with or without optimizer offload.
 2. Time: every modifier and optimizer offload adds time (recompute, copies, the CPU Adam step) and the ZeRO stage
    adds none (the planner ignores data-parallel traffic). So among the settings of a preset that fit, only the
@@ -32,6 +34,7 @@ from itertools import product
 import torch
 
 from ..memory.model import param_count
+from ..memory.state import model_state
 from ..memory.specs import ModelSpec, ParallelSpec
 from ..names import Recompute
 from ..recompute.presets import RecomputeConfig
@@ -176,10 +179,25 @@ def memory_presets(presets: Iterable[RecomputeConfig]) -> list[RecomputeConfig]:
     return presets
 
 
+def stage_order(model: ModelSpec, layout: ParallelSpec, zero_stages: Iterable[int],
+                dtype: torch.dtype) -> tuple[int, ...]:
+    """The ZeRO stages of ``zero_stages`` a framework runs ``layout`` at, heaviest model state first (ties: the
+    lower stage first). Nothing else the GPU holds depends on the stage, so the last is where rule 1 tries a layout.
+    Normally the stages ascend; DeepSpeed's fixed buffers (2–5 GB at its default bucket sizes) can make ZeRO-2/3
+    heavier than Megatron's ZeRO-1 for a model under a billion parameters or so."""
+    n = param_count(model, layout.tp)
+
+    def state(z: int) -> int:
+        s = model_state(model, replace(layout, zero_stage=z), n, dtype)
+        return s.params + s.grads + s.optimizer + s.buffers + s.gathered
+
+    return tuple(sorted(runnable_stages(layout.tp, zero_stages, layout.framework), key=lambda z: (-state(z), z)))
+
+
 def can_fit(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeConfig],
             zero_stages: tuple[int, ...]) -> Config | None:
     """A fitting configuration of this layout (the first found by rule 1), or None when none fits."""
-    stages = runnable_stages(layout.tp, zero_stages, layout.framework)
+    stages = stage_order(check.model, layout, zero_stages, check.dtype)
     if not stages:
         return None
     top = replace(layout, zero_stage=stages[-1])
@@ -199,7 +217,7 @@ def fitting(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeCon
             zero_stages: tuple[int, ...]) -> Iterator[Config]:
     """Every configuration of this layout that fits and may be fastest (rules 1 and 2), each at its lowest ZeRO
     stage (only the stages and optimizer offload a framework runs the layout with: :mod:`.frameworks`)."""
-    stages = runnable_stages(layout.tp, zero_stages, layout.framework)
+    stages = stage_order(check.model, layout, zero_stages, check.dtype)
     if not stages:
         return
     top = replace(layout, zero_stage=stages[-1])
@@ -221,7 +239,7 @@ def fitting(check: Checker, layout: ParallelSpec, presets: Iterable[RecomputeCon
                 continue
             minimal.append(setting)
             found = check.tighten(found, setting, base)
-            for z in stages:
+            for z in sorted(stages):
                 if z < top.zero_stage and runnable(layout.tp, z, setting.offload_optimizer, layout.framework):
                     lower = check(replace(layout, zero_stage=z), setting, base, found[1].offload_gib)
                     if lower is not None and lower[3].fits:

@@ -174,10 +174,10 @@ def two_gpus(gpu_mib: float, host_mib: float) -> Cluster:
                    host_reserve_gib=0.0)
 
 
-def brute_force_fits(model: ModelSpec, c: Cluster, seq_len: int, stages=(0, 3), tps=(1,)) -> list:
+def brute_force_fits(model: ModelSpec, c: Cluster, seq_len: int, stages=(0, 3), tps=(1,), zero=TOY) -> list:
     """Every configuration (no dominance rule) that fits at ``seq_len`` and that a framework runs, predicted."""
     out = []
-    for layout in parallel_layouts(model, c, tps, stages, zero_settings=TOY):
+    for layout in parallel_layouts(model, c, tps, stages, zero_settings=zero):
         for z, base in itertools.product(stages, candidates(model.layers)):
             parallel = replace(layout, zero_stage=z)
             for s in settings(base, optimizer=z >= 1, offload=True):
@@ -339,3 +339,18 @@ def test_fitting_yields_exactly_the_minimal_fitting_settings_at_their_lowest_sta
                     rec = check.tighten(check(replace(layout, zero_stage=stages[-1]), s, base), s, base)[1]
                     want.add((rec, s.offload_optimizer, z))
         assert got == want and len(want) > 1
+
+
+def test_a_higher_zero_stage_heavier_than_a_lower_one_is_still_searched():
+    """At DeepSpeed's default bucket sizes (2 GB and more of fixed buffers) ZeRO-3 weighs more than Megatron's ZeRO-1
+    for a small model: the search tries each layout at its lightest stage, and matches the brute-force scan."""
+    from ctx_plugin.plan.variants import stage_order
+
+    c = two_gpus(3 * 1024, 1000)
+    assert stage_order(SMALL, ParallelSpec(cp=2, dp=1), (1, 3), torch.bfloat16) == (3, 1)
+    assert stage_order(ModelSpec.preset("llama3-8b"), ParallelSpec(cp=8), (0, 1, 2, 3), torch.bfloat16) == (0, 1, 2, 3)
+    result = longest(SMALL, c, zero_stages=(1, 3))
+    assert result.plans and {p.zero_stage for p in result.plans} == {1}
+    step = unit(parallel_layouts(SMALL, c, (1,)))
+    assert brute_force_fits(SMALL, c, result.seq_len, stages=(1, 3), zero=ZeroSettings())
+    assert not brute_force_fits(SMALL, c, result.seq_len + step, stages=(1, 3), zero=ZeroSettings())
