@@ -199,8 +199,9 @@ class ZeroSettings:
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():      # DeepSpeed configs write 5e8
                 object.__setattr__(self, name, value := int(value))
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name.endswith("size") else 0):
-                raise ValueError(f"zero_optimization.{name} must be a {'positive' if name.endswith('size') else 'non-negative'} "
+            size = name.endswith("size")
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if size else 0):
+                raise ValueError(f"zero_optimization.{name} must be a {'positive' if size else 'non-negative'} "
                                  f"number of elements, got {value!r}")
 
     @classmethod

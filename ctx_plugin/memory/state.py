@@ -14,9 +14,9 @@ fallback without them, torch's AdamW, adds 4 bytes per element of the rank's sha
 DeepSpeed (0.19.8, bf16/fp16 without ``data_types``, so gradients in the training dtype; Adam from the config with
 ``torch_adam``, i.e. torch's AdamW, whose default on GPUs is the foreach update with one fp32 temporary per
 element it steps; its moments are created at the first step), with the zero_optimization defaults
-(:class:`ctx_plugin.memory.specs.ZeroSettings`). Measured on CPU ranks (live tensor bytes after init, at the backward's and the
-step's peaks, every stage, to within the activations' bytes), P parameters per rank, N ZeRO shards, B the reduce
-bucket in elements, all in bytes per rank:
+(:class:`ctx_plugin.memory.specs.ZeroSettings`). Measured on CPU ranks (live tensor bytes after init, at the
+backward's and the step's peaks, every stage, to within the activations' bytes), P parameters per rank, N ZeRO
+shards, B the reduce bucket in elements, all in bytes per rank:
 
 * ZeRO-0 (``FP16_UnfusedOptimizer``): 2P params, 2P gradients, 12P fp32 master and moments; the step copies every
   gradient to fp32 (4P) and the foreach update adds 4P: 24P at the step.

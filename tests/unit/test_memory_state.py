@@ -61,7 +61,8 @@ def test_deepspeed_stages_and_their_buffers_at_scale():
     assert z3.params < 2 * n // 8 + 2_000_000 and z3.grads == 2 * n // 8
     # ZeRO-3: bucket and its copy, the head gathered and its full gradient, the prefetch, half the reuse distance
     assert z3.framework_buffers == 4 * bucket + 2 * (500_000_000 + head + 50_000_000) + 2 * head
-    # at 8k tokens the step binds: the fp32 copy of a whole sub-group (1e9 of its 1.004e9 elements) and Adam's temporary (8 GB)
+    # at 8k tokens the step binds: the fp32 copy of a whole sub-group (1e9 of its 1.004e9 elements) and Adam's
+    # temporary (8 GB)
     assert z3.peak == z3.step_peak == z3.params + z3.grads + z3.optimizer + 2 * bucket + 8 * 10**9 > z3.training_peak
     long = estimate(LLAMA, ParallelSpec(cp=8, zero_stage=3), "full", seq_len=1 << 20)
     assert long.peak == long.training_peak > long.step_peak
