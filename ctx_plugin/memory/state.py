@@ -34,6 +34,9 @@ shards, B the reduce bucket in elements, all in bytes per rank:
   at a time (at most ``sub_group_size`` elements of the rank's partition): flattened and made fp32 (4 bytes per
   element) plus the update's temporary (4).
 
+With DeepSpeed's FusedAdam (its default on GPUs without ``torch_adam``: a multi-tensor update) the step has no
+such temporary, so the step's peak is counted 4 bytes per stepped element high there (never low).
+
 Read in the sources and not measured: ZeRO-3's working set at scale (the reuse distance, the head's gradient);
 gloo's reduce-scatter copies its input once more (NCCL does not: not counted). Allocator caching, fragmentation,
 NCCL's own buffers and the CUDA context are not counted, for either framework.
