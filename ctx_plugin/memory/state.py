@@ -91,6 +91,10 @@ def model_state(m: ModelSpec, parallel: ParallelSpec, n_params: int, dtype: torc
     """The model state of ``m`` (``n_params`` per tensor-parallel rank) on ``parallel.runs_on``; ValueError for a
     gradient dtype the framework does not run."""
     framework, z, shards = parallel.runs_on, parallel.zero_stage, parallel.shard_degree
+    if parallel.tp > 1 and z > 1:          # (with framework megatron ParallelSpec refuses it already)
+        raise ValueError(f"tp={parallel.tp} with ZeRO-{z}: no supported framework runs it (Megatron's distributed "
+                         f"optimizer is ZeRO-1; DeepSpeed has no tensor parallelism): use ZeRO 0 or 1 with tp > 1, "
+                         f"or tp 1")
     grad_dtype = parallel.grad_dtype or grad_dtype_default(framework, dtype)
     if framework == Framework.MEGATRON:
         if grad_dtype not in (torch.float32, dtype):

@@ -43,6 +43,7 @@ CASES = [
      "--seq-len must be a positive multiple of 8"),
     ([*PLAN, "--tp", "2", "--zero", "3"], "tp=2 with ZeRO-3: no supported framework runs it"),
     ([*MEMORY, "--framework", "megatron", "--zero", "3"], "ZeRO-2/3 are DeepSpeed's"),
+    ([*MEMORY, "--tp", "2", "--zero", "3"], "tp=2 with ZeRO-3: no supported framework runs it"),
     ([*PLAN, "--framework", "megatron", "--zero", "1", "3"], "--framework megatron with --zero 1 3"),
     ([*PLAN, "--framework", "deepspeed", "--tp", "1", "2"], "--framework deepspeed with --tp 1 2"),
     ([*PLAN[:3], "--max-seq-len", *PLAN[5:], "--framework", "deepspeed", "--tp", "2"], "no tensor parallelism"),
