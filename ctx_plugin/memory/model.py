@@ -313,7 +313,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
         extra += 2 * t * model.hidden * vocab      # the head's forward runs again, chunk by chunk, in backward
     passes = 2 if preset == Recompute.CORE_ATTN or recompute.recompute_attention else 1
     return MemoryEstimate(params=state.params, grads=state.grads, optimizer=state.optimizer,
-                          framework_buffers=state.buffers + state.gathered, step_peak=state.step,
+                          framework_buffers=state.extra, step_peak=state.step,
                           framework=parallel.runs_on, activations=activations,
                           per_layer=per_layer, recompute_peak=max(backward - activations, k.norm_bwd, 0),
                           cp_buffers=_cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc, device),

@@ -110,11 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel size")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage (distributed optimizer = 1)")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    p.add_argument("--framework", default=None, choices=[f.value for f in Framework],
-                   help="whose model state to count (default: deepspeed for --zero 2/3, else megatron)")
-    p.add_argument("--deepspeed-config", type=read_json_object, default=None,
-                   help="a DeepSpeed config JSON whose zero_optimization bucket sizes size DeepSpeed's buffers "
-                        "(default: DeepSpeed's defaults)")
+    add_framework_arguments(p, "whose model state to count (default: deepspeed for --zero 2/3, else megatron)")
     p.add_argument("--grad-dtype", default=None, choices=list(DTYPES),
                    help="the gradient buffer's dtype (default: the framework's: Megatron fp32 for bf16 training, "
                         "e.g. bf16 for --grad-reduce-in-bf16; DeepSpeed the training dtype)")
@@ -127,6 +123,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "config.json)")
     p.add_argument("--plot", type=output_file, default=None, help="write a PNG of peak memory vs. sequence length per preset")
     add_document_arguments(p)
+
+
+def add_framework_arguments(p: argparse.ArgumentParser, framework_help: str) -> None:
+    """``--framework`` and ``--deepspeed-config`` (``ctx-plugin memory`` and ``plan``): :func:`framework_from`."""
+    p.add_argument("--framework", default=None, choices=[f.value for f in Framework], help=framework_help)
+    p.add_argument("--deepspeed-config", type=read_json_object, default=None,
+                   help="a DeepSpeed config JSON whose zero_optimization bucket sizes size DeepSpeed's buffers "
+                        "(default: DeepSpeed's defaults)")
+
+
+def framework_from(args: argparse.Namespace) -> dict:
+    """``framework`` and ``zero_settings`` (ParallelSpec's, the planner's) from :func:`add_framework_arguments`."""
+    zero = ZeroSettings() if args.deepspeed_config is None else ZeroSettings.from_config(args.deepspeed_config)
+    return {"framework": None if args.framework is None else Framework(args.framework), "zero_settings": zero}
 
 
 def recompute_arg(text: str) -> RecomputeConfig:
@@ -173,9 +183,7 @@ def run(args: argparse.Namespace) -> int:
         model = replace(model, family=family)
     parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
                             sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero,
-                            framework=args.framework, zero_settings=ZeroSettings() if args.deepspeed_config is None
-                            else ZeroSettings.from_config(args.deepspeed_config),
-                            grad_dtype=None if args.grad_dtype is None else DTYPES[args.grad_dtype])
+                            **framework_from(args), grad_dtype=None if args.grad_dtype is None else DTYPES[args.grad_dtype])
     check_tp_heads(model.heads, model.kv_heads, parallel.tp, _NAMES, replicate_kv=False)
     if parallel.sequence_parallel:
         check_sequence_parallel(parallel.cp_config, args.seq_len, parallel.cp, parallel.tp, _NAMES)
@@ -187,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
     chosen_one = getattr(args, "recompute", None)
     presets = table_presets(model.layers) if chosen_one is None else [chosen_one]
     width = max(16, *(len(str(p)) + 1 for p in presets))
-    rows = [_row(str(preset), estimate(model, parallel, preset, **kw), width) for preset in presets]
+    estimates = [estimate(model, parallel, preset, **kw) for preset in presets]
+    rows = [_row(str(preset), est, width) for preset, est in zip(presets, estimates)]
     budget = None
     if args.budget is not None:
         tiles = "" if chosen_one is None else "".join(
@@ -209,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'preset':<{width}} {'activations':>11} {'recompute':>10} {'cp bufs':>8} {'logits':>8} "
           f"{'model state':>14} {'peak':>9} {'extra FLOPs':>10} {'host':>8}")
     print("\n".join(rows))
-    first = estimate(model, parallel, presets[0], **kw)
+    first = estimates[0]
     print(f"model state: parameters {first.params / GiB:.1f}, gradients {first.grads / GiB:.1f}, optimizer "
           f"{first.optimizer / GiB:.1f}, {first.framework.value}'s buffers {first.framework_buffers / GiB:.1f}; at the "
           f"optimizer step {first.step_peak / GiB:.1f} (the peak when it is larger)")

@@ -67,6 +67,16 @@ class ModelState:
     """All the model state alive at the optimizer step's peak (activations are gone by then): parameters,
     optimizer state, the gradients then, their fp32 copies and the update's temporaries."""
 
+    @property
+    def extra(self) -> int:
+        """What the framework holds beyond parameters, gradients and optimizer state next to the activations."""
+        return self.buffers + self.gathered
+
+    @property
+    def training(self) -> int:
+        """All of it next to the activations (what differs between ZeRO stages at any length)."""
+        return self.params + self.grads + self.optimizer + self.extra
+
 
 def grad_dtype_default(framework: Framework, dtype: torch.dtype) -> torch.dtype:
     """The gradient buffer's dtype when nothing overrides it: Megatron accumulates bf16 training's gradients in

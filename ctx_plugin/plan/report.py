@@ -7,9 +7,9 @@ from pathlib import Path
 
 from ..cliargs import nonnegative_float, output_file, positive_float, positive_int, read_json_object, tokens
 from ..memory.flops import describe as describe_documents
-from ..memory.report import DTYPES, add_document_arguments, documents_from, model_arg, model_from, need_matplotlib
-from ..memory.specs import MODEL_PRESETS, ModelSpec, ZeroSettings
-from ..names import Framework
+from ..memory.report import (DTYPES, add_document_arguments, add_framework_arguments, documents_from, framework_from,
+                             model_arg, model_from, need_matplotlib)
+from ..memory.specs import MODEL_PRESETS, ModelSpec
 from .cluster import Cluster
 from .prediction import Prediction
 from .longest_report import run_longest
@@ -62,12 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     p.add_argument("--zero", type=int, nargs="+", default=None, choices=[0, 1, 2, 3],
                    help="ZeRO stages to try (distributed optimizer = 1; default 1, and 0 1 2 3 with --max-seq-len)")
-    p.add_argument("--framework", default=None, choices=[f.value for f in Framework],
-                   help="search only what this framework runs, with its model state (default: both; Megatron's "
-                        "state for ZeRO 0/1 without optimizer offload, DeepSpeed's otherwise)")
-    p.add_argument("--deepspeed-config", type=read_json_object, default=None,
-                   help="a DeepSpeed config JSON whose zero_optimization bucket sizes size DeepSpeed's buffers "
-                        "(default: DeepSpeed's defaults)")
+    add_framework_arguments(p, "search only what this framework runs, with its model state (default: both; "
+                               "Megatron's state for ZeRO 0/1 without optimizer offload, DeepSpeed's otherwise)")
     p.add_argument("--top", type=positive_int, default=15, help="rows of the table (default 15)")
     p.add_argument("--all-presets", action="store_true",
                    help="one row per layout × preset (default: each layout's best preset only)")
@@ -80,12 +76,6 @@ def state_text(framework: str | None) -> str:
     if framework is not None:
         return f"{framework} only, with its model state"
     return "model state as Megatron holds it at ZeRO 0/1, as DeepSpeed does at 2/3 and with optimizer offload"
-
-
-def framework_options(args: argparse.Namespace) -> dict:
-    """The search's ``framework`` and ``zero_settings`` from ``--framework`` and ``--deepspeed-config``."""
-    zero = ZeroSettings() if args.deepspeed_config is None else ZeroSettings.from_config(args.deepspeed_config)
-    return {"framework": None if args.framework is None else Framework(args.framework), "zero_settings": zero}
 
 
 def _attention_tflops(args: argparse.Namespace) -> float:
@@ -152,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     documents = documents_from(args)
     plans = enumerate_plans(model, args.seq_len, cluster, micro_batch=args.micro_batch, dtype=DTYPES[args.dtype],
                             tp_options=args.tp, zero_stage=stages, modifiers=args.modifiers, documents=documents,
-                            **framework_options(args))
+                            **framework_from(args))
     c = cluster
     print_header(model, c)
     print(f"sequence: {args.seq_len:,} tokens × micro-batch {args.micro_batch}, {args.dtype}, ZeRO "

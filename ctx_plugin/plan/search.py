@@ -121,8 +121,8 @@ def enumerate_plans(model: ModelSpec, seq_len: int, cluster: Cluster, *, micro_b
             for backend, u in layouts(cp):
                 try:
                     parallel = ParallelSpec(cp=cp, backend=backend, ulysses_size=u, tp=tp, sequence_parallel=tp > 1,
-                                            dp=cluster.gpus // (tp * cp), zero_stage=tp_stages[-1],
-                                            zero_settings=zero_settings, framework=framework)
+                                            dp=cluster.gpus // (tp * cp), zero_settings=zero_settings,
+                                            framework=framework)
                     parallel = replace(parallel, zero_stage=stage_order(model, parallel, tp_stages, dtype)[-1])
                     check_heads_split(model, parallel)
                     if modifiers:

@@ -188,8 +188,7 @@ def stage_order(model: ModelSpec, layout: ParallelSpec, zero_stages: Iterable[in
     n = param_count(model, layout.tp)
 
     def state(z: int) -> int:
-        s = model_state(model, replace(layout, zero_stage=z), n, dtype)
-        return s.params + s.grads + s.optimizer + s.buffers + s.gathered
+        return model_state(model, replace(layout, zero_stage=z), n, dtype).training
 
     return tuple(sorted(runnable_stages(layout.tp, zero_stages, layout.framework), key=lambda z: (-state(z), z)))
 
