@@ -21,8 +21,14 @@ class Cluster:
     gpus_per_node: int = 8
     """GPUs per node (the NVLink domain; also the ranks that share a node's host memory and CPUs)."""
     gpu_memory_gib: float = 80.0
-    """Memory budget per GPU in GiB that the memory model's peak must fit under (leave headroom for the CUDA
-    context and fragmentation by giving less than the card has)."""
+    """Memory per GPU in GiB, the card's size (an "80 GB" H100: 80). The memory model's peak must fit under it
+    less :attr:`gpu_reserve_gib`."""
+    gpu_reserve_gib: float = 5.0
+    """GPU memory per GPU in GiB that the memory model does not count and a plan must leave free: what the driver
+    keeps of the card (CUDA sees about 79 GiB of an 80 GB H100), the CUDA context (~0.5), NCCL's communicator buffers
+    (~1 at CP and DP), cuBLAS/cuDNN workspaces and the caching allocator's fragmentation (a few % of the peak).
+    Measure it on your GPUs: the card's size less the largest ``torch.cuda.max_memory_allocated()`` a run reached
+    without running out of memory."""
     intra_bw_gbs: float = 450.0
     """Intra-node bandwidth per GPU and direction in GB/s (NVLink 4 on H100/H200: 450)."""
     inter_bw_gbs: float = 50.0
@@ -60,11 +66,12 @@ class Cluster:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         _positive_number(self, "gpu_memory_gib", "intra_bw_gbs", "inter_bw_gbs", "attention_tflops", "matmul_tflops",
                          "peak_tflops", "host_memory_gib", "host_bw_gbs", "host_adam_gparams_s")
-        reserve = self.host_reserve_gib
-        if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not math.isfinite(reserve) \
-                or not 0 <= reserve < self.host_memory_gib:
-            raise ValueError(f"host_reserve_gib must be ≥ 0 and below host_memory_gib ({self.host_memory_gib:g}), "
-                             f"got {reserve!r}")
+        for where in ("gpu", "host"):
+            reserve, memory = getattr(self, f"{where}_reserve_gib"), getattr(self, f"{where}_memory_gib")
+            if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not math.isfinite(reserve) \
+                    or not 0 <= reserve < memory:
+                raise ValueError(f"{where}_reserve_gib must be ≥ 0 and below {where}_memory_gib ({memory:g}), "
+                                 f"got {reserve!r}")
 
     @property
     def gpus(self) -> int:
@@ -84,6 +91,16 @@ class Cluster:
     def host_bandwidth(self) -> float:
         """Host↔device bytes per second per GPU and direction while every GPU of the node copies."""
         return self.host_bw_gbs * 1e9 / min(self.gpus_per_host_link, self.gpus_per_node)
+
+    @property
+    def gpu_bytes(self) -> int:
+        """GPU memory a plan's peak may use: memory − reserve, in bytes."""
+        return int((self.gpu_memory_gib - self.gpu_reserve_gib) * 2**30)
+
+    @property
+    def gpu_room_gib(self) -> float:
+        """:attr:`gpu_bytes` in GiB."""
+        return self.gpu_memory_gib - self.gpu_reserve_gib
 
     @property
     def host_bytes_per_rank(self) -> int:

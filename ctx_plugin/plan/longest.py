@@ -96,7 +96,7 @@ class Longest:
 
 
 def _overflow(fp: Footprint, cluster: Cluster) -> float:
-    return max(fp.gpu_bytes / (cluster.gpu_memory_gib * 2**30), fp.host_bytes / cluster.host_bytes_per_rank)
+    return max(fp.gpu_bytes / cluster.gpu_bytes, fp.host_bytes / cluster.host_bytes_per_rank)
 
 
 def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (1,),
@@ -189,7 +189,7 @@ def longest(model: ModelSpec, cluster: Cluster, *, tp_options: Iterable[int] = (
 def binding(p: Prediction, cluster: Cluster) -> str:
     """What keeps ``p`` (a configuration that does not fit) from fitting, and by how much, in one line."""
     gib = 2**30
-    gpu_over = p.memory_bytes / (cluster.gpu_memory_gib * gib)
+    gpu_over = p.memory_bytes / cluster.gpu_bytes
     host_over = p.host_bytes / cluster.host_bytes_per_rank
     if host_over > gpu_over:
         node = p.host_bytes * cluster.gpus_per_node / gib
@@ -207,6 +207,7 @@ def binding(p: Prediction, cluster: Cluster) -> str:
              f"{est.framework.value}'s buffers": est.framework_buffers}
     largest = max(parts, key=parts.get)
     text = ", ".join(f"{name} {value / gib:,.1f}" for name, value in sorted(parts.items(), key=lambda kv: -kv[1]))
-    over = (p.memory_bytes - cluster.gpu_memory_gib * gib) / 2**20
-    return (f"GPU memory binds: {p.memory_gib:,.2f} GiB > {cluster.gpu_memory_gib:g} GiB per GPU: {over:,.2f} MiB "
+    over = (p.memory_bytes - cluster.gpu_bytes) / 2**20
+    return (f"GPU memory binds: {p.memory_gib:,.2f} GiB > {cluster.gpu_room_gib:g} GiB per GPU ({cluster.gpu_memory_gib:g} "
+            f"less {cluster.gpu_reserve_gib:g} reserved): {over:,.2f} MiB "
             f"({100 * (gpu_over - 1):.2f}%) over; its largest part is {largest} ({text} GiB)")

@@ -26,7 +26,7 @@ def describe(p: Prediction, cluster: Cluster) -> list[str]:
     room = cluster.host_memory_gib - cluster.host_reserve_gib
     exposed = [(name, ms) for name, ms in (("activation offload", p.offload_ms), ("optimizer offload", p.optimizer_ms),
                                            ("communication", p.exposed_ms - p.offload_ms - p.optimizer_ms)) if ms > 0]
-    return [f"  memory: {p.memory_gib:.2f} GiB per GPU of {cluster.gpu_memory_gib:g}; host {p.host_gib:.1f} GiB per "
+    return [f"  memory: {p.memory_gib:.2f} GiB per GPU of {cluster.gpu_room_gib:g}; host {p.host_gib:.1f} GiB per "
             f"rank ({node:,.1f} of {room:,.1f} GiB per node)",
             f"  step: {p.step_ms:,.0f} ms = compute {p.compute_ms:,.0f} (recompute {p.recompute_ms:,.0f}) + exposed "
             f"{p.exposed_ms:,.0f}" + (f" ({', '.join(f'{n} {ms:,.0f}' for n, ms in exposed)})" if exposed else ""),

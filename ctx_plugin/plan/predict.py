@@ -175,7 +175,7 @@ def footprint(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConf
         opt_host, opt_s = optimizer_offload(param_count(model, p.tp), p.shard_degree, dtype.itemsize, c)
         gpu, host = est.offloaded_peak, host + opt_host
     return Footprint(estimate=est, gpu_bytes=gpu, host_bytes=host, optimizer_s=opt_s,
-                     gpu_fits=gpu <= c.gpu_memory_gib * 2**30,
+                     gpu_fits=gpu <= c.gpu_bytes,
                      host_fits=host <= c.host_bytes_per_rank and est.fits_host)
 
 
@@ -250,7 +250,7 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
              "optimizer offload": mem.optimizer_s}
     worst = max(parts, key=parts.get)
     if not mem.gpu_fits:
-        reason = f"needs {mem.gpu_bytes / 2**30:.1f} GiB > {c.gpu_memory_gib:g} GiB"
+        reason = f"needs {mem.gpu_bytes / 2**30:.1f} GiB > {c.gpu_room_gib:g} GiB"
     elif not mem.host_fits:
         reason = (f"needs {mem.host_bytes / 2**30:.1f} GiB of host memory per rank > "
                   f"{c.host_bytes_per_rank / 2**30:.1f} GiB")

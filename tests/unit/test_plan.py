@@ -186,7 +186,7 @@ def test_cli_prints_a_table_and_the_winner(capsys):
 
 
 def test_cli_nothing_fits(capsys):
-    assert main([*PLAN[:-1], "0.5"]) == 1
+    assert main([*PLAN[:-1], "0.5", "--gpu-reserve", "0"]) == 1
     out = capsys.readouterr().out
     assert "nothing fits: the closest is" in out and "rank backend" in out
 

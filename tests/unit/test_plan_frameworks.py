@@ -106,6 +106,7 @@ def test_the_planner_refuses_tp_beyond_the_kv_heads():
 
 def _advice(capsys, *extra) -> str:
     assert main(["plan", "--model", "llama3-8b", "--seq-len", "128k", "--nodes", "2", "--gpu-memory", "0.5",
+                 "--gpu-reserve", "0",
                  *extra]) == 1
     return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("nothing fits"))
 
@@ -118,7 +119,7 @@ def test_nothing_fits_names_only_untried_options(capsys):
     text = _advice(capsys, "--tp", "2", "--zero", "0", "1")
     assert "--tp 4 8)" in text and "--tp 1 --zero 2 3" in text
     assert untried(LLAMA, Cluster(nodes=2), (1, 2, 4, 8), (0, 1, 2, 3), True) == []
-    plans = enumerate_plans(LLAMA, 131072, Cluster(nodes=2, gpu_memory_gib=0.5))
+    plans = enumerate_plans(LLAMA, 131072, Cluster(nodes=2, gpu_memory_gib=0.5, gpu_reserve_gib=0))
     assert explain(plans[0], plans).endswith("; add nodes, or shorten the sequence")
 
 
@@ -131,7 +132,7 @@ def test_the_output_says_what_it_left_out(capsys):
 # ---------------------------------------------------------------- one framework's search and model state
 
 def test_a_search_for_one_framework_keeps_to_it_and_counts_its_state():
-    c = Cluster(nodes=2)
+    c = Cluster(nodes=2, gpu_reserve_gib=0)
     both = enumerate_plans(LLAMA, 131072, c, tp_options=(1, 2), zero_stage=(1,), modifiers=True)
     mega = enumerate_plans(LLAMA, 131072, c, tp_options=(1, 2), zero_stage=(1,), modifiers=True,
                            framework="megatron")

@@ -153,6 +153,20 @@ def test_host_memory_binds():
         Cluster(nodes=1, host_memory_gib=64, host_reserve_gib=64)
 
 
+def test_gpu_reserve_is_left_free():
+    """A plan fits under the card's memory less the reserve (the CUDA context, NCCL, fragmentation), not the card."""
+    model, layout = ModelSpec.preset("llama3-8b"), ParallelSpec(cp=8, zero_stage=3)
+    need = footprint(model, layout, "full", seq_len=8192, cluster=Cluster(nodes=1)).gpu_bytes
+    card = need / 2**30 + 1.0
+    fits = {reserve: footprint(model, layout, "full", seq_len=8192,
+                               cluster=Cluster(nodes=1, gpu_memory_gib=card, gpu_reserve_gib=reserve)).gpu_fits
+            for reserve in (0.0, 0.99, 1.01)}
+    assert fits == {0.0: True, 0.99: True, 1.01: False}
+    assert Cluster(nodes=1).gpu_bytes == 75 * 2**30                 # an 80 GiB card less the default 5 GiB
+    with pytest.raises(ValueError, match="gpu_reserve_gib must be ≥ 0 and below gpu_memory_gib"):
+        Cluster(nodes=1, gpu_memory_gib=4, gpu_reserve_gib=4)
+
+
 def test_mfu_is_model_flops_over_step_time_and_peak():
     p = tiny("full+tile_loss", peak_tflops=1e-6)
     dense, _, attn = layer_flops(TINY, ParallelSpec(cp=4), 16, SEQ)
@@ -171,7 +185,7 @@ TOY = ZeroSettings(reduce_bucket_size=1000, stage3_prefetch_bucket_size=1000, st
 
 def two_gpus(gpu_mib: float, host_mib: float) -> Cluster:
     return Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=gpu_mib / 1024, host_memory_gib=host_mib / 1024,
-                   host_reserve_gib=0.0)
+                   gpu_reserve_gib=0.0, host_reserve_gib=0.0)
 
 
 def brute_force_fits(model: ModelSpec, c: Cluster, seq_len: int, stages=(0, 3), tps=(1,), zero=TOY) -> list:
@@ -218,7 +232,7 @@ def test_longest_with_tensor_parallelism_equals_a_brute_force_scan(model, gpus, 
     """With tensor parallelism (and sequence parallelism's unit), only what a framework runs: tp 2 at ZeRO 0 or 1
     without optimizer offload."""
     c = Cluster(nodes=1, gpus_per_node=gpus, gpu_memory_gib=gpu_mib / 1024, host_memory_gib=host_mib / 1024,
-                host_reserve_gib=0.0)
+                gpu_reserve_gib=0.0, host_reserve_gib=0.0)
     stages = (0, 1, 3)
     result = longest(model, c, tp_options=tps, zero_stages=stages, zero_settings=TOY)
     step = unit(parallel_layouts(model, c, tps, stages, zero_settings=TOY))
@@ -245,7 +259,7 @@ def test_more_host_memory_never_shortens_the_longest_sequence():
 
 def test_nothing_fits_is_one_clear_error():
     with pytest.raises(ValueError, match="nothing fits even"):
-        longest(SMALL, Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=1e-4), zero_settings=TOY)
+        longest(SMALL, Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=1e-4, gpu_reserve_gib=0), zero_settings=TOY)
 
 
 # ---------------------------------------------------------------- the command
@@ -261,6 +275,8 @@ LONGEST = ["plan", "--model", "llama3-8b", "--max-seq-len", "--nodes", "1"]
     (["--host-memory", "0"], "argument --host-memory: '0' must be > 0"),
     (["--host-reserve", "2000"], "host_reserve_gib must be ≥ 0 and below host_memory_gib"),
     (["--host-reserve", "-1"], "must be ≥ 0"),
+    (["--gpu-reserve", "80"], "gpu_reserve_gib must be ≥ 0 and below gpu_memory_gib (80)"),
+    (["--gpu-reserve", "-1"], "argument --gpu-reserve"),
     (["--gpus-per-host-link", "0"], "--gpus-per-host-link"),
     (["--host-adam", "nan"], "not finite"),
     (["--zero", "4"], "invalid choice"),
@@ -310,7 +326,8 @@ def test_readme_table_is_what_the_planner_prints(capsys):
 
 
 def test_summary_names_the_binding_term():
-    c = Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=40 / 1024, host_memory_gib=40 / 1024, host_reserve_gib=0.0)
+    c = Cluster(nodes=1, gpus_per_node=2, gpu_memory_gib=40 / 1024, host_memory_gib=40 / 1024, gpu_reserve_gib=0.0,
+                host_reserve_gib=0.0)
     text = summary(longest(SMALL, c, zero_stages=(0, 3), zero_settings=TOY), c)
     assert "longest sequence: " in text and "fastest configuration there: " in text
     assert re.search(r"does not fit: (GPU memory binds: .* over; its largest part is|host memory binds: )", text)
