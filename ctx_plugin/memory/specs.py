@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import CPConfig
 import torch
 
+from ..config import CPConfig
 from ..names import Backend, Framework, parse_enum
 from ..rules import SettingNames, check_ulysses_size
 

@@ -208,6 +208,6 @@ def binding(p: Prediction, cluster: Cluster) -> str:
     largest = max(parts, key=parts.get)
     text = ", ".join(f"{name} {value / gib:,.1f}" for name, value in sorted(parts.items(), key=lambda kv: -kv[1]))
     over = (p.memory_bytes - cluster.gpu_bytes) / 2**20
-    return (f"GPU memory binds: {p.memory_gib:,.2f} GiB > {cluster.gpu_room_gib:g} GiB per GPU ({cluster.gpu_memory_gib:g} "
-            f"less {cluster.gpu_reserve_gib:g} reserved): {over:,.2f} MiB "
+    return (f"GPU memory binds: {p.memory_gib:,.2f} GiB > {cluster.gpu_room_gib:g} GiB per GPU "
+            f"({cluster.gpu_memory_gib:g} less {cluster.gpu_reserve_gib:g} reserved): {over:,.2f} MiB "
             f"({100 * (gpu_over - 1):.2f}%) over; its largest part is {largest} ({text} GiB)")

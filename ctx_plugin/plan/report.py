@@ -37,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"GiB per GPU, the card's size (default {_DEFAULTS.gpu_memory_gib:g}); the plan fits under it "
                         f"less --gpu-reserve")
     p.add_argument("--gpu-reserve", type=nonnegative_float, default=_DEFAULTS.gpu_reserve_gib,
-                   help=f"GiB per GPU the memory model does not count and the plan leaves free: the driver's share, the "
-                        f"CUDA context, NCCL's buffers, workspaces, allocator fragmentation (default "
+                   help=f"GiB per GPU the memory model does not count and the plan leaves free: the driver's "
+                        f"share, the CUDA context, NCCL's buffers, workspaces, allocator fragmentation (default "
                         f"{_DEFAULTS.gpu_reserve_gib:g})")
     p.add_argument("--intra-bw", type=positive_float, default=_DEFAULTS.intra_bw_gbs,
                    help="intra-node GB/s per GPU and direction (NVLink)")
@@ -128,7 +128,8 @@ def print_documents(documents) -> None:
 
 def cluster_from(args: argparse.Namespace) -> Cluster:
     return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
-                   gpu_reserve_gib=args.gpu_reserve, intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, attention_tflops=_attention_tflops(args),
+                   gpu_reserve_gib=args.gpu_reserve, intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw,
+                   attention_tflops=_attention_tflops(args),
                    matmul_tflops=args.matmul_tflops, peak_tflops=args.peak_tflops, host_memory_gib=args.host_memory,
                    host_reserve_gib=args.host_reserve, host_bw_gbs=args.host_bw,
                    gpus_per_host_link=args.gpus_per_host_link, host_adam_gparams_s=args.host_adam)
@@ -186,7 +187,8 @@ def plot(plans: list[Prediction], cluster: Cluster, path: Path, *, title: str = 
         group = [p for p in plans if label(p) == name]
         ax.scatter([p.memory_gib for p in group], [p.step_ms / p.dp for p in group], s=12, alpha=0.6, label=name)
     ax.axvline(cluster.gpu_room_gib, color="k", linestyle="--",
-               label=f"{cluster.gpu_room_gib:g} GiB per GPU ({cluster.gpu_memory_gib:g} less {cluster.gpu_reserve_gib:g} reserved)")
+               label=f"{cluster.gpu_room_gib:g} GiB per GPU ({cluster.gpu_memory_gib:g} less "
+                     f"{cluster.gpu_reserve_gib:g} reserved)")
     best = plans[0]
     if best.fits:
         ax.scatter([best.memory_gib], [best.step_ms / best.dp], s=160, marker="*", color="red", zorder=3,

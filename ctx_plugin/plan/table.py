@@ -19,8 +19,8 @@ def _row(rank: int, p: Prediction) -> str:
 def print_header(model: ModelSpec, c: Cluster) -> None:
     print(f"{model.name}: {model.layers} layers, hidden {model.hidden}, {model.heads} heads ({model.kv_heads} K/V), "
           f"ffn {model.ffn}, vocab {model.vocab}")
-    print(f"cluster: {c.nodes} × {c.gpus_per_node} = {c.gpus} GPUs, {c.gpu_memory_gib:g} GiB each ({c.gpu_reserve_gib:g} "
-          f"reserved); "
+    print(f"cluster: {c.nodes} × {c.gpus_per_node} = {c.gpus} GPUs, {c.gpu_memory_gib:g} GiB each "
+          f"({c.gpu_reserve_gib:g} reserved); "
           f"{c.intra_bw_gbs:g} GB/s in a node, {c.inter_bw_gbs:g} GB/s across; attention {c.attention_tflops:g}, "
           f"matmul {c.matmul_tflops:g}, peak {c.peak_tflops:g} TFLOP/s")
     print(f"host: {c.host_memory_gib:g} GiB per node ({c.host_reserve_gib:g} reserved), PCIe {c.host_bw_gbs:g} GB/s "

@@ -34,8 +34,6 @@ _PROGRAM_HELP = {"megatron": "pretrain_gpt.py's arguments (Megatron's flags and 
                  "deepspeed": "the training program and its arguments: train.py ... or -m module ... (the launcher "
                               "appends --deepspeed_config <--ds-config>)"}
 
-
-
 # (first, count) of the default rendezvous ports: 20000-31999, with the preflight's 200 tries still below 32768
 _PORTS = (20000, 12000)
 
@@ -50,6 +48,7 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{port} is not a port in 1024-65535")
     return port
 
+
 def job_parser(framework: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"launch/{framework}.sbatch", exit_on_error=False, allow_abbrev=False,
                                 usage=f"%(prog)s [job options] -- {_PROGRAM_HELP[framework]}")
@@ -60,7 +59,7 @@ def job_parser(framework: str) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: cuda when the node has GPUs, else CPU processes with gloo")
     p.add_argument("--master-port", type=_port, default=None,
-                   help=f"rendezvous port, {_PORTS[0]}-65535 (default {_PORTS[0]} + job id mod {_PORTS[1]}: below "
+                   help=f"rendezvous port, 1024-65535 (default {_PORTS[0]} + job id mod {_PORTS[1]}: below "
                         f"Linux's ephemeral ports, 32768-60999, which outgoing connections take)")
     p.add_argument("--run-dir", default=None, help="default: $CTX_RUNS_DIR (else <submit dir>/runs)/<framework>-<job id>")
     p.add_argument("--requeue", action="store_true",
