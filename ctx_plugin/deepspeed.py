@@ -7,7 +7,9 @@
         engine.backward(loss); engine.step()
 
 (``lm_loss`` is ``causal_lm_loss(engine(input_ids=..., position_ids=...).logits, batch["labels"], engine)``, or with
-``+tile_loss`` in the section's ``"recompute"`` the LM head and loss over chunks of tokens: ``tiled_causal_lm_loss``.)
+``+tile_loss`` in the section's ``"recompute"`` the LM head and loss over chunks of tokens: ``tiled_causal_lm_loss``.
+With gradient accumulation, ``step_tokens=ctx_plugin.deepspeed.step_tokens(engine, the step's micro batches)`` makes
+the gradient the token mean over the whole step, as ``ctx_plugin.train_hf`` does.)
 
 The section is ``{"backend", "size", "ulysses_size", "kernel", "recompute", "check_ranks"}`` (``check_ranks``:
 ``CPConfig.check_ranks``, default true). The world is split into groups of ``size`` consecutive ranks sharing
@@ -29,14 +31,14 @@ from . import comm, hf, hf_loss
 from .deepspeed_config import (SECTION, ContextParallelSection, _load_config, _refuse_curriculum,
                                _refuse_ds_checkpointing, _refuse_model_parallel, _refuse_patched_linear, _zero_config,
                                batch_sizes, parse_section)
-from .deepspeed_data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, tiled_causal_lm_loss
+from .deepspeed_data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, step_tokens, tiled_causal_lm_loss
 from .groups import CPGroups, build_cp_groups
 from .names import Recompute
 from .recompute import RecomputeConfig, apply
 from .recompute.apply import refuse_hf_checkpointing
 
 __all__ = ["SECTION", "ContextParallelMPU", "ContextParallelSection", "ShardedLoader", "batch_sizes", "causal_lm_loss",
-           "initialize", "lm_loss", "parse_section", "shard_batch", "tiled_causal_lm_loss"]
+           "initialize", "lm_loss", "parse_section", "shard_batch", "step_tokens", "tiled_causal_lm_loss"]
 
 
 class ContextParallelMPU:

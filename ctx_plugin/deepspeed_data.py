@@ -131,19 +131,57 @@ def _recompute(engine) -> RecomputeConfig:
     return recompute
 
 
-def _global_mean(local: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """DeepSpeed averages gradients over all data × context ranks, so each rank backpropagates its token sum over
-    the global token count times that rank count; the result is the gradient of the global token mean."""
-    stats = torch.stack([local.detach(), (labels != -100).sum().to(local.dtype)])
+def step_tokens(engine, batches) -> int:
+    """The labels other than -100 in a whole optimizer step: this rank's shards of the step's micro batches
+    (``batches``, each with ``labels``, as the loader gives them), summed over every data × context rank (one
+    all-reduce, so every rank gets the same count). Pass it to the losses of those micro batches (``step_tokens=``) to
+    train on the token mean over the whole step, as Hugging Face's Trainer (``num_items_in_batch``) and Megatron
+    (``--calculate-per-token-loss``) do. ValueError, on every rank, when the step holds no such label."""
+    local = sum(int((b["labels"] != -100).sum()) for b in batches)
+    count = torch.tensor([local], dtype=torch.float64, device=engine.device)
+    dist.all_reduce(count)
+    if count.item() == 0:
+        raise ValueError("the step's micro batches hold no label other than -100: nothing to train on")
+    return int(count.item())
+
+
+def _global_mean(local: torch.Tensor, labels: torch.Tensor, engine, step: int | None) -> tuple[torch.Tensor, float]:
+    """DeepSpeed averages gradients over all data × context ranks (and ``engine.backward`` divides by the
+    accumulation steps), so each rank backpropagates its token sum over the global token count times that rank count
+    (and those steps); the result is the gradient of the global token mean: of the micro batch (``step`` None), or of
+    the whole step (``step``: :func:`step_tokens`, compared between the ranks: a disagreement is a ValueError on
+    every rank)."""
+    valid = step is None or (isinstance(step, int) and not isinstance(step, bool) and step >= 1)
+    given = -1.0 if not valid else float(step or 0)             # compared between the ranks before any error
+    stats = torch.stack([local.detach().double(), (labels != -100).sum().double(),
+                         torch.tensor(given, dtype=torch.float64, device=local.device),
+                         torch.tensor(given * given, dtype=torch.float64, device=local.device)])
     dist.all_reduce(stats)
     world = dist.get_world_size()
-    return local * world / stats[1], (stats[0] / stats[1]).item()
+    total, count, given_sum, given_squares = stats.tolist()
+    if given_sum ** 2 != world * given_squares:      # (Σv)² = n·Σv² only when every rank gave the same value
+        raise ValueError("the ranks passed different step_tokens (or some none) to the loss: count them with "
+                         "ctx_plugin.deepspeed.step_tokens(engine, the step's micro batches) on every rank")
+    if not valid:
+        raise TypeError(f"step_tokens must be a positive int (ctx_plugin.deepspeed.step_tokens), got {step!r}")
+    if step is None:
+        if count == 0:
+            raise ValueError("this micro batch holds no label other than -100 on any rank, so its token mean is "
+                             "undefined: pass step_tokens (ctx_plugin.deepspeed.step_tokens of the whole step)")
+        return local * (world / count), total / count
+    return local * (world * engine.gradient_accumulation_steps() / step), total / step
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, engine) -> tuple[torch.Tensor, float]:
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, engine, *,
+                   step_tokens: int | None = None) -> tuple[torch.Tensor, float]:
     """(loss to backpropagate, global token-mean loss to report) for pre-shifted, sharded ``labels`` (-100:
     ignored), from the whole logits (at least fp32). A section with ``+tile_loss`` is refused here: use
-    :func:`lm_loss` (Hugging Face models) or :func:`tiled_causal_lm_loss`."""
+    :func:`lm_loss` (Hugging Face models) or :func:`tiled_causal_lm_loss`.
+
+    ``step_tokens`` (:func:`step_tokens` of the optimizer step's micro batches): the gradient is the token mean over
+    the whole step, not over this micro batch, and the report is this micro batch's part of it (the step's reports
+    add up to its loss); for ``engine.backward(loss)`` as DeepSpeed scales it (``scale_wrt_gas``, its default).
+    Without it, with gradient accumulation, the step's gradient is the mean of its micro batches' token means."""
     recompute = getattr(engine, "ctx_plugin_recompute", None)      # None: an engine without the section
     if recompute is not None and recompute.tile_loss:
         raise ValueError(f'"{SECTION}.recompute" is "{recompute}": +tile_loss computes the loss from the hidden '
@@ -151,11 +189,12 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, engine) -> tuple[
                          "models) or tiled_causal_lm_loss(hidden, labels, engine, head=...) instead of "
                          "causal_lm_loss(logits, ...)")
     local = F.cross_entropy(upcast(logits).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    return _global_mean(local, labels)
+    return _global_mean(local, labels, engine, step_tokens)
 
 
-def tiled_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, engine, *, head) -> tuple[torch.Tensor, float]:
-    """:func:`causal_lm_loss` from the final hidden states ``[batch, seq, hidden]`` and the LM head module, over
+def tiled_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, engine, *, head,
+                         step_tokens: int | None = None) -> tuple[torch.Tensor, float]:
+    """:func:`causal_lm_loss` (``step_tokens`` too) from the final hidden states ``[batch, seq, hidden]`` and the LM head module, over
     chunks of tokens (the section's ``+tile_loss[:<tokens>]``; :mod:`ctx_plugin.tiled_loss`). ``hidden`` must come
     out of the engine's forward (DeepSpeed prepares backward from hooks on its outputs); call ``head`` as a module
     so ZeRO-3 fetches its parameters."""
@@ -164,17 +203,18 @@ def tiled_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, engine, *, 
         raise ValueError(f'"{SECTION}.recompute" is "{recompute}", without +tile_loss: use causal_lm_loss(logits, '
                          f'...) or lm_loss(engine, batch), or add +tile_loss to the preset')
     local = lm_loss_sum(hidden, labels, head, tokens=recompute.loss_tokens)
-    return _global_mean(local, labels)
+    return _global_mean(local, labels, engine, step_tokens)
 
 
 _LM_KEYS = frozenset({"input_ids", "position_ids", "labels", "documents"})
 
 
-def lm_loss(engine, batch: dict) -> tuple[torch.Tensor, float]:
+def lm_loss(engine, batch: dict, *, step_tokens: int | None = None) -> tuple[torch.Tensor, float]:
     """Forward and loss of a Hugging Face causal LM on this rank's ``batch`` (``input_ids``, ``position_ids``,
-    pre-shifted ``labels`` and, packed, ``documents``, as :class:`ShardedLoader` gives them): (loss to backpropagate, global token-mean loss).
-    With ``+tile_loss`` in the section the model's ``lm_head`` runs over chunks of tokens
-    (:func:`ctx_plugin.hf_loss.hidden_states`, :func:`tiled_causal_lm_loss`), else on the whole logits."""
+    pre-shifted ``labels`` and, packed, ``documents``, as :class:`ShardedLoader` gives them): (loss to backpropagate,
+    global token-mean loss; ``step_tokens``: as :func:`causal_lm_loss`). With ``+tile_loss`` in the section the
+    model's ``lm_head`` runs over chunks of tokens (:func:`ctx_plugin.hf_loss.hidden_states`,
+    :func:`tiled_causal_lm_loss`), else on the whole logits."""
     tokens = batch["input_ids"]
     unused = sorted(key for key, value in batch.items() if key not in _LM_KEYS and isinstance(value, torch.Tensor)
                     and value.dim() >= 2 and value.shape[:2] == tokens.shape[:2])
@@ -188,6 +228,6 @@ def lm_loss(engine, batch: dict) -> tuple[torch.Tensor, float]:
         inputs[DOCUMENTS_KEYWORD] = batch["documents"]
     recompute = getattr(engine, "ctx_plugin_recompute", None)      # None: an engine without the section
     if recompute is None or not recompute.tile_loss:
-        return causal_lm_loss(engine(**inputs).logits, batch["labels"], engine)
+        return causal_lm_loss(engine(**inputs).logits, batch["labels"], engine, step_tokens=step_tokens)
     hidden, head = hf_loss.hidden_states(engine, engine.module, **inputs)
-    return tiled_causal_lm_loss(hidden, batch["labels"], engine, head=head)
+    return tiled_causal_lm_loss(hidden, batch["labels"], engine, head=head, step_tokens=step_tokens)

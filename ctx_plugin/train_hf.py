@@ -4,8 +4,9 @@ Trains a Hugging Face causal LM with DeepSpeed and the config's ``"context_paral
 ``launch/deepspeed.sbatch`` runs unless given another. The model is built from a ``config.json`` (random
 weights, seeded) or loaded with ``--pretrained``; the data is a ``.npy`` array of token ids, ``[samples,
 seq_len]`` (or 1-D, a whole number of ``seq_len`` windows), or, without ``--data``, seeded synthetic sequences a
-model can learn only by attending across the whole context. Rank 0 prints the loss of every optimizer step and
-writes a JSON report.
+model can learn only by attending across the whole context. The loss of a step is the token mean over all its
+micro batches (gradient accumulation) and data-parallel replicas, as in Hugging Face's Trainer. Rank 0 prints the
+loss of every optimizer step and writes a JSON report.
 
 Stop and resume: on ``SIGUSR1`` (SLURM's time-limit warning, which ``launch/deepspeed.sbatch`` passes to every
 rank) or ``SIGTERM``, every rank finishes its optimizer step, the ranks agree on the step to stop after, save a
@@ -227,20 +228,21 @@ def main(argv: list[str] | None = None) -> int:
             losses = checkpoints.resume(engine, ckpt, run_layout, engine.device)
         except ValueError as e:
             raise SystemExit(str(e)) from None
-    micro_losses, tokens, start = [], 0, time.perf_counter()
+    tokens, start = 0, time.perf_counter()
     batches = micro_batches(loader, len(losses) * accumulation)
     while len(losses) < args.steps:
         stop.step = len(losses)
-        batch = {k: v.to(engine.device) if isinstance(v, torch.Tensor) else v for k, v in next(batches).items()}
-        loss, report = cpds.lm_loss(engine, batch)       # the section's +tile_loss: head and loss tiled
-        engine.backward(loss)
-        engine.step()
-        micro_losses.append(report)
-        tokens += batch["input_ids"].numel()
-        if len(micro_losses) < accumulation:
-            continue
-        losses.append(sum(micro_losses) / accumulation)
-        micro_losses = []
+        step = [{k: v.to(engine.device) if isinstance(v, torch.Tensor) else v for k, v in next(batches).items()}
+                for _ in range(accumulation)]
+        count = cpds.step_tokens(engine, step)          # the loss is the token mean over the whole step
+        loss_sum = 0.0
+        for batch in step:
+            loss, report = cpds.lm_loss(engine, batch, step_tokens=count)   # +tile_loss: head and loss tiled
+            engine.backward(loss)
+            engine.step()
+            loss_sum += report
+            tokens += batch["input_ids"].numel()
+        losses.append(loss_sum)
         if rank == 0:
             print(f"step {len(losses) - 1:>5}  loss {losses[-1]:.6f}", flush=True)
         if len(losses) < args.steps and stop.agreed(engine.device):

@@ -168,6 +168,7 @@ def launch(world: int) -> list:
     refused = {"refused_batch": {}} if world == 4 else {}
     return spawn("several", world, {"ds_train": test_deepspeed.payload(world), **tiled, **refused,
                                     "packed_train": test_deepspeed_packed.payload(world),
+                                    "accumulated_train": test_deepspeed_packed.accumulated_payload(world),
                                     "presets_train": test_deepspeed_presets.payload(world)})
 
 
@@ -266,6 +267,45 @@ def packed_train(rank: int, world: int, payload: dict) -> dict:
                                                training_data=_packed_dataset(mix), config=_config(1, zero, section, {}))
         out[f"{backend}-u{u}-cp{size}-z{zero}-{mix}-pad{int(pad)}"] = _two_steps(engine, loader, zero, rank,
                                                                                  packed=True)
+        engine.destroy()
+        _restore_linear()
+    return out
+
+
+def accumulated_train(rank: int, world: int, payload: dict) -> dict:
+    """Each case (backend, ulysses_size, CP size, ZeRO stage, document mix, pad_documents, steps): ``steps`` optimizer
+    steps of :func:`qwen2` on packed samples with gradient accumulation 2 (micro batch 1), each micro batch's loss
+    normalised by the whole step's tokens (``step_tokens``), as ``ctx_plugin.train_hf`` trains: the step's reported
+    loss (the sum of its micro batches' reports), DeepSpeed's gradient norm, and rank 0's parameters after."""
+    _start(rank, world)
+    import deepspeed
+
+    import ctx_plugin.deepspeed as cpds
+
+    out = {}
+    for backend, u, size, zero, mix, pad, steps in payload["cases"]:
+        model = qwen2()
+        section = {"backend": backend, "size": size, "ulysses_size": u, "pad_documents": pad}
+        engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
+                                               training_data=_packed_dataset(mix),
+                                               config=_config(1, zero, section, {"gradient_accumulation_steps": 2}))
+        batches, losses, norms = iter(loader), [], []
+        for _ in range(steps):
+            step = [next(batches), next(batches)]
+            count = cpds.step_tokens(engine, step)
+            total = 0.0
+            for batch in step:
+                loss, report = cpds.lm_loss(engine, batch, step_tokens=count)
+                engine.backward(loss)
+                engine.step()
+                total += report
+            losses.append(total)
+            norms.append(float(engine.get_global_grad_norm()))
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=zero == 3):
+            flat = torch.cat([p.detach().flatten().clone() for p in params])
+        out[f"{backend}-u{u}-cp{size}-z{zero}-{mix}-pad{int(pad)}"] = {
+            "losses": losses, "norms": norms, "params": flat.tolist() if rank == 0 else None}
         engine.destroy()
         _restore_linear()
     return out
