@@ -68,6 +68,15 @@ def positive_int(text: str) -> int:
     return int(value)
 
 
+def random_seed(text: str) -> int:
+    """A random seed: a whole number in 0..2⁶³−1 (torch takes seeds below 2⁶⁴; the trainers add each rank's
+    index)."""
+    value = _number(text, "a whole number in 0..2^63-1")
+    if value != value.to_integral_value() or not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a seed: give a whole number in 0..2^63-1")
+    return int(value)
+
+
 def positive_float(text: str) -> float:
     """A finite ``float`` > 0."""
     value = _number(text, "a finite number > 0")

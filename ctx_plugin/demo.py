@@ -22,7 +22,7 @@ import torch.distributed as dist
 import ctx_plugin
 from ctx_plugin import recompute
 from ctx_plugin.models import DecoderConfig, DecoderLM
-from ctx_plugin.cliargs import nonnegative_float, output_file, positive_float, positive_int, tokens
+from ctx_plugin.cliargs import nonnegative_float, output_file, positive_float, positive_int, random_seed, tokens
 from ctx_plugin.names import Backend, Kernel, Recompute
 from ctx_plugin.recompute.presets import RecomputeConfig
 from ctx_plugin.documents import Documents
@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=positive_int, default=4)
     p.add_argument("--seq-len", type=tokens, default=256)
     p.add_argument("--lr", type=positive_float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=random_seed, default=0)
     p.add_argument("--documents", type=positive_int, default=None, metavar="N",
                    help="pack N documents of random lengths into every sequence (attention inside each document)")
     p.add_argument("--rtol", type=nonnegative_float, default=1e-5, help="allowed relative loss difference (fp32)")

@@ -8,7 +8,7 @@ section, the demo, the benchmark, the memory model and the planner. The rules:
   context-parallel size; other backends take ``ulysses_size = 1`` (``CPConfig`` checks that).
 * **Sequence unit** — the global sequence length is a positive multiple of the layout's unit
   (:meth:`ctx_plugin.layouts.Layout.unit`: P for contiguous, striped and Ulysses, 2·P for zigzag and the all-gather
-  backend, 2·P/u·u for the hybrid); nothing is padded.
+  backend, P/u·lcm(2, u) for the hybrid); nothing is padded.
 * **Head split** — over an all-to-all axis of u > 1 ranks, u divides the query heads, and the K/V heads either divide
   by u or divide u (each rank then gets a replicated K/V head).
 * **Sequence parallelism** — under Megatron's sequence parallelism over TP ranks, each CP rank's ``seq_len / cp``

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .cliargs import output_file, parse_strict
+from .cliargs import output_file, parse_strict, random_seed
 from .slurm.signals import StopRequest
 
 
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "restart, labels stop at each end. Needs train_micro_batch_size_per_gpu 1, and "
                         '"pad_documents": true in the section unless every document fits the layout')
     p.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=random_seed, default=1234)
     p.add_argument("--report", default=None, type=output_file,
                    help="rank 0 writes its losses and throughput here (JSON)")
     p.add_argument("--checkpoint-dir", default=None,

@@ -42,8 +42,8 @@ SPECS: dict[Kernel, KernelSpec] = {
 
 def auto_order(device: torch.device) -> tuple[Kernel, ...]:
     """Kernels fastest first. On Hopper, flash-attn 3 and cuDNN lead (cuDNN measured ~1.8× torch's flash
-    kernel on an H200, DESIGN.md §5); flash-attn 2 sits between cuDNN and torch's flash kernel. On the CPU,
-    torch's blockwise flash kernel beats the pure-torch one (which materialises every score)."""
+    kernel on an H200 before this code existed: BENCHMARKS.md); flash-attn 2 sits between cuDNN and torch's flash
+    kernel. On the CPU, torch's blockwise flash kernel beats the pure-torch one (which materialises every score)."""
     info = flash_attn.version_info(device) if device.type == "cuda" else None
     if info is not None and info.generation == 3:
         return (Kernel.FLASH_ATTN, Kernel.SDPA_CUDNN, Kernel.SDPA_FLASH, Kernel.SDPA_CPU, Kernel.TORCH)

@@ -2,7 +2,8 @@
 sharding and RoPE positions for every layout.
 
 This package imports megatron only inside the functions that need it (``pip install 'ctx-plugin[megatron]'``).
-The seams it uses are listed in ../shared/DESIGN.md §4; only this adapter reads Megatron's parallel state.
+The seams it uses are described in README.md ("Megatron-LM / megatron-core"); only this adapter reads Megatron's
+parallel state.
 """
 
 

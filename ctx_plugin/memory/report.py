@@ -114,7 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-dtype", default=None, choices=list(DTYPES),
                    help="the gradient buffer's dtype (default: the framework's: Megatron fp32 for bf16 training, "
                         "e.g. bf16 for --grad-reduce-in-bf16; DeepSpeed the training dtype)")
-    p.add_argument("--budget", type=positive_float, default=None, help="GiB per GPU: also report the preset budget:<GiB> picks")
+    p.add_argument("--budget", type=positive_float, default=None,
+                   help="GiB per GPU: also report the preset budget:<GiB> picks (for the peak above, which counts no "
+                        "CUDA context, NCCL buffers or fragmentation: give the card's memory less a few GiB, as "
+                        "ctx-plugin plan's --gpu-reserve)")
     p.add_argument("--recompute", type=recompute_arg, default=None,
                    help="one recompute preset with modifiers to report instead of the preset table, e.g. "
                         "full+tile_mlp+tile_loss+offload_attn:96 (its tile_loss/tile_mlp also apply to --budget)")

@@ -92,10 +92,10 @@ class ModelSpec:
         counts (measured, ``tests/unit/test_memory_blocks.py``), with ``qk_norm`` for Qwen3's q/k norms.
         ``attention_bias`` from the config, or True for Qwen2, whose q/k/v projections always have biases. Refused:
         other model types (their layers keep other tensors: extra or post norms, fused projections, LayerNorm,
-        other MLPs; the estimate would be off by 5–100%), mixture-of-experts configs, an explicit ``head_dim`` other
-        than ``hidden_size / num_attention_heads`` (the model sizes the attention projections ``hidden_size`` wide)
-        and a ``num_key_value_heads`` that is not a positive divisor of ``num_attention_heads`` (a missing key
-        means multi-head attention)."""
+        other MLPs; measured, the estimate was off by 0.4–110%), mixture-of-experts configs, an explicit
+        ``head_dim`` other than ``hidden_size / num_attention_heads`` (the model sizes the attention projections
+        ``hidden_size`` wide) and a ``num_key_value_heads`` that is not a positive divisor of
+        ``num_attention_heads`` (a missing key means multi-head attention)."""
         if isinstance(config, (str, Path)):
             config = json.loads(Path(config).read_text())
         if not isinstance(config, dict):

@@ -97,6 +97,8 @@ CASES = [
     ([*SMOKE, "--window", "-1"], "'-1' is not a whole number of tokens ≥ 0 (0: each query sees only itself)"),
     ([*SMOKE, "--window", "0.5"], "'0.5' is not a whole number of tokens ≥ 0"),
     (["demo", "--nproc", "0"], "--nproc"),
+    (["demo", "--seed", "99999999999999999999999"], "is not a seed: give a whole number in 0..2^63-1"),
+    (["demo", "--seed", "-1"], "is not a seed"),
     (["demo", "--nproc", "3"], "--seq-len must be a positive multiple of 6, got 256 (zigzag over --nproc 3)"),
     (["demo", "--seq-len", "63"], "multiple of 8"),
     (["demo", "--seq-len", "256.5"], "not a whole number of tokens"),

@@ -42,3 +42,9 @@ def test_samples_split_evenly_over_the_replicas(samples, replicas, ok):
                                              rf"replicas: the sampler would repeat the first "
                                              rf"{replicas - samples % replicas} in every pass"):
             train_hf.check_replicas(samples, replicas)
+
+
+def test_a_seed_torch_cannot_take_is_refused(model):
+    with pytest.raises(ValueError, match=r"is not a seed: give a whole number in 0..2\^63-1"):
+        train_hf.parse_args(["--model", model, "--seed", str(2**63)])
+    assert train_hf.parse_args(["--model", model, "--seed", str(2**63 - 1)]).seed == 2**63 - 1
