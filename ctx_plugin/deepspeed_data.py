@@ -194,10 +194,10 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, engine, *,
 
 def tiled_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, engine, *, head,
                          step_tokens: int | None = None) -> tuple[torch.Tensor, float]:
-    """:func:`causal_lm_loss` (``step_tokens`` too) from the final hidden states ``[batch, seq, hidden]`` and the LM head module, over
-    chunks of tokens (the section's ``+tile_loss[:<tokens>]``; :mod:`ctx_plugin.tiled_loss`). ``hidden`` must come
-    out of the engine's forward (DeepSpeed prepares backward from hooks on its outputs); call ``head`` as a module
-    so ZeRO-3 fetches its parameters."""
+    """:func:`causal_lm_loss` (``step_tokens`` too) from the final hidden states ``[batch, seq, hidden]`` and the LM
+    head module, over chunks of tokens (the section's ``+tile_loss[:<tokens>]``; :mod:`ctx_plugin.tiled_loss`).
+    ``hidden`` must come out of the engine's forward (DeepSpeed prepares backward from hooks on its outputs); call
+    ``head`` as a module so ZeRO-3 fetches its parameters."""
     recompute = _recompute(engine)
     if not recompute.tile_loss:
         raise ValueError(f'"{SECTION}.recompute" is "{recompute}", without +tile_loss: use causal_lm_loss(logits, '
