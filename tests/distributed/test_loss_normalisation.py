@@ -2,7 +2,8 @@
 ``step_tokens`` each micro batch backpropagates its token sum × ranks × accumulation steps ÷ the whole step's
 tokens (DeepSpeed averages over the ranks and divides by the steps), and reports its part of the step's token mean;
 without, its own token mean. Float64 stand-in logits, reference sums computed here from each rank's local sums.
-Ranks that pass different step_tokens, or an invalid one, get the same error, and no rank is left waiting."""
+Ranks that pass different step_tokens, or an invalid one, get the same error, and no rank is left waiting. And the
+gradient, backpropagated and averaged as DeepSpeed does, against the gradient of the token mean computed directly."""
 from __future__ import annotations
 
 import pytest
@@ -22,6 +23,16 @@ def results() -> list:
         _results.append(run_spawned("tests.distributed.loss_ranks:losses", WORLD,
                                     {"ignored": IGNORED, "refused": REFUSED}, timeout_s=120))
     return _results[0]
+
+
+def test_the_gradient_is_the_whole_steps_token_mean_as_deepspeed_scales_it():
+    """Against the gradient of the token mean computed directly on all ranks' micro batches (micro batches of 11
+    and 10 targets): exact with step_tokens; the mean of the micro batches' means without."""
+    got = run_spawned("tests.distributed.loss_ranks:gradients", WORLD, {"ignored": [[0, 3], [2, 1], [5, 4]]},
+                      timeout_s=120)
+    for r in got:
+        assert r["step"] < 1e-13, r
+        assert r["micro"] > 1e-3, r
 
 
 def test_step_tokens_counts_the_whole_step_on_every_rank():

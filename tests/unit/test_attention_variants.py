@@ -40,6 +40,8 @@ WINDOWS = [None, (2, 0), (9, 0), (40, 40), (5, None), (4, 3)]
 # product's time: the suite runs on 2 shared cores).
 VARIANTS = [(w, c, s) for w in WINDOWS for c, s in ((None, False), (1.5, True))] + \
     [(w, c, s) for w in (None, (4, 3)) for c, s in ((1.5, False), (None, True))]
+# a softmax_scale other than head_dim ** -0.5 (0.354 here) in the variants with these windows
+SCALE, SCALED = 0.6, ((9, 0), (4, 3))
 CASES = [(b, p, u, causal) for b, sizes in SIZES.items() for p, u in sizes for causal in (True, False)]
 
 
@@ -87,10 +89,11 @@ def test_variants_match_the_float64_reference(backend, size, u, causal):
     q, k, v, dout, sinks = _inputs()
     for window, softcap, with_sinks in VARIANTS:
         s = sinks if with_sinks else None
+        scale = SCALE if window in SCALED else None          # None: head_dim ** -0.5
         got, dsinks, _ = simulated_run(config, size, q, k, v, dout, causal=causal, window=window, softcap=softcap,
-                                       sinks=s)
-        want = dense_with_grads(q, k, v, dout, causal=causal, window=window, softcap=softcap, sinks=s)
-        what = f"window={window} softcap={softcap} sinks={with_sinks}"
+                                       sinks=s, softmax_scale=scale)
+        want = dense_with_grads(q, k, v, dout, causal=causal, scale=scale, window=window, softcap=softcap, sinks=s)
+        what = f"window={window} softcap={softcap} sinks={with_sinks} softmax_scale={scale}"
         for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
             assert rel_err(g, w) < 1e-10, f"{what}: {name} relative error {rel_err(g, w):.2e}"
         if with_sinks:
