@@ -220,7 +220,9 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
                       family="megatron",     # Megatron ties the output layer to the embedding unless --untie-...
                       tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
                       attention_bias=bool(getattr(args, "add_bias_linear", False)
-                                                             or getattr(args, "add_qkv_bias", False)),
+                                          or getattr(args, "add_qkv_bias", False)),
+                      output_bias=bool(getattr(args, "add_bias_linear", False)),
+                      mlp_bias=bool(getattr(args, "add_bias_linear", False) and getattr(args, "swiglu", False)),
                       bias_activation_fusion=bool(getattr(args, "bias_swiglu_fusion" if getattr(args, "swiglu", False)
                                                           else "bias_gelu_fusion", True)))
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \

@@ -100,8 +100,8 @@ def param_count(m: ModelSpec, tp: int = 1) -> int:
     kv_w = max(m.kv_heads // tp, 1) * m.head_dim
     q_w, f = m.hidden // tp, ceil_div(m.ffn, tp)
     norm = (1 if m.norm == "rms" else 2) * m.hidden
-    mlp = 3 * m.hidden * f if m.gated else 2 * m.hidden * f + f + m.hidden
-    bias = (q_w + 2 * kv_w) if m.attention_bias else 0
+    mlp = 3 * m.hidden * f + (2 * f + m.hidden if m.mlp_bias else 0) if m.gated else 2 * m.hidden * f + f + m.hidden
+    bias = ((q_w + 2 * kv_w) if m.attention_bias else 0) + (m.hidden if m.output_bias else 0)
     qk_norm = 2 * m.head_dim if m.qk_norm else 0
     layer = m.hidden * (q_w + 2 * kv_w) + bias + q_w * m.hidden + mlp + 2 * norm + qk_norm
     embed = ceil_div(m.vocab, tp) * m.hidden

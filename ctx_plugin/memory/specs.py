@@ -52,6 +52,12 @@ class ModelSpec:
     Llama/Mistral/Qwen2-style layers) or ``"megatron"`` (megatron-core's GPT layers, local spec)."""
     attention_bias: bool = False
     """Biases on the q/k/v projections (Qwen2); counted in the parameters."""
+    output_bias: bool = False
+    """A bias on the attention's output projection (Llama-family ``attention_bias``, Megatron's
+    ``add_bias_linear``); counted in the parameters."""
+    mlp_bias: bool = False
+    """Biases on a gated MLP's projections (Llama's ``mlp_bias``, Megatron's ``add_bias_linear`` with SwiGLU; a plain
+    MLP always has them); counted in the parameters."""
     qk_norm: bool = False
     """``hf`` family: an RMSNorm over each head of q and of k before RoPE (Qwen3's ``q_norm``/``k_norm``); its kept
     tensors (an fp32 copy, the reciprocal RMS per head, the normalised q and k) are counted, its weights too."""
@@ -126,16 +132,17 @@ class ModelSpec:
         if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
             raise ValueError(f"num_key_value_heads must be a positive int dividing num_attention_heads ({heads}), got "
                              f"{kv_heads!r}; leave the key out for multi-head attention")
-        head_dim = config.get("head_dim")
+        head_dim = config.get("head_dim", _HF_HEAD_DIM.get(model_type))     # what transformers takes when it is missing
         if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)
                                      or heads * head_dim != hidden):
             raise ValueError(f"head_dim {head_dim!r} × {heads} heads is not hidden_size ({hidden}): the memory model "
                              f"sizes q/k/v/o, their bytes and FLOPs with head_dim = hidden_size / heads, so configs "
                              f"with their own head_dim (Mistral-NeMo, Gemma) are not supported; the nearest estimate "
                              f"is a preset of similar size ({_PRESET_HINT})")
-        bias = bool(config.get("attention_bias", model_type == "qwen2"))
+        bias = model_type == "qwen2" or (model_type in _HF_ATTENTION_BIAS and bool(config.get("attention_bias")))
         return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
-                   family="hf", qk_norm=qk_norm, attention_bias=bias,
+                   family="hf", qk_norm=qk_norm, attention_bias=bias, output_bias=bias and model_type != "qwen2",
+                   mlp_bias=model_type in _HF_MLP_BIAS and bool(config.get("mlp_bias")),
                    tied_embeddings=bool(config.get("tie_word_embeddings", False)),
                    name=str(config.get("_name_or_path") or model_type))
 
@@ -169,6 +176,13 @@ HF_MODEL_TYPES: dict[str, bool] = {
     **dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "granite", "smollm3"), False),
     **dict.fromkeys(("qwen3", "hunyuan_v1_dense"), True),
 }
+
+# Which of them read attention_bias (biases on q, k, v and o; Qwen2's q/k/v always have one, its o none; Mistral's
+# and Ministral's have none whatever the config says) and mlp_bias (gate, up and down), and the head_dim transformers
+# takes when config.json gives none (Qwen3: 128; the others: hidden_size / num_attention_heads).
+_HF_ATTENTION_BIAS = frozenset({"llama", "granite", "smollm3", "qwen3", "hunyuan_v1_dense"})
+_HF_MLP_BIAS = frozenset({"llama", "granite", "smollm3"})
+_HF_HEAD_DIM = {"qwen3": 128}
 
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
 """Config keys giving a mixture-of-experts model's experts (Mixtral, Qwen-MoE/OLMoE, DeepSeek, ERNIE-MoE, routing)."""

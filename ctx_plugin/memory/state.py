@@ -120,6 +120,11 @@ def model_state(m: ModelSpec, parallel: ParallelSpec, n_params: int, dtype: torc
     small = [(m.hidden, norms * (2 * m.layers + 1)), (m.head_dim, 2 * m.layers if m.qk_norm else 0)]
     if m.attention_bias:
         small += [(q_w, m.layers), (kv_w, 2 * m.layers)]
+    if m.output_bias:
+        small += [(m.hidden, m.layers)]
+    if m.gated and m.mlp_bias:             # gate and up (Megatron: one fused fc1 of both), down
+        f = ceil_div(m.ffn, parallel.tp)
+        small += [(2 * f, m.layers) if m.family == "megatron" else (f, 2 * m.layers), (m.hidden, m.layers)]
     if not m.gated:
         small += [(ceil_div(m.ffn, parallel.tp), m.layers), (m.hidden, m.layers)]
     threshold = parallel.zero_settings.stage3_param_persistence_threshold

@@ -27,7 +27,8 @@ def _model(core_spec, *, cp: int, tp: int, share: bool, sp: bool = False):
                                ffn_hidden_size=128, use_cpu_initialization=True, context_parallel_size=cp,
                                tensor_model_parallel_size=tp, sequence_parallel=sp, attention_dropout=0.0,
                                hidden_dropout=0.0,
-                               add_bias_linear=True, add_qkv_bias=True, init_method_std=0.1)
+                               add_bias_linear=True, add_qkv_bias=True, init_method_std=0.1,
+                               use_mup=True, mup_base_hidden_size=32)      # MuP: the output layer scales its logits
     torch.manual_seed(1234)
     model = GPTModel(config=config, transformer_layer_spec=core_spec(get_gpt_layer_local_spec()), vocab_size=VOCAB,
                      max_sequence_length=SEQ, position_embedding_type="rope",

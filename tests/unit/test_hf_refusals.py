@@ -267,6 +267,17 @@ def test_a_nonzero_logits_to_keep_is_refused(keep):
     assert model(input_ids=ids, position_ids=pos, logits_to_keep=0).logits.shape[1] == 8
 
 
+def test_position_ids_off_by_one_are_refused():
+    """Positions one step off the rank's share (all of them, or from some token on) are refused, not tolerated."""
+    model = _llama()
+    ids, pos = _tokens(8)
+    shifted = pos.clone()
+    shifted[:, 4:] += 1
+    for wrong in (pos + 1, shifted):
+        with pytest.raises(ValueError, match="position_ids are not this rank's share"):
+            model(input_ids=ids, position_ids=wrong)
+
+
 @pytest.mark.parametrize("name", ["DeepseekV2Config", "DeepseekV3Config"])
 def test_latent_attention_with_narrower_values_is_refused_at_enable(name):
     """DeepSeek's multi-head latent attention: values of v_head_dim, queries and keys of qk_nope + qk_rope (it failed
@@ -328,7 +339,11 @@ def test_packed_documents_reach_layers_that_drop_the_forwards_keywords(model_typ
         alone = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(cu, cu[1:])], 1)
         got = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=8,
                     max_length_k=8).logits
+        # the next forward, without documents, attends over the whole sequence (not the last forward's documents)
+        whole = model(input_ids=ids, position_ids=torch.arange(16)[None]).logits
+        want = ref(input_ids=ids, position_ids=torch.arange(16)[None], use_cache=False).logits
     assert (got - alone).abs().max() < 1e-12
+    assert (whole - want).abs().max() < 1e-12
 
 
 @pytest.mark.parametrize("mode", ["full", "core_attn", "hf_checkpointing", "full+recompute_attn"])

@@ -109,7 +109,7 @@ def test_memory_command_from_hf_config_and_bad_input(tmp_path):
     assert proc.returncode == 2 and "model_type 'gpt_neox' is not one whose decoder layers" in proc.stderr
     qwen3 = tmp_path / "qwen3.json"
     qwen3.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                                 "intermediate_size": 128, "vocab_size": 100, "model_type": "qwen3"}))
+                                 "intermediate_size": 128, "vocab_size": 100, "model_type": "qwen3", "head_dim": 16}))
     proc = _cli("--model", str(qwen3), "--seq-len", "4096", "--cp", "2")
     assert proc.returncode == 0 and "sqrt" in proc.stdout and "blocks: hf (Hugging Face" in proc.stdout, proc.stderr
     llama = tmp_path / "llama.json"

@@ -133,3 +133,27 @@ def test_megatrons_budget_counts_the_gradient_buffer_validate_args_chose():
     budget = f"budget:{(peaks[torch.float32] + peaks[torch.bfloat16]) / 2 / 2**30:.3f}"
     fp32, bf16 = (str(settings_from_args(args_with(g, budget)).recompute) for g in (True, False))
     assert bf16 == "selective" and fp32 not in ("selective", "none", "attn_out")
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("llama", {"attention_bias": True, "mlp_bias": True}), ("llama", {"tie_word_embeddings": True}),
+    ("qwen3", {"head_dim": 16, "attention_bias": True}), ("qwen2", {}), ("mistral", {"attention_bias": True}),
+    ("granite", {"mlp_bias": True}), ("hunyuan_v1_dense", {"attention_bias": True, "mlp_bias": True, "head_dim": 16})])
+def test_param_count_is_the_models_own(model_type, extra):
+    """param_count against the parameters of the Hugging Face model its ModelSpec describes (GQA, q/k norms, tied
+    embeddings, and the biases each type really builds from attention_bias/mlp_bias)."""
+    transformers = pytest.importorskip("transformers")
+    fields = {"model_type": model_type, "vocab_size": 96, "hidden_size": 64, "intermediate_size": 112,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
+              "bos_token_id": 1, "eos_token_id": 2, **extra}
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**fields))
+    assert param_count(ModelSpec.from_hf_config(fields)) == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen3_without_head_dim_takes_transformers_default():
+    """Qwen3's config class sets head_dim 128 when config.json gives none: that, not hidden / heads, is checked."""
+    fields = {"model_type": "qwen3", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 112,
+              "num_hidden_layers": 3, "num_attention_heads": 4}
+    with pytest.raises(ValueError, match=r"head_dim 128 × 4 heads is not hidden_size \(64\)"):
+        ModelSpec.from_hf_config(fields)
+    assert ModelSpec.from_hf_config({**fields, "hidden_size": 512}).head_dim == 128

@@ -106,6 +106,11 @@ def test_bad_modifier_fields():
         RecomputeConfig(preset="full", offload_attention=True)
 
 
+def test_the_candidates_are_every_preset_a_budget_and_the_planner_try():
+    assert [str(c) for c in recompute.candidates(3)] == ["none", "attn_out", "selective", "mlp", "full:block:1",
+                                                         "full:block:2", "full", "sqrt"]
+
+
 def test_regions():
     assert recompute.regions(RecomputeConfig.parse("full"), 3) == [(0, 1), (1, 2), (2, 3)]
     assert recompute.regions(RecomputeConfig.parse("full:uniform:2"), 5) == [(0, 2), (2, 4), (4, 5)]

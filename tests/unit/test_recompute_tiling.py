@@ -83,6 +83,12 @@ def test_tile_mlp_fp32_and_automatic_chunks():
     want = _grads(None, torch.float32, c)
     for preset in ("none+tile_mlp", "selective+tile_mlp", "sqrt+tile_mlp:4"):
         _compare(_grads(preset, torch.float32, c), want, 1e-6)
+    seen = []
+    block = _blocks("none+tile_mlp", torch.float32, c)[0]
+    block.mlp.up.register_forward_pre_hook(lambda module, args: seen.append(tuple(args[0].shape[:-1])))
+    with torch.no_grad():
+        block(torch.randn(2, SEQ, c.hidden), torch.arange(SEQ))
+    assert seen == [(2, 8), (2, 7), (2, 7)]
 
 
 def _hf_llama(groups):
