@@ -96,7 +96,8 @@ class ModelSpec:
         """From a Hugging Face ``config.json`` (a path or its parsed dict) of a dense decoder whose ``model_type`` is
         in :data:`HF_MODEL_TYPES`: the types whose decoder layers keep, tensor by tensor, what the ``hf`` block family
         counts (measured, ``tests/unit/test_memory_blocks.py``), with ``qk_norm`` for Qwen3's q/k norms.
-        ``attention_bias`` from the config, or True for Qwen2, whose q/k/v projections always have biases. Refused:
+        Biases as each type builds them (:data:`_HF_ATTENTION_BIAS`, :data:`_HF_MLP_BIAS`; Qwen2's q/k/v always),
+        and a missing ``head_dim`` as transformers takes it (:data:`_HF_HEAD_DIM`). Refused:
         other model types (their layers keep other tensors: extra or post norms, fused projections, LayerNorm,
         other MLPs; measured, the estimate was off by 0.4–110%), mixture-of-experts configs, an explicit
         ``head_dim`` other than ``hidden_size / num_attention_heads`` (the model sizes the attention projections
