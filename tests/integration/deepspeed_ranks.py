@@ -201,10 +201,18 @@ def _config(micro: int, zero: int, section: dict, extra: dict) -> dict:
             "context_parallel": {"kernel": "torch", **section}, **extra}
 
 
-def _two_steps(engine, loader, zero: int, rank: int, *, packed: bool = False) -> dict:
-    """Two optimizer steps: the reported losses and DeepSpeed's gradient norms, and on rank 0 the parameters after."""
+def _params(engine, zero: int, rank: int) -> list | None:
+    """Rank 0's parameters, flattened (ZeRO-3's gathered first); None on the other ranks."""
     import deepspeed
 
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=zero == 3):
+        flat = torch.cat([p.detach().flatten().clone() for p in params])
+    return flat.tolist() if rank == 0 else None
+
+
+def _two_steps(engine, loader, zero: int, rank: int, *, packed: bool = False) -> dict:
+    """Two optimizer steps: the reported losses and DeepSpeed's gradient norms, and on rank 0 the parameters after."""
     import ctx_plugin.deepspeed as cpds
 
     losses, norms = [], []
@@ -219,10 +227,7 @@ def _two_steps(engine, loader, zero: int, rank: int, *, packed: bool = False) ->
         losses.append(report)
         norm = engine.get_global_grad_norm()          # None at ZeRO 0 (it clips without keeping the norm)
         norms.append(None if norm is None else float(norm))
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=zero == 3):
-        flat = torch.cat([p.detach().flatten().clone() for p in params])
-    return {"losses": losses, "norms": norms, "params": flat.tolist() if rank == 0 else None}
+    return {"losses": losses, "norms": norms, "params": _params(engine, zero, rank)}
 
 
 def ds_train(rank: int, world: int, payload: dict) -> dict:
@@ -278,8 +283,6 @@ def accumulated_train(rank: int, world: int, payload: dict) -> dict:
     normalised by the whole step's tokens (``step_tokens``), as ``ctx_plugin.train_hf`` trains: the step's reported
     loss (the sum of its micro batches' reports), DeepSpeed's gradient norm, and rank 0's parameters after."""
     _start(rank, world)
-    import deepspeed
-
     import ctx_plugin.deepspeed as cpds
 
     out = {}
@@ -301,11 +304,8 @@ def accumulated_train(rank: int, world: int, payload: dict) -> dict:
                 total += report
             losses.append(total)
             norms.append(float(engine.get_global_grad_norm()))
-        params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=zero == 3):
-            flat = torch.cat([p.detach().flatten().clone() for p in params])
         out[f"{backend}-u{u}-cp{size}-z{zero}-{mix}-pad{int(pad)}"] = {
-            "losses": losses, "norms": norms, "params": flat.tolist() if rank == 0 else None}
+            "losses": losses, "norms": norms, "params": _params(engine, zero, rank)}
         engine.destroy()
         _restore_linear()
     return out
