@@ -14,7 +14,7 @@ per-head attention sinks (``s_aux``) arrive as keywords of the attention interfa
 Nothing is dropped silently. :func:`enable` refuses models with attention options ctx_plugin does not implement
 (dropout, chunked attention, non-attention token mixers, attention outside transformers' interface, settings computed
 from a rank's shard: :mod:`ctx_plugin.hf_checks`); before every forward of the model, or of its base model called
-directly, the inputs are checked once (padding masks, caches, position ids, labels, logits_to_keep, hidden states
+directly, or of ``model.forward(...)`` called itself (as PEFT calls it), the inputs are checked once (padding masks, caches, position ids, labels, logits_to_keep, hidden states
 under multi-layer recompute regions: :mod:`ctx_plugin.hf_inputs`) and the ranks of the context-parallel group share their findings (one small all-reduce), so a problem on any rank
 is the same ``ValueError`` on every rank; and the attention function refuses every keyword it does not know to be
 harmless (:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`: the README's table).
@@ -32,7 +32,7 @@ from .config import CPConfig
 from .groups import CPGroups
 from .hf_checks import (Running, checked_modules, config_problems, refuse_generation, refuse_shard_loss,
                         windowed_without_keyword)
-from .hf_inputs import InputCheck
+from .hf_inputs import InputCheck, check_direct_forward
 from .packing import DOCUMENTS_KEYWORD, hf_documents
 from .recompute import pinning
 from .rules import SettingNames, check_heads
@@ -307,9 +307,11 @@ def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None
     for m in checked_modules(model):
         if getattr(m, "config", None) is not None:
             m.config.use_cache = False
-        handles += [m.register_forward_pre_hook(InputCheck(cp_config, groups, inspect.signature(m.forward), running),
-                                                with_kwargs=True),
+        check = InputCheck(cp_config, groups, inspect.signature(m.forward), running)
+        handles += [m.register_forward_pre_hook(check, with_kwargs=True),
                     m.register_forward_hook(running, always_call=True)]
+        if m is model:
+            check_direct_forward(model, check, running)
     model._ctx_plugin_input_check = tuple(handles)
     refuse_shard_loss(model, InputCheck.PROBLEMS["labels"])
     refuse_generation(model)

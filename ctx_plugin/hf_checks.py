@@ -88,8 +88,9 @@ def windowed_without_keyword(module, kwargs: dict) -> str | None:
 class Running:
     """Which of a model's checked modules (the model, its base model, its decoder) runs the forward whose inputs were
     checked: the modules it calls skip their check (one check, one all-reduce, per forward); the forward hook clears
-    it, also when the forward raises. Calling the inner module directly (PEFT calls ``model.forward``, which skips
-    the model's hooks) checks there."""
+    it, also when the forward raises. Calling an inner module directly (``model.model(...)``) checks there; ``model.forward``
+    called itself (PEFT's tuner), which skips the model's hooks, checks in the model's instance ``forward``
+    (:func:`ctx_plugin.hf_inputs.check_direct_forward`)."""
 
     def __init__(self):
         self.module = None
@@ -129,15 +130,16 @@ def checked_modules(model) -> list:
 
 class ShardLossRefused:
     """The ``loss_function`` :func:`ctx_plugin.hf.enable` gives the model: transformers' causal-LM loss would shift
-    ``labels`` inside a rank's shard (wrong targets at its edges). The model's input check refuses ``labels=``; a call
-    that skips that check (``model.forward(..., labels=...)``, as PEFT's tuner calls it) reaches this instead."""
+    ``labels`` inside a rank's shard (wrong targets at its edges). The model's input check refuses ``labels=`` (also
+    for ``model.forward(...)``); a call that skips both (the class's forward, ``type(model).forward(model, ...)``)
+    reaches this instead."""
 
     def __init__(self, why: str) -> None:
         self.why = why
 
     def __call__(self, *args, **kwargs):
         raise ValueError(f"ctx_plugin: {self.why} (labels= reached the model's loss function through a call that "
-                         f"skipped its input check, e.g. model.forward(...) as PEFT calls it)")
+                         f"skipped its input check, e.g. type(model).forward(model, ...))")
 
 
 def refuse_shard_loss(model, why: str) -> None:

@@ -1,9 +1,12 @@
 """The input check of :func:`ctx_plugin.hf.enable`: a forward pre-hook on the model (and on its base model and
 decoder, for direct calls) that refuses, before any communication and identically on every rank of the group,
 inputs ctx_plugin cannot honour under context parallelism, and hands the forward's packed documents to its
-attention calls."""
+attention calls. ``model.forward(...)`` called itself (PEFT's tuner calls it so) runs no hooks of the model: the
+model's ``forward`` on the instance (:func:`check_direct_forward`) runs the same check then, so what only the model's
+own check sees (``labels=``, ``logits_to_keep``) is checked on that path too."""
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -147,3 +150,32 @@ def _outside_vocabulary(model, ids) -> bool | torch.Tensor:
         return False
     size = getattr(embeddings, "num_embeddings", None)
     return False if size is None else ((ids < 0) | (ids >= size)).any()
+
+
+def check_direct_forward(model, check: InputCheck, running: Running) -> None:
+    """Gives ``model`` a ``forward`` on the instance that runs ``check`` (and ends the checked forward, as the model's
+    forward hook does) when the call did not come through ``model(...)``, whose forward pre-hook checked it. The
+    wrapped forward keeps the signature and whatever ``model.forward`` was (e.g. Accelerate's autocast wrapper);
+    enabling again replaces the check and the running record, not the wrapper."""
+    model._ctx_plugin_direct_check = (check, running)
+    if getattr(model.forward, "_ctx_plugin_direct", False):
+        return
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        check_now, running_now = model._ctx_plugin_direct_check
+        if running_now.module is not None:        # called by model(...), whose pre-hook checked this forward
+            return inner(*args, **kwargs)
+        changed = check_now(model, args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        output = None
+        try:
+            output = inner(*args, **kwargs)
+        finally:
+            running_now(model, args, output)
+        return output
+
+    forward._ctx_plugin_direct = True
+    model.forward = forward

@@ -12,6 +12,8 @@ ValueError naming the setting (one CP rank in this process; the references are t
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import warnings
 from types import SimpleNamespace
 
@@ -213,11 +215,12 @@ def test_the_inner_model_is_checked_once_per_forward(monkeypatch):
             call(input_ids=ids, position_ids=pos, attention_mask=pad)
         with pytest.raises(ValueError, match="position_ids were not given"):
             call(input_ids=ids)
-    assert calls == ["LlamaModel"] * 6
+    assert calls == ["LlamaModel"] * 4 + ["LlamaForCausalLM"] * 2       # model.forward: the model's own check
     calls.clear()
     model(input_ids=ids, position_ids=pos)
     model.model(input_ids=ids, position_ids=pos)
-    assert calls == ["LlamaForCausalLM", "LlamaModel"]                   # one check per forward, not two
+    model.forward(input_ids=ids, position_ids=pos)
+    assert calls == ["LlamaForCausalLM", "LlamaModel", "LlamaForCausalLM"]  # one check per forward, not two
     calls.clear()
     with pytest.raises(RuntimeError):                                    # checked, then fails inside the model
         model(inputs_embeds=torch.randn(1, 8, 31), position_ids=pos)
@@ -262,9 +265,27 @@ def test_a_cache_object_is_refused_under_either_name(keyword):
 def test_a_nonzero_logits_to_keep_is_refused(keep):
     model = _llama()
     ids, pos = _tokens(8)
-    with pytest.raises(ValueError, match="logits_to_keep=0"):
-        model(input_ids=ids, position_ids=pos, logits_to_keep=keep)
-    assert model(input_ids=ids, position_ids=pos, logits_to_keep=0).logits.shape[1] == 8
+    for call in (model, model.forward):         # PEFT's tuner calls model.forward, which runs no hooks of the model
+        with pytest.raises(ValueError, match="logits_to_keep=0"):
+            call(input_ids=ids, position_ids=pos, logits_to_keep=keep)
+        assert call(input_ids=ids, position_ids=pos, logits_to_keep=0).logits.shape[1] == 8
+
+
+def test_model_forward_keeps_its_signature_and_a_wrapper_put_on_it():
+    """The instance forward that checks direct calls keeps the signature transformers' Trainer and PEFT read; a
+    wrapper put on model.forward after enable (Accelerate's autocast) and an enable again keep one check per call."""
+    model = _llama()
+    assert inspect.signature(model.forward) == inspect.signature(type(model).forward.__get__(model))
+    outer = model.forward
+    seen = []
+    model.forward = functools.wraps(outer)(lambda *a, **kw: seen.append(1) or outer(*a, **kw))   # as Accelerate's
+    cphf.enable(model, *_one_rank())
+    ids, pos = _tokens(8)
+    for call in (model, model.forward):
+        with pytest.raises(ValueError, match="logits_to_keep=0"):
+            call(input_ids=ids, position_ids=pos, logits_to_keep=2)
+        assert call(input_ids=ids, position_ids=pos).logits.shape[1] == 8
+    assert seen == [1] * 3               # the refused call through model(...) never reached forward
 
 
 def test_position_ids_off_by_one_are_refused():
@@ -307,16 +328,20 @@ def test_generate_is_refused_before_any_forward():
 
 
 def test_labels_through_a_call_that_skips_the_check_are_refused_at_the_loss():
-    """model.forward(..., labels=) (PEFT's tuner) skips the model's hooks, so its input check never sees labels; the
-    loss transformers would then compute shifts them inside the shard: the model's loss function refuses."""
+    """model.forward(..., labels=) (PEFT's tuner) skips the model's hooks: the instance forward checks it; the class's
+    forward called on the model skips both, and the loss transformers would then compute shifts labels inside the
+    shard: the model's loss function refuses."""
     model = _llama()
     ids, pos = _tokens(8)
     with pytest.raises(ValueError, match="labels= makes transformers shift labels inside this rank's shard"):
         model(input_ids=ids, position_ids=pos, labels=ids)                  # the input check
+    with pytest.raises(ValueError, match="labels= makes transformers shift labels inside this rank's shard"):
+        model.forward(input_ids=ids, position_ids=pos, labels=ids)          # PEFT's call: the instance forward
+    forward = type(model).forward
     with pytest.raises(ValueError, match="reached the model's loss function through a call that skipped its input "
                                          "check"):
-        model.forward(input_ids=ids, position_ids=pos, labels=ids)
-    assert model.forward(input_ids=ids, position_ids=pos).loss is None     # without labels: no loss, no error
+        forward(model, input_ids=ids, position_ids=pos, labels=ids)
+    assert forward(model, input_ids=ids, position_ids=pos).loss is None    # without labels: no loss, no error
 
 
 # ---- packed documents reach every attention call; hidden states under multi-layer regions ----------------------
