@@ -117,6 +117,29 @@ def _require_cp_attention(model: torch.nn.Module, groups: CPGroups) -> None:
     model.forward = forward
 
 
+def _check_data_parallel_size(config: dict, replicas: int) -> None:
+    """DeepSpeed reads ``"data_parallel_size"`` only next to ``"sequence_parallel_size"`` (which the section
+    replaces), so it would be accepted and ignored: it must be the section's data-parallel replicas (then dropped)."""
+    given = config.pop("data_parallel_size", None)
+    if given is not None and given != replicas:
+        raise ValueError(f'"data_parallel_size" ({given}) disagrees with the {replicas} data-parallel replica(s) of '
+                         f'"{SECTION}" (ranks / "{SECTION}.size"); drop it: the section sets the groups')
+
+
+class _SetTrainBatchSize:
+    """``engine.set_train_batch_size(n)`` in the section's units: ``n`` = micro batch × gradient accumulation ×
+    data-parallel replicas, as the config's ``train_batch_size`` (DeepSpeed's own method counts every rank, the
+    context-parallel ones too: it would set ``size`` times fewer accumulation steps)."""
+
+    def __init__(self, set_native, size: int) -> None:
+        self.set_native, self.size = set_native, size
+
+    def __call__(self, train_batch_size: int) -> None:
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1:
+            raise ValueError(f"set_train_batch_size takes a positive int, got {train_batch_size!r}")
+        self.set_native(train_batch_size * self.size)
+
+
 def _set_device(args) -> None:
     """Makes the device DeepSpeed's engine will take (``args.device_rank``, else ``LOCAL_RANK``, as its
     ``_set_distributed_vars``) current now, before ctx_plugin's own collectives: ``init_distributed`` binds NCCL to
@@ -233,6 +256,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if world % section.size:
         raise ValueError(f'"{SECTION}.size" ({section.size}) must divide the number of ranks ({world})')
     config = batch_sizes(config, world=world, size=section.size)
+    _check_data_parallel_size(config, world // section.size)
     cp, alone = _cp_group(section.size)
     groups = build_cp_groups(section.cp_config, group=cp)
     if attention is not None:
@@ -249,6 +273,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         args=_without_config(args), model=model, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, mpu=ContextParallelMPU(alone), dist_init_required=False, config=config)
     engine.ctx_plugin_groups = groups
+    engine.set_train_batch_size = _SetTrainBatchSize(engine.set_train_batch_size, section.size)
     engine.ctx_plugin_recompute = section.recompute
     replicas = world // section.size
     shared = None if replicas == 1 else dist.group.WORLD if dist.get_backend() == "gloo" else \

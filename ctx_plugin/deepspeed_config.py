@@ -197,18 +197,29 @@ def _refuse_ambiguous(total: int, micro, accumulation, *, world: int, size: int)
                      f'{native} with "train_batch_size" {total // size} (or none)')
 
 
+_DATA_EFFICIENCY = {
+    ("data_efficiency", "data_sampling", "curriculum_learning"):
+        "DeepSpeed's curriculum sampler would give the ranks sharing a sequence different samples, and ctx_plugin's "
+        "loader does not implement curriculum sampling",
+    ("data_efficiency", "data_routing", "random_ltd"):
+        "random layerwise token dropping keeps a schedule of tokens of the whole sequence but drops them from each "
+        "rank's shard, different tokens on each rank (and nothing while the schedule exceeds the shard), so the "
+        "ranks sharing a sequence would no longer hold one layout's shards of it"}
+
+
 def _refuse_curriculum(config: dict) -> None:
-    """DeepSpeed's curriculum data sampling (``"data_efficiency"``: ``"data_sampling"``: ``"curriculum_learning"``:
-    ``"enabled": true``; DeepSpeed reads that flag alone) picks each rank's samples over every rank it counts as
-    data parallel, context-parallel ranks included, and the section's loaders do not implement it: a ValueError."""
-    curriculum = config
-    for key in ("data_efficiency", "data_sampling", "curriculum_learning"):
-        curriculum = curriculum.get(key) if isinstance(curriculum, dict) else None
-    if isinstance(curriculum, dict) and curriculum.get("enabled", False):
-        raise ValueError(f'"data_efficiency.data_sampling.curriculum_learning" cannot be combined with "{SECTION}": '
-                         "DeepSpeed's curriculum sampler would give the ranks sharing a sequence different samples, "
-                         "and ctx_plugin's loader does not implement curriculum sampling; set its \"enabled\" to "
-                         f'false (or drop it), or train without "{SECTION}"')
+    """DeepSpeed's data efficiency features that change which tokens a rank holds: curriculum data sampling
+    (``"data_efficiency"``: ``"data_sampling"``: ``"curriculum_learning"``: ``"enabled": true``; DeepSpeed reads
+    that flag alone) picks each rank's samples over every rank it counts as data parallel, context-parallel ranks
+    included, and random-LTD (``"data_routing"``: ``"random_ltd"``) drops tokens of each rank's shard: a
+    ValueError naming the flag."""
+    for path, why in _DATA_EFFICIENCY.items():
+        found = config
+        for key in path:
+            found = found.get(key) if isinstance(found, dict) else None
+        if isinstance(found, dict) and found.get("enabled", False):
+            raise ValueError(f'"{".".join(path)}" cannot be combined with "{SECTION}": {why}; set its "enabled" to '
+                             f'false (or drop it), or train without "{SECTION}"')
 
 
 def _refuse_model_parallel(config: dict, model) -> None:
@@ -222,6 +233,16 @@ def _refuse_model_parallel(config: dict, model) -> None:
                          "DeepSpeed integration runs data × context parallelism only (its groups take every rank of "
                          "a context-parallel group as one sequence's); drop it, or run tensor × context parallelism "
                          "through Megatron")
+    try:
+        from deepspeed.runtime.tensor_parallel import init_utils
+    except ImportError:           # a DeepSpeed without tp_model_init
+        init_utils = None
+    tp_init = getattr(init_utils, "_TP_MODEL_INIT_ARGS", None)
+    if isinstance(tp_init, dict) and tp_init.get("tp_size", 1) > 1:
+        raise ValueError(f"deepspeed.tp_model_init(tp_size={tp_init['tp_size']}) cannot be combined with "
+                         f'"{SECTION}": it sets automatic tensor parallelism, and ctx_plugin\'s DeepSpeed integration '
+                         "runs data × context parallelism only; build the model without tp_model_init, or run "
+                         "tensor × context parallelism through Megatron")
     try:
         from deepspeed.pipe import PipelineModule
     except ImportError:           # the caller imported deepspeed already; a build without pipe has no such models

@@ -209,6 +209,20 @@ def tiled_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, engine, *, 
 _LM_KEYS = frozenset({"input_ids", "position_ids", "labels", "documents"})
 
 
+def _refuse_router_loss(model) -> None:
+    """A mixture-of-experts model with ``output_router_logits`` computes its load-balancing loss (``aux_loss``),
+    which transformers adds to the loss only with ``labels=`` (refused under context parallelism); lm_loss takes the
+    loss from the logits, so the router loss would be dropped, and each rank's would be its shard's: a ValueError."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(c, "output_router_logits", False) for c in (config, text)):
+        raise ValueError(f"{type(model).__name__} has config.output_router_logits=True: its router load-balancing "
+                         f"loss (aux_loss) would be dropped by lm_loss, which takes the loss from the logits (labels= "
+                         f"is refused under context parallelism), and under context parallelism each rank's would be "
+                         f"computed over its own shard, not the sequence; set config.output_router_logits=False "
+                         f"(train without the load-balancing loss)")
+
+
 def lm_loss(engine, batch: dict, *, step_tokens: int | None = None) -> tuple[torch.Tensor, float]:
     """Forward and loss of a Hugging Face causal LM on this rank's ``batch`` (``input_ids``, ``position_ids``,
     pre-shifted ``labels`` and, packed, ``documents``, as :class:`ShardedLoader` gives them): (loss to backpropagate,
@@ -223,6 +237,7 @@ def lm_loss(engine, batch: dict, *, step_tokens: int | None = None) -> tuple[tor
                          f"{unused} would be ignored: fold a loss mask into the labels before the loader shards the "
                          f"batch (labels = -100 where the mask is 0), or run the model yourself and take the loss "
                          f"with causal_lm_loss(logits, batch['labels'], engine)")
+    _refuse_router_loss(engine.module)
     inputs = {"input_ids": tokens, "position_ids": batch["position_ids"]}
     if batch.get("documents") is not None:      # a packed batch (shard_batch)
         inputs[DOCUMENTS_KEYWORD] = batch["documents"]

@@ -185,6 +185,25 @@ def micro_batches(loader, skip: int):
         skip = 0
 
 
+def train_step(engine, step: list[dict]) -> float:
+    """One optimizer step of ``engine`` (``ctx_plugin.deepspeed.initialize``'s) over the micro batches ``step``
+    (gradient accumulation), each micro batch's loss its share of the whole step's token mean (``step_tokens``);
+    returns the step's loss. ``engine.step()`` follows every micro batch (DeepSpeed's managed accumulation updates at
+    the boundary), or only the last with ``"managed_gradient_accumulation": false``, where each call is a boundary."""
+    from . import deepspeed as cpds
+
+    managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()   # DeepSpeed < 0.19: always
+    count = cpds.step_tokens(engine, step)          # the loss is the token mean over the whole step
+    loss_sum = 0.0
+    for i, batch in enumerate(step):
+        loss, report = cpds.lm_loss(engine, batch, step_tokens=count)   # +tile_loss: head and loss tiled
+        engine.backward(loss)
+        if managed or i == len(step) - 1:
+            engine.step()
+        loss_sum += report
+    return loss_sum
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -234,15 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         stop.step = len(losses)
         step = [{k: v.to(engine.device) if isinstance(v, torch.Tensor) else v for k, v in next(batches).items()}
                 for _ in range(accumulation)]
-        count = cpds.step_tokens(engine, step)          # the loss is the token mean over the whole step
-        loss_sum = 0.0
-        for batch in step:
-            loss, report = cpds.lm_loss(engine, batch, step_tokens=count)   # +tile_loss: head and loss tiled
-            engine.backward(loss)
-            engine.step()
-            loss_sum += report
-            tokens += batch["input_ids"].numel()
-        losses.append(loss_sum)
+        losses.append(train_step(engine, step))
+        tokens += sum(batch["input_ids"].numel() for batch in step)
         if rank == 0:
             print(f"step {len(losses) - 1:>5}  loss {losses[-1]:.6f}", flush=True)
         if len(losses) < args.steps and stop.agreed(engine.device):

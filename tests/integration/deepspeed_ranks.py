@@ -278,33 +278,27 @@ def packed_train(rank: int, world: int, payload: dict) -> dict:
 
 
 def accumulated_train(rank: int, world: int, payload: dict) -> dict:
-    """Each case (backend, ulysses_size, CP size, ZeRO stage, document mix, pad_documents, steps): ``steps`` optimizer
-    steps of :func:`qwen2` on packed samples with gradient accumulation 2 (micro batch 1), each micro batch's loss
-    normalised by the whole step's tokens (``step_tokens``), as ``ctx_plugin.train_hf`` trains: the step's reported
-    loss (the sum of its micro batches' reports), DeepSpeed's gradient norm, and rank 0's parameters after."""
+    """Each case (backend, ulysses_size, CP size, ZeRO stage, document mix, pad_documents, steps, managed): ``steps``
+    optimizer steps of :func:`qwen2` on packed samples with gradient accumulation 2 (micro batch 1) through
+    ``ctx_plugin.train_hf.train_step`` (each micro batch's loss normalised by the whole step's tokens; ``managed``
+    False: DeepSpeed's ``"managed_gradient_accumulation": false``): the step's reported loss, DeepSpeed's gradient
+    norm, and rank 0's parameters after."""
     _start(rank, world)
     import ctx_plugin.deepspeed as cpds
+    from ctx_plugin.train_hf import train_step
 
     out = {}
-    for backend, u, size, zero, mix, pad, steps in payload["cases"]:
+    for backend, u, size, zero, mix, pad, steps, managed in payload["cases"]:
         model = qwen2()
         section = {"backend": backend, "size": size, "ulysses_size": u, "pad_documents": pad}
+        extra = {"gradient_accumulation_steps": 2, "managed_gradient_accumulation": managed}
         engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
-                                               training_data=_packed_dataset(mix),
-                                               config=_config(1, zero, section, {"gradient_accumulation_steps": 2}))
+                                               training_data=_packed_dataset(mix), config=_config(1, zero, section, extra))
         batches, losses, norms = iter(loader), [], []
         for _ in range(steps):
-            step = [next(batches), next(batches)]
-            count = cpds.step_tokens(engine, step)
-            total = 0.0
-            for batch in step:
-                loss, report = cpds.lm_loss(engine, batch, step_tokens=count)
-                engine.backward(loss)
-                engine.step()
-                total += report
-            losses.append(total)
+            losses.append(train_step(engine, [next(batches), next(batches)]))
             norms.append(float(engine.get_global_grad_norm()))
-        out[f"{backend}-u{u}-cp{size}-z{zero}-{mix}-pad{int(pad)}"] = {
+        out[f"{backend}-u{u}-cp{size}-z{zero}-{mix}-pad{int(pad)}-m{int(managed)}"] = {
             "losses": losses, "norms": norms, "params": _params(engine, zero, rank)}
         engine.destroy()
         _restore_linear()

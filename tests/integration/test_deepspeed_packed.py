@@ -22,9 +22,11 @@ CASES = [(2, "zigzag", 1, 2, 1, "fit", False), (2, "ring", 1, 2, 3, "ragged", Fa
 
 
 # Gradient accumulation 2, each micro batch's loss over the whole step's tokens (step_tokens), as train_hf trains:
-# (world, backend, ulysses_size, cp size, ZeRO stage, document mix, pad_documents, optimizer steps). The samples'
-# target counts differ (29, 30, 28, 31 for "fit"), so the mean of the micro batches' token means would not match.
-ACCUMULATED = [(2, "zigzag", 1, 2, 1, "fit", False, 2), (4, "zigzag", 1, 2, 3, "ragged", True, 1)]
+# (world, backend, ulysses_size, cp size, ZeRO stage, document mix, pad_documents, optimizer steps, DeepSpeed's
+# managed_gradient_accumulation). The samples' target counts differ (29, 30, 28, 31 for "fit"), so the mean of the
+# micro batches' token means would not match; unmanaged, an engine.step() per micro batch would update twice a step.
+ACCUMULATED = [(2, "zigzag", 1, 2, 1, "fit", False, 2, True), (4, "zigzag", 1, 2, 3, "ragged", True, 1, True),
+               (2, "ring", 1, 2, 2, "fit", False, 2, False)]
 
 
 def payload(world: int) -> dict:
@@ -42,11 +44,13 @@ def test_packed_steps_match_plain_pytorch_per_document(world, backend, u, cp, ze
     check_against_plain(got, f"{backend}-u{u}-cp{cp}-z{zero}-{mix}-pad{int(pad)}", plain_packed_train(mix, world // cp))
 
 
-@pytest.mark.parametrize("world,backend,u,cp,zero,mix,pad,steps", ACCUMULATED,
-                         ids=[f"W{w}-{b}-cp{cp}-zero{z}-{m}-pad{int(p)}" for w, b, u, cp, z, m, p, _ in ACCUMULATED])
-def test_accumulated_steps_train_on_the_whole_steps_token_mean(world, backend, u, cp, zero, mix, pad, steps):
-    """With step_tokens, a step of 2 micro batches per replica is plain PyTorch's step on all 2 × replicas samples'
-    documents with one token mean over them."""
+@pytest.mark.parametrize("world,backend,u,cp,zero,mix,pad,steps,managed", ACCUMULATED,
+                         ids=[f"W{w}-{b}-cp{cp}-zero{z}-{m}-pad{int(p)}-managed{int(g)}"
+                              for w, b, u, cp, z, m, p, _, g in ACCUMULATED])
+def test_accumulated_steps_train_on_the_whole_steps_token_mean(world, backend, u, cp, zero, mix, pad, steps, managed):
+    """With step_tokens, a step of 2 micro batches per replica (train_hf's train_step, with DeepSpeed's managed
+    gradient accumulation or without) is plain PyTorch's step on all 2 × replicas samples' documents with one token
+    mean over them."""
     got = [r["accumulated_train"] for r in launch(world)]
-    check_against_plain(got, f"{backend}-u{u}-cp{cp}-z{zero}-{mix}-pad{int(pad)}",
+    check_against_plain(got, f"{backend}-u{u}-cp{cp}-z{zero}-{mix}-pad{int(pad)}-m{int(managed)}",
                         plain_packed_train(mix, 2 * world // cp, steps))

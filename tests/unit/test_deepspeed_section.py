@@ -189,3 +189,79 @@ def test_deepspeed_activation_checkpointing_is_refused_for_hugging_face_models()
         full = {**base, "context_parallel": {"size": 2, "recompute": "full"}, "activation_checkpointing": checkpointing}
         with pytest.raises(ValueError, match="cannot find the model's decoder layers"):   # passed: the next check
             initialize(model=model, config=full, attention=attention)
+
+
+def test_random_ltd_is_refused_with_the_section():
+    """Random layerwise token dropping drops tokens of each rank's shard (different ones on each rank)."""
+    pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed import initialize
+
+    model = torch.nn.Linear(2, 2)
+    base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
+    ltd = {"data_efficiency": {"data_routing": {"random_ltd": {"enabled": True}}}}
+    with pytest.raises(ValueError, match=r'"data_efficiency.data_routing.random_ltd" cannot be combined with '
+                                         r'"context_parallel": random layerwise token dropping .*"enabled" to false'):
+        initialize(model=model, config={**base, **ltd})
+    ltd["data_efficiency"]["data_routing"]["random_ltd"]["enabled"] = False
+    with pytest.raises(ValueError, match="do not pass mpu="):
+        initialize(model=model, config={**base, **ltd}, mpu=object())
+
+
+def test_tp_model_init_is_refused_with_the_section(monkeypatch):
+    """deepspeed.tp_model_init records automatic tensor parallelism that initialize would merge into the config."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.tensor_parallel import init_utils
+
+    from ctx_plugin.deepspeed import initialize
+
+    base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
+    monkeypatch.setattr(init_utils, "_TP_MODEL_INIT_ARGS", {"tp_size": 2, "dtype": torch.bfloat16, "tp_group": None})
+    with pytest.raises(ValueError, match=r"deepspeed.tp_model_init\(tp_size=2\) cannot be combined with "
+                                         r'"context_parallel"'):
+        initialize(model=torch.nn.Linear(2, 2), config=base)
+    monkeypatch.setattr(init_utils, "_TP_MODEL_INIT_ARGS", None)
+    with pytest.raises(ValueError, match="do not pass mpu="):
+        initialize(model=torch.nn.Linear(2, 2), config=base, mpu=object())
+
+
+def test_data_parallel_size_must_be_the_sections_replicas():
+    from ctx_plugin.deepspeed import _check_data_parallel_size
+
+    config = {"data_parallel_size": 2, "train_micro_batch_size_per_gpu": 1}
+    _check_data_parallel_size(config, 2)
+    assert config == {"train_micro_batch_size_per_gpu": 1}             # agreed: dropped (DeepSpeed would ignore it)
+    with pytest.raises(ValueError, match=r'"data_parallel_size" \(4\) disagrees with the 2 data-parallel replica'):
+        _check_data_parallel_size({"data_parallel_size": 4}, 2)
+
+
+def test_set_train_batch_size_takes_the_sections_units():
+    """engine.set_train_batch_size(n): n as the config's train_batch_size (context-parallel ranks not counted)."""
+    from ctx_plugin.deepspeed import _SetTrainBatchSize
+
+    seen = []
+    setter = _SetTrainBatchSize(seen.append, 4)
+    setter(6)
+    assert seen == [24]
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="set_train_batch_size takes a positive int"):
+            setter(bad)
+
+
+def test_lm_loss_refuses_a_router_loss_it_would_drop():
+    """A mixture-of-experts model with output_router_logits: its aux_loss would be dropped (refused before the
+    forward)."""
+    transformers = pytest.importorskip("transformers")
+    from ctx_plugin.deepspeed import lm_loss
+
+    config = transformers.MixtralConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        output_router_logits=True)
+    model = transformers.MixtralForCausalLM(config)
+    forwards = []
+    engine = type("Engine", (), {"module": model, "__call__": lambda self, **kw: forwards.append(kw)})()
+    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.arange(4)[None],
+             "labels": torch.zeros(1, 4, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"output_router_logits=True: its router load-balancing loss \(aux_loss\) "
+                                         r"would be dropped"):
+        lm_loss(engine, batch)
+    assert forwards == []
