@@ -30,8 +30,8 @@ from . import agreement
 from .api import cp_attention
 from .config import CPConfig
 from .groups import CPGroups
-from .hf_checks import (Running, checked_modules, config_problems, refuse_generation, refuse_shard_loss,
-                        windowed_without_keyword)
+from .hf_checks import (Running, bidirectional_overlay, checked_modules, config_problems, encoder_modules,
+                        other_modalities, refuse_generation, refuse_shard_loss, windowed_without_keyword)
 from .hf_inputs import InputCheck, check_direct_forward
 from .packing import DOCUMENTS_KEYWORD, hf_documents
 from .recompute import pinning
@@ -109,7 +109,8 @@ class _Attention:
             query, key, value = (t.to(dtype) for t in (query, key, value))
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
                            groups=self.groups, causal=causal, softmax_scale=scaling,
-                           window=hf_window(kwargs.get("sliding_window"), given, causal),
+                           window=hf_window(kwargs.get("sliding_window"), given, causal,
+                                            overlay=bidirectional_overlay(module)),
                            softcap=kwargs.get("softcap"), sinks=sinks, documents=documents)
         return out, None
 
@@ -167,14 +168,14 @@ class _Attention:
         return documents
 
 
-def hf_window(sliding_window, is_causal: bool | None, causal: bool) -> tuple[int, int] | None:
+def hf_window(sliding_window, is_causal: bool | None, causal: bool, overlay: bool = False) -> tuple[int, int] | None:
     """ctx_plugin's ``window`` for transformers' ``sliding_window`` keyword, read as transformers' masks read it
     (``masking_utils``): causal, ``kv_idx > q_idx - w`` — the query and the ``w - 1`` keys before it, ``(w - 1, 0)``;
     bidirectional through ``is_causal=False`` (a config's ``is_causal``, ``create_bidirectional_sliding_window_mask``),
     ``|q_idx - kv_idx| <= w`` — ``(w, w)``. A module bidirectional on its own (``is_causal`` attribute, e.g. Gemma-3's
-    ``use_bidirectional_attention``) gets its window mask from model code that differs between models (Gemma-3:
-    ``|q_idx - kv_idx| < w``), so that is an error. ``causal`` is the decision (``is_causal`` keyword, else the
-    module's)."""
+    ``use_bidirectional_attention``) gets its window mask from model code that differs between models, so that is an
+    error unless ``overlay`` (Gemma-3's, :func:`ctx_plugin.hf_checks.bidirectional_overlay`: ``|q_idx - kv_idx| < w``,
+    ``(w - 1, w - 1)``). ``causal`` is the decision (``is_causal`` keyword, else the module's)."""
     if sliding_window is None:
         return None
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
@@ -183,6 +184,8 @@ def hf_window(sliding_window, is_causal: bool | None, causal: bool) -> tuple[int
         return (sliding_window - 1, 0)
     if is_causal is False:
         return (sliding_window, sliding_window)
+    if overlay:
+        return (sliding_window - 1, sliding_window - 1)
     raise ValueError(f"a bidirectional attention module (is_causal=False) with sliding_window={sliding_window}: "
                      f"transformers' models build such masks in their own code, differently (masking_utils: "
                      f"|i - j| <= w; Gemma-3's use_bidirectional_attention: |i - j| < w), so ctx_plugin does not "
@@ -221,8 +224,10 @@ def _unsupported(model) -> list[str]:
     def note(option: str, text: str, where: str) -> None:
         found.setdefault(option, (text, []))[1].append(where)
 
-    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
-               if isinstance(c, PreTrainedConfig)}
+    encoders = encoder_modules(model)
+    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules()
+                                                  if id(m) not in encoders)]
+               if isinstance(c, PreTrainedConfig) and id(c) not in encoders}
     for c in configs.values():
         where = type(c).__name__
         layer_types = getattr(c, "layer_types", None)
@@ -243,6 +248,8 @@ def _unsupported(model) -> list[str]:
         for option, text in config_problems(c):
             note(option, text, where)
     for path, m in model.named_modules():
+        if id(m) in encoders:
+            continue
         for attr, what in _MODULE_OPTIONS.items():
             val = getattr(m, attr, None)
             if attr not in found and (isinstance(val, torch.Tensor) or (
@@ -260,8 +267,9 @@ def _check_model(model) -> None:
     if problems:
         raise ValueError("ctx_plugin's attention does not implement these options of the model, which change its "
                          "math: " + "; ".join(problems) + ". Use a model (config) without them")
+    encoders = encoder_modules(model)
     for m in model.modules():
-        if isinstance(m, PreTrainedModel) and not type(m)._can_set_attn_implementation():
+        if isinstance(m, PreTrainedModel) and id(m) not in encoders and not type(m)._can_set_attn_implementation():
             raise ValueError(f"{type(m).__name__} does not route attention through transformers' "
                              f"AttentionInterface, so ctx_plugin cannot replace its attention")
     if "position_ids" not in inspect.signature(model.forward).parameters:
@@ -295,7 +303,10 @@ def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None
     attention's name."""
     check_model(model, cp_config, groups.size)
     name, fn = _register(cp_config, groups, name)
-    model.set_attn_implementation(name)
+    others = other_modalities(model.config)
+    # a multimodal model: its text model only (its encoders keep theirs; the input check refuses their inputs)
+    model.set_attn_implementation({"": name, **{key: others[key]._attn_implementation if key in others else name
+                                                for key in model.config.sub_configs}} if others else name)
     if model.config._attn_implementation != name:
         raise ValueError(f"transformers did not switch {type(model).__name__} to {name!r} (it uses "
                          f"{model.config._attn_implementation!r})")
@@ -307,7 +318,8 @@ def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None
     for m in checked_modules(model):
         if getattr(m, "config", None) is not None:
             m.config.use_cache = False
-        check = InputCheck(cp_config, groups, inspect.signature(m.forward), running)
+        check = InputCheck(cp_config, groups, inspect.signature(m.forward), running,
+                           multimodal=bool(other_modalities(getattr(m, "config", None))))
         handles += [m.register_forward_pre_hook(check, with_kwargs=True),
                     m.register_forward_hook(running, always_call=True)]
         if m is model:

@@ -47,11 +47,61 @@ def config_problems(config) -> list[tuple[str, str]]:
                               f"from the largest position id a forward sees, under context parallelism each "
                               f"rank's shard, not the sequence; use a config whose rope_type does not depend on "
                               f"the length, e.g. 'default', 'linear', 'llama3' or 'yarn')"))
+    found += bidirectional_problems(config)
     no_rope = getattr(config, "no_rope_layers", None) or []
     if getattr(config, "attn_temperature_tuning", False) and any(not use_rope for use_rope in no_rope):
         found.append(("attn_temperature_tuning", "attn_temperature_tuning=True with NoPE layers (no_rope_layers "
                       "0): their queries are scaled by the positions within each rank's shard, not the sequence's; "
                       "set attn_temperature_tuning=False"))
+    return found
+
+
+_OVERLAY_TYPES = ("gemma3_text",)
+"""Model types whose ``use_bidirectional_attention=True`` makes every attention module ``is_causal=False`` and their
+mask agree: full layers see the whole sequence, sliding layers ``|i - j| < w`` (Gemma-3's
+``_bidirectional_window_overlay`` OR the causal window): ctx_plugin's ``window=(w - 1, w - 1)``."""
+
+
+def bidirectional_overlay(module) -> bool:
+    """Whether ``module`` is bidirectional the Gemma-3 way (:data:`_OVERLAY_TYPES`)."""
+    config = getattr(module, "config", None)
+    return (getattr(module, "is_causal", True) is False and getattr(config, "use_bidirectional_attention", None) is True
+            and getattr(config, "model_type", None) in _OVERLAY_TYPES)
+
+
+def bidirectional_problems(config) -> list[tuple[str, str]]:
+    """``use_bidirectional_attention`` where the model's mask code, not its attention modules' ``is_causal``, decides
+    which tokens see each other both ways: Gemma/Gemma-2 (and PaliGemma, which sets it) keep a causal mask, with
+    prefix blocks from ``token_type_ids``, next to modules marked ``is_causal=False``; Step3p7 marks its modules
+    causal next to a bidirectional mask; Gemma-4's ``"all"`` builds its own mask. ctx_plugin takes no mask, so only
+    the kinds it reproduces pass: Gemma-3's ``True`` (:func:`bidirectional_overlay`) and ``"vision"`` (bidirectional
+    blocks of image tokens only; image inputs are refused by the input check, text alone is causal)."""
+    value = getattr(config, "use_bidirectional_attention", None)
+    model_type = getattr(config, "model_type", None)
+    if not value or value == "vision" or (value is True and model_type in _OVERLAY_TYPES):
+        return []
+    return [("use_bidirectional_attention", f"use_bidirectional_attention={value!r} ({model_type}: which tokens "
+             f"see each other both ways comes from the model's own mask code, which its attention modules' is_causal "
+             f"does not match, and ctx_plugin's attention takes no mask; set it to None/False for causal attention, "
+             f"or use Gemma-3, whose bidirectional attention ctx_plugin reproduces)")]
+
+
+def other_modalities(config) -> dict:
+    """The sub-configs of a composite (multimodal) config other than its text model's, by key, those set
+    (``vision_config``, ``audio_config``, ...): their encoders keep their own attention implementation."""
+    return {key: sub for key in getattr(config, "sub_configs", {}) or {}
+            if key != "text_config" and (sub := getattr(config, key, None)) is not None}
+
+
+def encoder_modules(model) -> set[int]:
+    """ids of a multimodal model's other-modality encoders (the modules whose config is a sub-config of
+    :func:`other_modalities`, and theirs), and of those sub-configs: they keep their own
+    attention and are not checked."""
+    others = {id(c) for c in other_modalities(model.config).values()}
+    found = set(others)
+    for m in model.modules():
+        if id(getattr(m, "config", None)) in others and id(m) not in found:
+            found.update(id(sub) for sub in m.modules())
     return found
 
 

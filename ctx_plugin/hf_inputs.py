@@ -21,6 +21,13 @@ from .recompute.apply import in_multi_layer_region
 from .rules import check_documents_fit
 
 
+TEXT_ARGUMENTS = frozenset({"input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "logits_to_keep",
+                            "use_cache", "cache", "past_key_values", "cache_position", "output_attentions",
+                            "output_hidden_states", "return_dict", DOCUMENTS_KEYWORD, *HF_DOCUMENT_KEYWORDS})
+"""A multimodal model's forward arguments that concern its text model (each checked on its own); any other set is
+refused (``"modalities"``)."""
+
+
 class InputCheck:
     """Forward pre-hook: refuses inputs ctx_plugin cannot honour. Every rank computes its flags, the CP group sums
     them (one all-reduce of problems × ranks), and every rank raises the same error."""
@@ -47,15 +54,22 @@ class InputCheck:
                           "after ctx_plugin.gather_sequence",
         "token_ids": "input_ids outside the model's vocabulary (0..num_embeddings-1 of its input embeddings): the "
                      "embedding would fail on those ranks only and leave the others waiting in the attention",
+        "modalities": "inputs other than text (pixel_values, token_type_ids, ...) for a multimodal model: ctx_plugin "
+                      "runs its text model only (its encoders keep their own attention, which would see one rank's "
+                      "inputs as a whole, and image tokens' bidirectional blocks come from a mask ctx_plugin's "
+                      "attention does not take); train on text alone (input_ids, position_ids)",
         "hidden_states": "output_hidden_states with a multi-layer recompute region (full:uniform:N with N > 1, or "
                          "sqrt): every layer of a region hands on the region's output, so the hidden states of its "
                          "inner layers would be wrong; use a preset with one layer per region (full, full:block:N, "
                          "selective) or leave output_hidden_states off",
     }
 
-    def __init__(self, cp_config: CPConfig, groups: CPGroups, signature: inspect.Signature, running: Running):
+    def __init__(self, cp_config: CPConfig, groups: CPGroups, signature: inspect.Signature, running: Running,
+                 multimodal: bool = False):
         self.cp_config, self.groups, self.signature, self.running = cp_config, groups, signature, running
         self.var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+        self.multimodal = multimodal
+        """The module's config has encoders of other modalities: only :data:`TEXT_ARGUMENTS` may be set."""
 
     def _documents(self, arguments: dict, tokens):
         """(documents, whether they are invalid) of this forward, from the keywords that reach the attention."""
@@ -86,6 +100,9 @@ class InputCheck:
                  "labels": arguments.get("labels") is not None,
                  "logits_to_keep": keep is not None and (isinstance(keep, torch.Tensor) or keep != 0),
                  "token_ids": _outside_vocabulary(model, arguments.get("input_ids")),
+                 "modalities": self.multimodal and any(value is not None and value is not False
+                                                       for name, value in arguments.items()
+                                                       if name not in TEXT_ARGUMENTS and name != self.var_keyword),
                  "hidden_states": _hidden_states_wrong(model, arguments, extra)}
         if isinstance(positions, torch.Tensor) and isinstance(tokens, torch.Tensor) \
                 and positions.shape[-1] != tokens.shape[1]:
