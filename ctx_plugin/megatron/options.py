@@ -55,6 +55,9 @@ MODEL_OPTIONS: tuple[Refused, ...] = (
             "core attention replaces", "drop it"),
     Refused("flash_attention_version", _not_none, "it pins the kernel of Megatron's (Transformer Engine) attention, "
             "which ctx_plugin's core attention replaces", "drop it and pick the kernel with --cp-kernel"),
+    Refused("deterministic_mode", _truthy, "ctx_plugin's attention does not promise a deterministic backward (the "
+            "flash-attn and cuDNN kernels accumulate gradients in a nondeterministic order; Transformer Engine's "
+            "attention is made deterministic by this flag)", "drop it"),
     Refused("batch_invariant_mode", _truthy, "ctx_plugin's kernels do not promise batch-size-invariant results",
             "drop it"),
     Refused("cuda_graph_impl", lambda v: v not in (None, "none"), "a captured CUDA graph replays ctx_plugin's "

@@ -23,7 +23,7 @@ CP_CONFIG = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
 REFUSED = {"attention_dropout": 0.1, "qk_clip": True,
            "log_max_attention_logit": True, "multi_latent_attention": True, "experimental_attention_variant": "dsa",
            "fp8_dot_product_attention": True, "fp8_multi_head_attention": True, "use_kitchen_attention": True,
-           "flash_attention_version": 3, "batch_invariant_mode": True, "flash_decode": True,
+           "flash_attention_version": 3, "batch_invariant_mode": True, "deterministic_mode": True, "flash_decode": True,
            "position_embedding_type": "mrope", "cuda_graph_impl": "transformer_engine", "enable_cuda_graph": True,
            "external_cuda_graph": True}
 
