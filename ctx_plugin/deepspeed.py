@@ -30,7 +30,7 @@ import torch.distributed as dist
 from . import comm, hf, hf_loss
 from .deepspeed_config import (SECTION, ContextParallelSection, _load_config, _refuse_curriculum,
                                _refuse_ds_checkpointing, _refuse_model_parallel, _refuse_patched_linear, _zero_config,
-                               batch_sizes, parse_section)
+                               batch_sizes, check_data_parallel_size, parse_section)
 from .deepspeed_data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, step_tokens, tiled_causal_lm_loss
 from .groups import CPGroups, build_cp_groups
 from .names import Recompute
@@ -115,15 +115,6 @@ def _require_cp_attention(model: torch.nn.Module, groups: CPGroups) -> None:
         return out
 
     model.forward = forward
-
-
-def _check_data_parallel_size(config: dict, replicas: int) -> None:
-    """DeepSpeed reads ``"data_parallel_size"`` only next to ``"sequence_parallel_size"`` (which the section
-    replaces), so it would be accepted and ignored: it must be the section's data-parallel replicas (then dropped)."""
-    given = config.pop("data_parallel_size", None)
-    if given is not None and given != replicas:
-        raise ValueError(f'"data_parallel_size" ({given}) disagrees with the {replicas} data-parallel replica(s) of '
-                         f'"{SECTION}" (ranks / "{SECTION}.size"); drop it: the section sets the groups')
 
 
 class _SetTrainBatchSize:
@@ -256,7 +247,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if world % section.size:
         raise ValueError(f'"{SECTION}.size" ({section.size}) must divide the number of ranks ({world})')
     config = batch_sizes(config, world=world, size=section.size)
-    _check_data_parallel_size(config, world // section.size)
+    check_data_parallel_size(config, world // section.size)
     cp, alone = _cp_group(section.size)
     groups = build_cp_groups(section.cp_config, group=cp)
     if attention is not None:

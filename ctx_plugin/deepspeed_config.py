@@ -175,6 +175,15 @@ def batch_sizes(config: dict, *, world: int, size: int) -> dict:
             "gradient_accumulation_steps": accumulation}
 
 
+def check_data_parallel_size(config: dict, replicas: int) -> None:
+    """DeepSpeed reads ``"data_parallel_size"`` only next to ``"sequence_parallel_size"`` (which the section
+    replaces), so it would be accepted and ignored: it must be the section's data-parallel replicas (then dropped)."""
+    given = config.pop("data_parallel_size", None)
+    if given is not None and given != replicas:
+        raise ValueError(f'"data_parallel_size" ({given}) disagrees with the {replicas} data-parallel replica(s) of '
+                         f'"{SECTION}" (ranks / "{SECTION}.size"); drop it: the section sets the groups')
+
+
 def _refuse_ambiguous(total: int, micro, accumulation, *, world: int, size: int) -> None:
     """A ValueError when micro batch or accumulation (or both) are missing and ``total`` also reads as counting the
     context-parallel ranks (what DeepSpeed alone would assume): a missing key would differ between the readings."""

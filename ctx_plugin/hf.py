@@ -14,8 +14,9 @@ per-head attention sinks (``s_aux``) arrive as keywords of the attention interfa
 Nothing is dropped silently. :func:`enable` refuses models with attention options ctx_plugin does not implement
 (dropout, chunked attention, non-attention token mixers, attention outside transformers' interface, settings computed
 from a rank's shard: :mod:`ctx_plugin.hf_checks`); before every forward of the model, or of its base model called
-directly, or of ``model.forward(...)`` called itself (as PEFT calls it), the inputs are checked once (padding masks, caches, position ids, labels, logits_to_keep, hidden states
-under multi-layer recompute regions: :mod:`ctx_plugin.hf_inputs`) and the ranks of the context-parallel group share their findings (one small all-reduce), so a problem on any rank
+directly, or of ``model.forward(...)`` called itself (as PEFT calls it), the inputs are checked once (padding masks,
+caches, position ids, labels, logits_to_keep, hidden states under multi-layer recompute regions, inputs of other
+modalities: :mod:`ctx_plugin.hf_inputs`) and the ranks of the context-parallel group share their findings (one small all-reduce), so a problem on any rank
 is the same ``ValueError`` on every rank; and the attention function refuses every keyword it does not know to be
 harmless (:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`: the README's table).
 """
@@ -110,7 +111,7 @@ class _Attention:
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
                            groups=self.groups, causal=causal, softmax_scale=scaling,
                            window=hf_window(kwargs.get("sliding_window"), given, causal,
-                                            overlay=bidirectional_overlay(module)),
+                                            overlay=not causal and bidirectional_overlay(module)),
                            softcap=kwargs.get("softcap"), sinks=sinks, documents=documents)
         return out, None
 
@@ -215,8 +216,9 @@ def register(cp_config: CPConfig, groups: CPGroups, name: str | None = None) -> 
     return _register(cp_config, groups, name)[0]
 
 
-def _unsupported(model) -> list[str]:
-    """The model's attention options ctx_plugin does not implement, from its configs and attention modules."""
+def _unsupported(model, encoders: set[int]) -> list[str]:
+    """The model's attention options ctx_plugin does not implement, from its configs and attention modules (not those
+    of its other-modality ``encoders``: :func:`ctx_plugin.hf_checks.encoder_modules`)."""
     from transformers import PreTrainedConfig
 
     found: dict[str, tuple[str, list[str]]] = {}                        # option -> (what it is, where)
@@ -224,7 +226,6 @@ def _unsupported(model) -> list[str]:
     def note(option: str, text: str, where: str) -> None:
         found.setdefault(option, (text, []))[1].append(where)
 
-    encoders = encoder_modules(model)
     configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules()
                                                   if id(m) not in encoders)]
                if isinstance(c, PreTrainedConfig) and id(c) not in encoders}
@@ -263,11 +264,11 @@ def _unsupported(model) -> list[str]:
 def _check_model(model) -> None:
     from transformers import PreTrainedModel
 
-    problems = _unsupported(model)
+    encoders = encoder_modules(model)
+    problems = _unsupported(model, encoders)
     if problems:
         raise ValueError("ctx_plugin's attention does not implement these options of the model, which change its "
                          "math: " + "; ".join(problems) + ". Use a model (config) without them")
-    encoders = encoder_modules(model)
     for m in model.modules():
         if isinstance(m, PreTrainedModel) and id(m) not in encoders and not type(m)._can_set_attn_implementation():
             raise ValueError(f"{type(m).__name__} does not route attention through transformers' "

@@ -95,8 +95,8 @@ def other_modalities(config) -> dict:
 
 def encoder_modules(model) -> set[int]:
     """ids of a multimodal model's other-modality encoders (the modules whose config is a sub-config of
-    :func:`other_modalities`, and theirs), and of those sub-configs: they keep their own
-    attention and are not checked."""
+    :func:`other_modalities`, and theirs), and of those sub-configs: they keep their own attention and are not
+    checked."""
     others = {id(c) for c in other_modalities(model.config).values()}
     found = set(others)
     for m in model.modules():
@@ -138,9 +138,9 @@ def windowed_without_keyword(module, kwargs: dict) -> str | None:
 class Running:
     """Which of a model's checked modules (the model, its base model, its decoder) runs the forward whose inputs were
     checked: the modules it calls skip their check (one check, one all-reduce, per forward); the forward hook clears
-    it, also when the forward raises. Calling an inner module directly (``model.model(...)``) checks there; ``model.forward``
-    called itself (PEFT's tuner), which skips the model's hooks, checks in the model's instance ``forward``
-    (:func:`ctx_plugin.hf_inputs.check_direct_forward`)."""
+    it, also when the forward raises. Calling an inner module directly (``model.model(...)``) checks there;
+    ``model.forward`` called itself (PEFT's tuner), which skips the model's hooks, checks in the model's instance
+    ``forward`` (:func:`ctx_plugin.hf_inputs.check_direct_forward`)."""
 
     def __init__(self):
         self.module = None

@@ -101,19 +101,26 @@ def test_a_config_in_args_reaches_deepspeed_once(tmp_path, monkeypatch):
         initialize(args=argparse.Namespace(deepspeed_config=str(path), deepscale_config=str(path)), model=model)
 
 
-def test_curriculum_data_sampling_is_refused_with_the_section():
+@pytest.mark.parametrize("path,why", [
+    (("data_efficiency", "data_sampling", "curriculum_learning"), "DeepSpeed's curriculum sampler"),
+    (("data_efficiency", "data_routing", "random_ltd"), "random layerwise token dropping"),
+], ids=["curriculum", "random_ltd"])
+def test_data_efficiency_that_changes_a_ranks_tokens_is_refused_with_the_section(path, why):
+    """Curriculum sampling gives the ranks sharing a sequence different samples; random-LTD drops different tokens of
+    each rank's shard."""
     pytest.importorskip("deepspeed")
     from ctx_plugin.deepspeed import initialize
 
     model = torch.nn.Linear(2, 2)
     base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
-    curriculum = {"data_efficiency": {"data_sampling": {"curriculum_learning": {"enabled": True}}}}
-    with pytest.raises(ValueError, match=r'"data_efficiency.data_sampling.curriculum_learning" cannot be combined '
-                                         r'with "context_parallel": .*set its "enabled" to false'):
-        initialize(model=model, config={**base, **curriculum})
-    curriculum["data_efficiency"]["data_sampling"]["curriculum_learning"]["enabled"] = False
+    feature = {"enabled": True}
+    config = {path[0]: {path[1]: {path[2]: feature}}}
+    with pytest.raises(ValueError, match=rf'"{".".join(path)}" cannot be combined with "context_parallel": {why} '
+                                         r'.*set its "enabled" to false'):
+        initialize(model=model, config={**base, **config})
+    feature["enabled"] = False
     with pytest.raises(ValueError, match="do not pass mpu="):         # disabled: initialize goes on to the next check
-        initialize(model=model, config={**base, **curriculum}, mpu=object())
+        initialize(model=model, config={**base, **config}, mpu=object())
 
 
 def test_deepspeed_tensor_and_pipeline_parallelism_are_refused_with_the_section():
@@ -191,22 +198,6 @@ def test_deepspeed_activation_checkpointing_is_refused_for_hugging_face_models()
             initialize(model=model, config=full, attention=attention)
 
 
-def test_random_ltd_is_refused_with_the_section():
-    """Random layerwise token dropping drops tokens of each rank's shard (different ones on each rank)."""
-    pytest.importorskip("deepspeed")
-    from ctx_plugin.deepspeed import initialize
-
-    model = torch.nn.Linear(2, 2)
-    base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
-    ltd = {"data_efficiency": {"data_routing": {"random_ltd": {"enabled": True}}}}
-    with pytest.raises(ValueError, match=r'"data_efficiency.data_routing.random_ltd" cannot be combined with '
-                                         r'"context_parallel": random layerwise token dropping .*"enabled" to false'):
-        initialize(model=model, config={**base, **ltd})
-    ltd["data_efficiency"]["data_routing"]["random_ltd"]["enabled"] = False
-    with pytest.raises(ValueError, match="do not pass mpu="):
-        initialize(model=model, config={**base, **ltd}, mpu=object())
-
-
 def test_tp_model_init_is_refused_with_the_section(monkeypatch):
     """deepspeed.tp_model_init records automatic tensor parallelism that initialize would merge into the config."""
     pytest.importorskip("deepspeed")
@@ -225,13 +216,13 @@ def test_tp_model_init_is_refused_with_the_section(monkeypatch):
 
 
 def test_data_parallel_size_must_be_the_sections_replicas():
-    from ctx_plugin.deepspeed import _check_data_parallel_size
+    from ctx_plugin.deepspeed_config import check_data_parallel_size
 
     config = {"data_parallel_size": 2, "train_micro_batch_size_per_gpu": 1}
-    _check_data_parallel_size(config, 2)
+    check_data_parallel_size(config, 2)
     assert config == {"train_micro_batch_size_per_gpu": 1}             # agreed: dropped (DeepSpeed would ignore it)
     with pytest.raises(ValueError, match=r'"data_parallel_size" \(4\) disagrees with the 2 data-parallel replica'):
-        _check_data_parallel_size({"data_parallel_size": 4}, 2)
+        check_data_parallel_size({"data_parallel_size": 4}, 2)
 
 
 def test_set_train_batch_size_takes_the_sections_units():

@@ -12,7 +12,6 @@ references are transformers' own sdpa attention, float64, logits and every gradi
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 
@@ -20,26 +19,14 @@ transformers = pytest.importorskip("transformers", reason="needs transformers: p
 
 import torch  # noqa: E402
 
-import ctx_plugin  # noqa: E402
 import ctx_plugin.hf as cphf  # noqa: E402
+from tests.unit.test_hf_refusals import _one_rank, _quiet  # noqa: E402,F401  (_quiet: autouse fixture)
 
 TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4, pad_token_id=0,
             layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.2)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16,
               patch_size=4)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def _one_rank():
-    cfg = ctx_plugin.CPConfig(backend="ring", kernel="torch")
-    return cfg, ctx_plugin.build_cp_groups(cfg)
 
 
 def _tokens(n=16):
