@@ -97,6 +97,8 @@ class CPCoreAttention(MegatronModule):
         if config.num_attention_heads % tp_size:
             raise ValueError(f"num_attention_heads={config.num_attention_heads} is not divisible by the "
                              f"tensor-parallel size {tp_size}")
+        self.model_prepared = False         # set by spec.prepare_model: RoPE follows the layout (or needs none)
+        self._unprepared_fits: set[tuple[int, bool]] = set()
         self.softmax_offset = None
         if self.softmax_type == "learnable":    # as megatron-core's DotProductAttention makes and initialises it
             device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
@@ -132,6 +134,8 @@ class CPCoreAttention(MegatronModule):
                 raise ValueError("ctx_plugin's core attention got [t, heads, dim] tensors without packed_seq_params")
             query, key, value = query[:, None], key[:, None], value[:, None]
         s, b, heads, dim = query.shape
+        if not self.model_prepared and self.groups.size > 1:
+            self._check_unprepared(s * self.groups.size, packed=documents is not None)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
         window_ = self.window
         if window_ is not None and mask_type != self.attn_mask_type:     # the window was checked for the other type
@@ -144,6 +148,24 @@ class CPCoreAttention(MegatronModule):
                            softmax_scale=scale, window=window_, sinks=sinks, documents=documents)
         out = out.transpose(0, 1).reshape(s, b, heads * dim)
         return out[:, 0] if thd else out
+
+    def _check_unprepared(self, seq_len: int, packed: bool) -> None:
+        """In a model :func:`~ctx_plugin.megatron.spec.prepare_model` was not called on, megatron-core's own RoPE
+        slices positions zigzag-wise (its THD RoPE per document; the layout-hook patch redirects the BSHD slicing):
+        an error, the same on every rank (config and lengths only), unless that gives the tokens this layout holds."""
+        if (seq_len, packed) in self._unprepared_fits:
+            return
+        from .spec import megatron_rope_fits
+
+        if not megatron_rope_fits(self.cp_config, seq_len, self.groups.size, packed):
+            raise ValueError(f"ctx_plugin's core attention (backend {self.cp_config.backend}) runs in a model "
+                             f"ctx_plugin.megatron.spec.prepare_model was not called on: megatron-core's own RoPE then "
+                             f"gives each rank the positions of Megatron's zigzag chunks (r and 2P-1-r of 2P"
+                             f"{', per packed document' if packed else ''}), while this backend's layout holds other "
+                             f"tokens. Call prepare_model(model, settings, groups_provider) after building the model "
+                             f"(it makes RoPE follow the layout; shard batches with shard_batch), run through python -m "
+                             f"ctx_plugin.megatron.pretrain_gpt, or use backend zigzag or allgather")
+        self._unprepared_fits.add((seq_len, packed))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The learnable ``softmax_offset`` sharded over tensor-parallel heads, as megatron-core's

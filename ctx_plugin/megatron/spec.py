@@ -156,6 +156,26 @@ def _layout_hook_installed() -> bool:
     return find is not None and getattr(rope_utils, "get_cp_layout_hook", None) is find and find() is local_positions
 
 
+def megatron_rope_fits(cp_config: CPConfig, seq_len: int, cp: int, packed: bool) -> bool:
+    """Whether megatron-core's own RoPE (in a model without :func:`prepare_model`) gives every rank the positions
+    of the tokens ``cp_config``'s layout holds: Megatron's zigzag chunks (packed: per document, which the layout-hook
+    patch does not reach), or, for unpacked sequences, the positions of the layout-hook patch's hook."""
+    if packed:
+        return isinstance(shard_layout(cp_config), Zigzag)
+    if _is_megatron_zigzag(cp_config, seq_len, cp):
+        return True
+    if not _layout_hook_installed():
+        return False
+    import megatron.core.utils as core_utils
+
+    hook, layout = core_utils.get_cp_layout_hook(), shard_layout(cp_config)
+    for rank in range(cp):                                  # every rank's, so that every rank decides alike
+        positions = hook(seq_len, cp, rank)
+        if positions is None or not torch.equal(positions.cpu(), layout.local_indices(seq_len, rank, cp)):
+            return False
+    return True
+
+
 def _is_megatron_zigzag(cp_config: CPConfig, seq_len: int, cp: int) -> bool:
     """Whether every rank holds the tokens Megatron's zigzag gives it: chunks r and 2cp-1-r of 2cp."""
     if seq_len % (2 * cp):
@@ -332,9 +352,14 @@ def _check_causal_mask(mask, documents: Documents | None = None) -> None:
 def prepare_model(model, settings: MegatronCPSettings, groups_provider: GroupsProvider, pg_collection=None):
     """After building a GPTModel with :func:`gpt_layer_spec`: layout-aware RoPE, the recompute preset's layer part
     (``for_layers``) when ctx_plugin (not Megatron) applies it, and ``+tile_loss``'s tiled output layer and loss
-    (:mod:`ctx_plugin.megatron.loss`). Returns the model's :class:`CPGroups`."""
+    (:mod:`ctx_plugin.megatron.loss`). Returns the model's :class:`CPGroups`. Without it the core attention runs only
+    where megatron-core's own RoPE slicing gives the layout's positions (:func:`megatron_rope_fits`), else its first
+    forward is an error naming this function."""
     groups = groups_provider.get(context_parallel_group(pg_collection))
     use_layout_rope(model, settings.cp_config, groups)
+    for module in model.modules():
+        if isinstance(module, CPCoreAttention):
+            module.model_prepared = True
     if settings.megatron_recompute is None:
         recompute_presets.apply(model.decoder.layers, settings.recompute.for_layers,
                                 sequence_dim=0)           # Megatron's hidden states are [s, b, h]

@@ -59,6 +59,7 @@ def _cpu_shims():
     window mask by megatron-core's own function, its ``torch.ones`` made on the CPU)."""
     from megatron.core import tensor_parallel
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
 
     class Tracker:
@@ -75,15 +76,17 @@ def _cpu_shims():
         finally:
             torch.ones = ones
 
-    saved = torch.cuda.current_device, tensor_parallel.get_cuda_rng_tracker, yarn.get_pos_emb_on_this_cp_rank
+    saved = (torch.cuda.current_device, tensor_parallel.get_cuda_rng_tracker, yarn.get_pos_emb_on_this_cp_rank,
+             rope.get_pos_emb_on_this_cp_rank)
     torch.cuda.current_device = lambda: "cpu"
     tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: Tracker()
-    yarn.get_pos_emb_on_this_cp_rank = _zigzag_rows_on_cpu
+    yarn.get_pos_emb_on_this_cp_rank = rope.get_pos_emb_on_this_cp_rank = _zigzag_rows_on_cpu
     fused_softmax.get_sliding_window_causal_mask = window_mask_on_cpu
     try:
         yield
     finally:
-        torch.cuda.current_device, tensor_parallel.get_cuda_rng_tracker, yarn.get_pos_emb_on_this_cp_rank = saved
+        (torch.cuda.current_device, tensor_parallel.get_cuda_rng_tracker, yarn.get_pos_emb_on_this_cp_rank,
+         rope.get_pos_emb_on_this_cp_rank) = saved
         fused_softmax.get_sliding_window_causal_mask = window_mask
 
 
@@ -218,6 +221,16 @@ def gpt_step(rank: int, world: int, payload: dict) -> dict:
             out[case_key(backend, u, position, preset, variant, with_mask)] = {
                 **result, "grads": result["grads"] if rank == 0 else None,
                 "rope_class": type(getattr(model, "rotary_pos_emb", None)).__name__, "offsets": _offset_shards(model)}
+        for backend in payload.get("unprepared", []):      # gpt_layer_spec without prepare_model: Megatron's RoPE
+            cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
+            model = _model(world, "rope", "base", lambda spec: gpt_layer_spec(cp_config, base=spec))
+            groups = ctx_plugin.build_cp_groups(cp_config, group=cp_group)
+            try:
+                with _cpu_shims():
+                    out[f"unprepared-{backend}"] = _step(model, shard_batch(_batch(True), config=cp_config,
+                                                                            groups=groups), cp_group)
+            except ValueError as e:
+                out[f"unprepared-{backend}"] = str(e)
         for fields in payload.get("refused", []):      # options the issue reproduced as silently wrong
             cp_config = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
             try:

@@ -54,6 +54,7 @@ def results(world: int, *, launch: bool = True):
             _results[world] = run_spawned("tests.integration.megatron_ranks:gpt_step", world,
                                           {"cases": [c[1:] for c in CASES if c[0] == world],
                                            "refused": [fields for fields, _ in REFUSED_MODELS],
+                                           "unprepared": UNPREPARED if world == 2 else [],
                                            "thd": THD_CP4_CASES if world == 4 else []},   # test_megatron_thd.py's
                                           timeout_s=600)
     return _results[world]
@@ -78,6 +79,29 @@ def test_gpt_model_matches_megatron(world, backend, u, position, preset, variant
         w, have = torch.tensor(w), torch.tensor(grads[name])
         err = ((have - w).abs().max() / w.abs().max().clamp_min(floor)).item()
         assert err <= 1e-9, f"{name}: relative error {err:.2e}"
+
+
+UNPREPARED = ["zigzag", "allgather", "ring", "striped", "ulysses"]
+
+
+@pytest.mark.parametrize("backend", UNPREPARED)
+def test_model_without_prepare_model(backend):
+    """A GPTModel built with gpt_layer_spec but not prepared keeps megatron-core's own RoPE, which slices positions
+    zigzag-wise: right for zigzag and allgather (Megatron's own model's loss and gradients), an error on every rank
+    for the layouts that hold other tokens (it silently rotated them by other tokens' positions)."""
+    got = [r[f"unprepared-{backend}"] for r in results(2)]
+    if backend in ("zigzag", "allgather"):
+        want = results(1)[0]["rope-base"]
+        for rank in range(2):
+            assert abs(got[rank]["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"])
+        floor = 1e-6 * max(max(abs(x) for x in g) for g in want["grads"].values())
+        for name, w in want["grads"].items():
+            w, have = torch.tensor(w), torch.tensor(got[0]["grads"][name])
+            assert ((have - w).abs().max() / w.abs().max().clamp_min(floor)).item() <= 1e-9, name
+    else:
+        for message in got:
+            assert f"(backend {backend}) runs in a model ctx_plugin.megatron.spec.prepare_model was not called on" \
+                in message and "Call prepare_model(model, settings, groups_provider)" in message
 
 
 REFUSED_MODELS = [({"window_size": (8, 4)}, "window_size=(8, 4) (--window-size) has right=4 under a causal mask"),
@@ -297,6 +321,33 @@ def test_spec_with_the_layout_hook_refuses_sft_batches_off_megatrons_zigzag(monk
         _layer_spec(monkeypatch, "--cp-backend", backend, *flags)
     _layer_spec(monkeypatch, "--cp-backend", backend, "--no-create-attention-mask-in-dataloader")   # unpacked: fine
     _layer_spec(monkeypatch, "--cp-backend", "zigzag", *flags)
+
+
+@pytest.mark.parametrize("backend,hook_backend,packed,fits", [
+    ("striped", "striped", False, True), ("ulysses_ring", "ulysses_ring", False, True),
+    ("ring", "striped", False, False), ("ring", None, False, False),       # the hook's layout, or Megatron's zigzag
+    ("striped", "striped", True, False), ("zigzag", None, True, True), ("allgather", None, False, True)])
+def test_unprepared_model_with_the_layout_hook(monkeypatch, backend, hook_backend, packed, fits):
+    """Without prepare_model, megatron-core's RoPE slices by the layout-hook patch's hook when one is installed
+    (unpacked sequences only; packed ones zigzag per document): the core attention runs only where that is its
+    layout on every rank."""
+    import megatron.core.utils as core_utils
+
+    import ctx_plugin
+    import ctx_plugin.megatron.spec as spec_module
+    from ctx_plugin.layouts import shard_layout
+
+    def hook(seq_len, cp, rank):
+        if hook_backend is None:
+            return None
+        layout = shard_layout(ctx_plugin.CPConfig(backend=hook_backend, ulysses_size=2 if "ulysses" in hook_backend
+                                                  else 1))
+        return layout.local_indices(seq_len, rank, cp)
+
+    monkeypatch.setattr(spec_module, "_layout_hook_installed", lambda: True)
+    monkeypatch.setattr(core_utils, "get_cp_layout_hook", lambda: hook, raising=False)
+    config = ctx_plugin.CPConfig(backend=backend, ulysses_size=2 if "ulysses" in backend else 1)
+    assert spec_module.megatron_rope_fits(config, 64, 4, packed) is fits
 
 
 @pytest.mark.parametrize("flags,dropped", [(["--qk-l2-norm"], "--qk-l2-norm"), (["--num-experts", "2"], "--num-experts")])
