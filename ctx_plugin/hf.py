@@ -26,6 +26,7 @@ import inspect
 import weakref
 
 import torch
+import torch.nn.functional as F
 
 from . import agreement
 from .api import cp_attention
@@ -108,12 +109,18 @@ class _Attention:
         if torch.is_autocast_enabled(query.device.type):    # as autocast casts sdpa's inputs: q, k come out of
             dtype = torch.get_autocast_dtype(query.device.type)     # RoPE in fp32 next to a bf16 v
             query, key, value = (t.to(dtype) for t in (query, key, value))
+        qk_dim, v_dim = query.shape[-1], value.shape[-1]
+        scaling = qk_dim ** -0.5 if scaling is None else scaling
+        if v_dim < qk_dim:      # latent attention (DeepSeek, MiMo-V2): values narrower than queries and keys; zero
+            value = F.pad(value, (0, qk_dim - v_dim))           # columns give zero output columns, dropped below
+        elif v_dim > qk_dim:    # zero columns of q and k add nothing to any score
+            query, key = F.pad(query, (0, v_dim - qk_dim)), F.pad(key, (0, v_dim - qk_dim))
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
                            groups=self.groups, causal=causal, softmax_scale=scaling,
                            window=hf_window(kwargs.get("sliding_window"), given, causal,
                                             overlay=not causal and bidirectional_overlay(module)),
                            softcap=kwargs.get("softcap"), sinks=sinks, documents=documents)
-        return out, None
+        return (out[..., :v_dim] if v_dim != out.shape[-1] else out), None
 
     def _documents(self, module, query, key, attention_mask, dropout, kwargs):
         """The call's packed documents (None: none), after checking what the attention cannot honour (ValueError,
@@ -239,10 +246,6 @@ def _unsupported(model, encoders: set[int]) -> list[str]:
                      f"implemented; recurrent/linear token mixers and other attention types are not)", where)
         if getattr(c, "attention_chunk_size", None) is not None:
             note("attention_chunk_size", f"attention_chunk_size={c.attention_chunk_size} (chunked attention)", where)
-        v_dim, qk_dim = getattr(c, "v_head_dim", None), getattr(c, "qk_head_dim", None)
-        if isinstance(v_dim, int) and isinstance(qk_dim, int) and v_dim != qk_dim:
-            note("v_head_dim", f"v_head_dim={v_dim} next to qk_head_dim={qk_dim} (multi-head latent attention with "
-                 f"values of another width than queries and keys; ctx_plugin's attention takes one head_dim)", where)
         if getattr(c, "attention_dropout", 0) or 0:
             note("attention_dropout", f"attention_dropout={c.attention_dropout} (ctx_plugin's attention has no "
                  f"dropout: set it to 0 before building the model)", where)

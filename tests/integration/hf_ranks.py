@@ -18,15 +18,20 @@ SEQ, BATCH, VOCAB = 32, 2, 128
 # HF's own attention each kind is compared with: sdpa (exact in float64), or eager where transformers has no sdpa
 # for the model (Gemma-2's softcap: eager's softmax runs in fp32; gpt-oss's sinks: eager in the model's dtype)
 REFERENCE = {"llama": "sdpa", "llama_bidir": "sdpa", "qwen2": "sdpa", "mistral_swa": "sdpa", "mistral_bidir": "sdpa",
-             "qwen2_mixed": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}
+             "qwen2_mixed": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "deepseek_v3": "sdpa", "mimo_v2": "eager",
+             "qwen2_vl": "sdpa"}
 
 
 def model(kind: str, attn_implementation: str | None):
     """``llama`` (GQA, fp32), ``llama_bidir`` (config.is_causal=False) or, in float64 with initializer_range 0.1
     and GQA: ``qwen2`` (q/k/v biases), ``mistral_swa`` (sliding_window 5, under a rank's shard), ``mistral_bidir``
     (the same, config.is_causal=False), ``qwen2_mixed`` (layer_types sliding (window 6) then full), ``gemma2``
-    (attn_logit_softcapping 1, sliding and full layers) and ``gpt_oss`` (sinks, sliding and full layers, two
-    experts); the same weights for every attention implementation."""
+    (attn_logit_softcapping 1, sliding and full layers), ``gpt_oss`` (sinks, sliding and full layers, two
+    experts), ``deepseek_v3`` (multi-head latent attention, K/V per query head as DeepSeek's: values of 16 next to
+    queries and keys of 24), ``mimo_v2`` (MiMo-V2-Flash: values of 16 next to 24, sliding layers with twice the KV
+    heads and sinks; both with dense layers only, as their routers run in fp32) and ``qwen2_vl`` (Qwen2-VL with its
+    vision tower, on text alone: 3-D multimodal-RoPE positions, the rows alike, as its processor makes them for
+    text); the same weights for every attention implementation."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -42,8 +47,20 @@ def model(kind: str, attn_implementation: str | None):
               "gemma2": lambda: transformers.Gemma2Config(**wide, head_dim=16, sliding_window=6,
                                                           attn_logit_softcapping=1.0, query_pre_attn_scalar=16),
               "gpt_oss": lambda: transformers.GptOssConfig(**wide, head_dim=16, num_local_experts=2,
-                                                           num_experts_per_tok=1, sliding_window=6)}[kind]()
-    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+                                                           num_experts_per_tok=1, sliding_window=6),
+              "deepseek_v3": lambda: transformers.DeepseekV3Config(**{**wide, "num_key_value_heads": 4}, q_lora_rank=None,
+                                                                   kv_lora_rank=16, qk_nope_head_dim=16,
+                                                                   qk_rope_head_dim=8, v_head_dim=16,
+                                                                   first_k_dense_replace=2),
+              "mimo_v2": lambda: transformers.MiMoV2FlashConfig(**wide, head_dim=24, v_head_dim=16, sliding_window=6,
+                                                                mlp_layer_types=["dense", "dense"]),
+              "qwen2_vl": lambda: transformers.Qwen2VLConfig(
+                  text_config={**wide, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                           "rope_theta": 10000.0}},
+                  vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=4, patch_size=4),
+                  image_token_id=VOCAB - 3, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 1)}[kind]()
+    auto = transformers.AutoModelForImageTextToText if kind == "qwen2_vl" else transformers.AutoModelForCausalLM
+    cls = auto._model_mapping[type(config)]
     extra = {"experts_implementation": "eager"} if kind == "gpt_oss" else {}     # grouped_mm has no float64
     torch.manual_seed(1234)
     m = cls(config) if attn_implementation is None and not extra else \
@@ -59,6 +76,11 @@ def data():
     return tokens[:, :-1], labels, torch.arange(SEQ).expand(BATCH, SEQ)
 
 
+def positions_of(kind: str, positions: torch.Tensor) -> torch.Tensor:
+    """The ``position_ids`` a kind takes: Qwen2-VL's multimodal RoPE one row per axis (all alike for text)."""
+    return positions[None].expand(3, -1, -1) if kind == "qwen2_vl" else positions
+
+
 def _rel(have: torch.Tensor, want: torch.Tensor) -> float:
     return ((have - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
@@ -66,10 +88,11 @@ def _rel(have: torch.Tensor, want: torch.Tensor) -> float:
 def _reference(kind: str) -> dict:
     input_ids, labels, positions = data()
     m = model(kind, REFERENCE[kind])
-    logits = m(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    logits = m(input_ids=input_ids, position_ids=positions_of(kind, positions), use_cache=False).logits
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     loss.backward()
-    return {"loss": loss.item(), "logits": logits.detach(), "grads": {n: p.grad for n, p in m.named_parameters()}}
+    return {"loss": loss.item(), "logits": logits.detach(),         # (a vision tower unused by text: no gradients)
+            "grads": {n: p.grad for n, p in m.named_parameters() if p.grad is not None}}
 
 
 def _backward_errors(m, logits, local_labels, reference: dict) -> dict:
@@ -81,6 +104,8 @@ def _backward_errors(m, logits, local_labels, reference: dict) -> dict:
     (loss / stats[1]).backward()
     grad_errs = {}
     for name, p in m.named_parameters():
+        if p.grad is None and name not in reference["grads"]:
+            continue
         g = p.grad.detach().clone()
         dist.all_reduce(g)
         grad_errs[name] = _rel(g, reference["grads"][name])
@@ -101,7 +126,8 @@ def _parity(kind: str, backend: str, u: int, reference: dict) -> dict:
     m = model(kind, None)
     ctx_plugin.hf.enable(m, cfg, groups)
     shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
-    logits = m(input_ids=shard(input_ids), position_ids=shard(positions), use_cache=False).logits
+    local_positions = ctx_plugin.shard_sequence(positions_of(kind, positions), config=cfg, groups=groups, dim=-1)
+    logits = m(input_ids=shard(input_ids), position_ids=local_positions, use_cache=False).logits
     errors = _backward_errors(m, logits, shard(labels), reference)        # labels pre-shifted, then sharded
     full_logits = ctx_plugin.gather_sequence(logits.detach(), config=cfg, groups=groups, dim=1)
     return {**errors, "logits_err": _rel(full_logits, reference["logits"])}

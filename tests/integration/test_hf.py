@@ -42,9 +42,15 @@ PARITY += [(2, "mistral_swa", "ring", 1), (2, "mistral_swa", "zigzag", 1), (2, "
            (2, "gemma2", "allgather", 1), (2, "gpt_oss", "ring", 1), (2, "gpt_oss", "ulysses", 1),
            (4, "mistral_swa", "ring", 1), (4, "gpt_oss", "ulysses_ring", 2), (4, "qwen2_mixed", "zigzag", 1),
            (4, "gemma2", "ring", 1)]
+# values narrower than queries and keys (DeepSeek's latent attention; MiMo-V2-Flash with sinks and windows)
+PARITY += [(2, "deepseek_v3", "zigzag", 1), (2, "deepseek_v3", "ulysses", 1), (2, "mimo_v2", "ring", 1),
+           (4, "mimo_v2", "ulysses_ring", 2)]
+# a multimodal model on text alone: its text model switched, multimodal RoPE from 3-D position_ids
+PARITY += [(2, "qwen2_vl", "striped", 1), (4, "qwen2_vl", "zigzag", 1)]
 # fp32 / float64 against sdpa / float64 against Gemma-2's eager attention, whose softmax runs in fp32
 TOLERANCE = {"llama": 1e-5, "llama_bidir": 1e-5, "qwen2": 1e-10, "mistral_swa": 1e-10, "mistral_bidir": 1e-10,
-             "qwen2_mixed": 1e-10, "gemma2": 1e-5, "gpt_oss": 1e-10}
+             "qwen2_mixed": 1e-10, "gemma2": 1e-5, "gpt_oss": 1e-10, "deepseek_v3": 1e-10, "mimo_v2": 1e-10,
+             "qwen2_vl": 1e-10}
 # packed documents (hf_ranks._packed): kind, backend, ulysses size, document mix (fit: cu_seq_lens; padded)
 PACKED = [(2, "qwen2", "zigzag", 1, "fit"), (2, "qwen2", "allgather", 1, "padded"), (2, "qwen2", "ulysses", 1, "fit"),
           (4, "qwen2", "striped", 1, "padded"), (4, "qwen2", "ring", 1, "fit"), (4, "qwen2", "ulysses_ring", 2, "padded"),
@@ -353,10 +359,11 @@ def test_readme_table_lists_every_attention_keyword():
     assert rows == want
 
 
-@pytest.mark.parametrize("kind", ["mistral_swa", "qwen2_mixed", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["mistral_swa", "qwen2_mixed", "gemma2", "gpt_oss", "deepseek_v3", "mimo_v2"])
 def test_variant_models_match_hf_at_one_rank(kind):
     """CP 1 (one rank, no process group): the whole model (sliding window under the sequence, mixed layer_types,
-    Gemma-2's softcap, gpt-oss's sinks; float64) gives HF's own sdpa/eager loss, logits and every gradient."""
+    Gemma-2's softcap, gpt-oss's sinks, values narrower than queries and keys; float64) gives HF's own sdpa/eager
+    loss, logits and every gradient."""
     from tests.integration.hf_ranks import REFERENCE, _reference, _rel, data, model
 
     import torch.nn.functional as F

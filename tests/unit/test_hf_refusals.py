@@ -299,20 +299,6 @@ def test_position_ids_off_by_one_are_refused():
             model(input_ids=ids, position_ids=wrong)
 
 
-@pytest.mark.parametrize("name", ["DeepseekV2Config", "DeepseekV3Config"])
-def test_latent_attention_with_narrower_values_is_refused_at_enable(name):
-    """DeepSeek's multi-head latent attention: values of v_head_dim, queries and keys of qk_nope + qk_rope (it failed
-    only at the first forward, in the attention's shape check)."""
-    config = getattr(transformers, name)(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                         q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                                         v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
-                                         first_k_dense_replace=1)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ValueError, match=r"v_head_dim=16 next to qk_head_dim=24 \(multi-head latent attention"):
-        cphf.enable(model, *_one_rank())
-
-
 def test_generate_is_refused_before_any_forward():
     """generate() would run the model on a growing sequence with a KV cache: refused at the call, with its own
     message (not the cache's or logits_to_keep's, which the forwards it makes would otherwise raise)."""
