@@ -190,6 +190,11 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
         raise ValueError(f"--cp-recompute {recompute} with --num-experts {args.num_experts}: the memory model that "
                          f"resolves budget:<GiB> covers dense decoders only (no expert parameters, gradients, "
                          f"optimizer state or routing); give a concrete preset instead, e.g. --cp-recompute full")
+    if getattr(args, "multi_latent_attention", False):
+        raise ValueError(f"--cp-recompute {recompute} with --multi-latent-attention: the memory model that resolves "
+                         f"budget:<GiB> sizes standard attention (q/k/v projections and heads --hidden-size wide), "
+                         f"not latent attention's compressed projections and wider queries; give a concrete preset "
+                         f"instead, e.g. --cp-recompute full")
     kv_channels = getattr(args, "kv_channels", None)
     if kv_channels and kv_channels * args.num_attention_heads != args.hidden_size:
         raise ValueError(f"--cp-recompute {recompute} with --kv-channels {kv_channels}: {args.num_attention_heads} "

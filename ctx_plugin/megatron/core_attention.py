@@ -5,6 +5,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -15,6 +16,7 @@ from ..api import cp_attention
 from ..config import CPConfig
 from ..documents import Documents
 from ..groups import CPGroups, build_cp_groups
+from ..layouts import Zigzag, shard_layout
 from .options import check_model_options, window
 
 _MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
@@ -47,20 +49,22 @@ class CPCoreAttention(MegatronModule):
     """Core attention running :func:`ctx_plugin.cp_attention` over Megatron's context-parallel group.
 
     Takes Megatron's ``[s, b, heads, dim]`` query and ``[s, b, groups, dim]`` key/value (GQA not expanded) and
-    returns ``[s, b, heads·dim]``. Causal and no-mask types, applied by the attention itself: a mask tensor is an
+    returns ``[s, b, heads·dim_v]``: multi-latent attention's values (``v_channels``) may be narrower than its
+    queries and keys (``k_channels``), and run padded with zero columns, the output's padding dropped. Causal and no-mask types, applied by the attention itself: a mask tensor is an
     error (:func:`ctx_plugin.megatron.spec.shard_batch` checks that the dataloader's mask is the causal one and
     drops it). Sliding windows as megatron-core decides them per layer (``window_size``,
     ``window_attn_skip_freq``; :func:`ctx_plugin.megatron.options.window`) and ``softmax_type`` ``off-by-one``
     (a zero sink logit per head) and ``learnable`` (a ``softmax_offset`` parameter per head of this tensor-parallel
     rank, made, initialised and checkpointed like megatron-core's ``DotProductAttention``'s; its gradient is this
     rank's part, reduced over data × context ranks like every other parameter's). Every option it does not
-    implement (options.py: QK-clip, MLA, FP8 attention, dropout, ...; padding/arbitrary masks, attention bias)
+    implement (options.py: QK-clip, FP8 attention, dropout, ...; padding/arbitrary masks, attention bias)
     is an error. Packed sequences (``PackedSeqParams``, ``qkv_format="thd"``, q ``[t, heads, dim]``) attend inside
     each document (:func:`packed_documents`), the batch sharded with the same documents (``shard_batch``)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
-                 cp_comm_type: str | None = None, softmax_scale: float | None = None, pg_collection=None, *,
-                 cp_config: CPConfig, groups_provider: GroupsProvider, **kwargs) -> None:
+                 cp_comm_type: str | None = None, softmax_scale: float | None = None, k_channels: int | None = None,
+                 v_channels: int | None = None, pg_collection=None, *, cp_config: CPConfig,
+                 groups_provider: GroupsProvider, **kwargs) -> None:
         super().__init__(config=config)
         check_model_options(config)
         if kwargs:
@@ -81,6 +85,12 @@ class CPCoreAttention(MegatronModule):
             raise ValueError(f"context_parallel_size={config.context_parallel_size} in the TransformerConfig but the "
                              f"context-parallel group has {size} ranks (RoPE and sequence lengths use the config's); "
                              f"make them equal")
+        if config.multi_latent_attention and config.apply_rope_fusion and size > 1 \
+                and not isinstance(shard_layout(cp_config), Zigzag):
+            raise ValueError(f"multi-latent attention with apply_rope_fusion (--apply-rope-fusion): megatron-core's "
+                             f"fused MLA RoPE picks each rank's zigzag chunks itself (cp_rank, cp_size), which "
+                             f"--cp-backend {cp_config.backend} does not hold; use --no-rope-fusion, or --cp-backend "
+                             f"zigzag or allgather")
         self.layer_number, self.attn_mask_type = layer_number, attn_mask_type
         self.cp_config = cp_config
         self.groups = groups_provider.get(group)
@@ -100,8 +110,10 @@ class CPCoreAttention(MegatronModule):
         self.model_prepared = False         # set by spec.prepare_model: RoPE follows the layout (or needs none)
         self._unprepared_fits: set[tuple[int, bool]] = set()
         self.softmax_offset = None
-        if self.softmax_type == "learnable":    # as megatron-core's DotProductAttention makes and initialises it
-            device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+        if self.softmax_type == "learnable":    # as megatron-core's DotProductAttention makes and initialises it:
+            # on the current CUDA device, --use-cpu-initialization or not (its initial values come from the CUDA
+            # generator, so the same seed gives Megatron's); on the CPU where there is none
+            device = torch.cuda.current_device() if torch.cuda.is_available() else torch.device("cpu")
             self.softmax_offset = torch.nn.Parameter(torch.empty(config.num_attention_heads // tp_size,
                                                                  device=device, dtype=config.params_dtype))
             if config.perform_initialization:
@@ -134,6 +146,11 @@ class CPCoreAttention(MegatronModule):
                 raise ValueError("ctx_plugin's core attention got [t, heads, dim] tensors without packed_seq_params")
             query, key, value = query[:, None], key[:, None], value[:, None]
         s, b, heads, dim = query.shape
+        v_dim = value.shape[-1]
+        if v_dim < dim:         # multi-latent attention: values narrower than queries and keys; zero columns give
+            value = F.pad(value, (0, dim - v_dim))      # zero output columns, dropped below
+        elif v_dim > dim:       # zero columns of q and k add nothing to any score
+            query, key = F.pad(query, (0, v_dim - dim)), F.pad(key, (0, v_dim - dim))
         if not self.model_prepared and self.groups.size > 1:
             self._check_unprepared(s * self.groups.size, packed=documents is not None)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
@@ -146,7 +163,9 @@ class CPCoreAttention(MegatronModule):
         out = cp_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                            config=self.cp_config, groups=self.groups, causal=mask_type == AttnMaskType.causal,
                            softmax_scale=scale, window=window_, sinks=sinks, documents=documents)
-        out = out.transpose(0, 1).reshape(s, b, heads * dim)
+        if out.shape[-1] != v_dim:
+            out = out[..., :v_dim]
+        out = out.transpose(0, 1).reshape(s, b, heads * v_dim)
         return out[:, 0] if thd else out
 
     def _check_unprepared(self, seq_len: int, packed: bool) -> None:

@@ -42,9 +42,6 @@ MODEL_OPTIONS: tuple[Refused, ...] = (
             "(current_max_attn_logits), which ctx_plugin's attention does not compute", "drop it"),
     Refused("log_max_attention_logit", _truthy, "logging the largest attention logit needs the core attention to "
             "compute it, which ctx_plugin's attention does not", "drop it"),
-    Refused("multi_latent_attention", _truthy, "multi-latent attention (different query/key and value head sizes, "
-            "its own rotary embedding) has not been checked with ctx_plugin's attention",
-            "use standard (grouped-query) attention"),
     Refused("experimental_attention_variant", _not_none, "experimental attention variants (gated delta net, DSA) "
             "are not softmax self-attention over the whole sequence", "drop it"),
     Refused("fp8_dot_product_attention", _truthy, "ctx_plugin's attention computes in the model's dtype, not FP8",

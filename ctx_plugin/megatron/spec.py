@@ -56,7 +56,7 @@ def layer_spec(model_config=None, vp_stage=None) -> ModuleSpec:
     attention configured by the ``--cp-*`` flags. Called with megatron-core's ``GPTModelConfig`` (its
     ``GPTModelBuilder``), that is Megatron's own ``default_layer_spec``; without it, Megatron's local or
     Transformer-Engine layer (by ``--transformer-impl``), and flags that layer would drop (``--qk-l2-norm``,
-    ``--num-experts``, heterogeneous layers) are a ValueError."""
+    ``--num-experts``, ``--multi-latent-attention``, heterogeneous layers) are a ValueError."""
     from megatron.training import get_args
 
     from .args import settings_from_args
@@ -77,6 +77,7 @@ def layer_spec(model_config=None, vp_stage=None) -> ModuleSpec:
 
         return gpt_layer_spec(settings.cp_config, base=default_layer_spec(model_config, vp_stage))
     omitted = [flag for flag, field in (("--qk-l2-norm", "qk_l2_norm"), ("--num-experts", "num_experts"),
+                                        ("--multi-latent-attention", "multi_latent_attention"),
                                         ("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path"),
                                         ("--heterogeneous-layers-config-encoded-json",
                                          "heterogeneous_layers_config_encoded_json"))
@@ -264,21 +265,25 @@ def check_packed_yarn(model_config, mscale: float) -> None:
 
 
 def use_layout_rope(model, cp_config: CPConfig, groups: CPGroups) -> None:
-    """Makes ``model.rotary_pos_emb`` (GPTModel with RoPE or YaRN) layout-aware; no-op for models without one.
-    Any other rotary embedding (multimodal RoPE, a subclass of Megatron's) is an error: ctx_plugin cannot know
-    which positions it would compute."""
-    rope = getattr(model, "rotary_pos_emb", None)
-    if rope is None:
-        return
-    layout_class = _LAYOUT_ROPE.get(type(rope)) or (type(rope) if type(rope) in _LAYOUT_ROPE.values() else None)
-    if layout_class is None:
-        raise ValueError(f"rotary embedding {type(rope).__module__}.{type(rope).__name__} is not supported by "
-                         f"ctx_plugin: it gives layout-aware positions to megatron-core's RotaryEmbedding "
-                         f"(position_embedding_type rope) and YarnRotaryEmbedding (yarn) only; use one of those, "
-                         f"learned_absolute or none")
-    rope.__class__ = layout_class                   # keeps inv_freq and every setting of the original
-    rope.ctx_plugin_config, rope.ctx_plugin_groups = cp_config, groups
-    rope.ctx_plugin_model_config = getattr(model, "config", None)       # read per call: check_packed_yarn
+    """Makes the rotary embeddings of ``model`` layout-aware: GPTModel's (``model.rotary_pos_emb``, RoPE or YaRN) and
+    each multi-latent attention's own (MLA applies RoPE itself, to its positional part of q and k); no-op for a
+    model without any. Any other rotary embedding (multimodal RoPE, a subclass of Megatron's) is an error:
+    ctx_plugin cannot know which positions it would compute."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    owners = [model, *(m for m in model.modules() if isinstance(m, MultiLatentAttention))]
+    for rope in (getattr(owner, "rotary_pos_emb", None) for owner in owners):
+        if rope is None:
+            continue
+        layout_class = _LAYOUT_ROPE.get(type(rope)) or (type(rope) if type(rope) in _LAYOUT_ROPE.values() else None)
+        if layout_class is None:
+            raise ValueError(f"rotary embedding {type(rope).__module__}.{type(rope).__name__} is not supported by "
+                             f"ctx_plugin: it gives layout-aware positions to megatron-core's RotaryEmbedding "
+                             f"(position_embedding_type rope) and YarnRotaryEmbedding (yarn) only; use one of those, "
+                             f"learned_absolute or none")
+        rope.__class__ = layout_class                   # keeps inv_freq and every setting of the original
+        rope.ctx_plugin_config, rope.ctx_plugin_groups = cp_config, groups
+        rope.ctx_plugin_model_config = getattr(model, "config", None)       # read per call: check_packed_yarn
 
 
 def batch_documents(batch: dict) -> Documents | None:

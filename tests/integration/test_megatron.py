@@ -76,7 +76,7 @@ def test_gpt_model_matches_megatron(world, backend, u, position, preset, variant
     assert set(grads) == set(want["grads"])
     floor = 1e-6 * max(max(abs(x) for x in g) for g in want["grads"].values())    # gradients that are 0 exactly
     for name, w in want["grads"].items():
-        w, have = torch.tensor(w), torch.tensor(grads[name])
+        w, have = torch.tensor(w, dtype=torch.float64), torch.tensor(grads[name], dtype=torch.float64)
         err = ((have - w).abs().max() / w.abs().max().clamp_min(floor)).item()
         assert err <= 1e-9, f"{name}: relative error {err:.2e}"
 
@@ -96,7 +96,7 @@ def test_model_without_prepare_model(backend):
             assert abs(got[rank]["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"])
         floor = 1e-6 * max(max(abs(x) for x in g) for g in want["grads"].values())
         for name, w in want["grads"].items():
-            w, have = torch.tensor(w), torch.tensor(got[0]["grads"][name])
+            w, have = torch.tensor(w, dtype=torch.float64), torch.tensor(got[0]["grads"][name], dtype=torch.float64)
             assert ((have - w).abs().max() / w.abs().max().clamp_min(floor)).item() <= 1e-9, name
     else:
         for message in got:
@@ -350,7 +350,8 @@ def test_unprepared_model_with_the_layout_hook(monkeypatch, backend, hook_backen
     assert spec_module.megatron_rope_fits(config, 64, 4, packed) is fits
 
 
-@pytest.mark.parametrize("flags,dropped", [(["--qk-l2-norm"], "--qk-l2-norm"), (["--num-experts", "2"], "--num-experts")])
+@pytest.mark.parametrize("flags,dropped", [(["--qk-l2-norm"], "--qk-l2-norm"), (["--num-experts", "2"], "--num-experts"),
+                                          (["--multi-latent-attention"], "--multi-latent-attention")])
 def test_spec_without_megatrons_model_config_refuses_what_the_plain_layer_drops(monkeypatch, flags, dropped):
     """Called without Megatron's GPTModelConfig, layer_spec builds the plain GPT layer: flags whose modules that layer
     lacks (L2-normalised q/k, MoE) would be silently dropped."""

@@ -39,6 +39,18 @@ def test_budget_with_experts_is_refused(monkeypatch, resolve_budget):
     settings_from_args(_args(monkeypatch, "--cp-recompute", "full", "--num-experts", "4"))   # a preset: fine
 
 
+@pytest.mark.parametrize("resolve_budget", [True, False])
+def test_budget_with_latent_attention_is_refused(monkeypatch, resolve_budget):
+    from ctx_plugin.megatron.args import settings_from_args
+
+    args = _args(monkeypatch, "--cp-recompute", "budget:80", "--multi-latent-attention")
+    with pytest.raises(ValueError, match=r"--cp-recompute budget:80 with --multi-latent-attention: the memory model "
+                                         r"that resolves budget:<GiB> sizes standard attention .* give a concrete "
+                                         r"preset instead, e\.g\. --cp-recompute full$"):
+        settings_from_args(args, resolve_budget=resolve_budget)
+    settings_from_args(_args(monkeypatch, "--cp-recompute", "full", "--multi-latent-attention"))   # a preset: fine
+
+
 def test_budget_with_kv_channels_of_their_own_is_refused(monkeypatch):
     from ctx_plugin.megatron.args import settings_from_args
 

@@ -21,7 +21,7 @@ CP_CONFIG = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
 # A value each refused option is refused with, written out here (not taken from the table) so that a row
 # dropped from the table fails this test, and so does a table row without a test.
 REFUSED = {"attention_dropout": 0.1, "qk_clip": True,
-           "log_max_attention_logit": True, "multi_latent_attention": True, "experimental_attention_variant": "dsa",
+           "log_max_attention_logit": True, "experimental_attention_variant": "dsa",
            "fp8_dot_product_attention": True, "fp8_multi_head_attention": True, "use_kitchen_attention": True,
            "flash_attention_version": 3, "batch_invariant_mode": True, "deterministic_mode": True, "flash_decode": True,
            "position_embedding_type": "mrope", "cuda_graph_impl": "transformer_engine", "enable_cuda_graph": True,
@@ -140,8 +140,9 @@ def test_multi_token_prediction_is_refused_under_context_parallelism():
 
 
 def test_core_attention_arguments():
-    with pytest.raises(TypeError, match=r"arguments it does not implement: \['k_channels'\]"):
-        _core(k_channels=16)
+    with pytest.raises(TypeError, match=r"arguments it does not implement: \['qk_channels'\]"):
+        _core(qk_channels=16)
+    _core(k_channels=24, v_channels=16)             # multi-latent attention's widths (its tensors carry them)
     with pytest.raises(ValueError, match="cp_comm_type='a2a' .* conflicts"):
         _core(cp_comm_type="a2a")
     _core(cp_comm_type="p2p")
@@ -237,9 +238,9 @@ def test_rotary_embeddings_other_than_rope_and_yarn_are_refused(monkeypatch):
     for rope in (MultimodalRotaryEmbedding(kv_channels=16, rotary_percent=1.0),
                  MyRope(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)):
         with pytest.raises(ValueError, match=f"rotary embedding .*{type(rope).__name__} is not supported"):
-            use_layout_rope(SimpleNamespace(rotary_pos_emb=rope), CP_CONFIG, groups)
+            use_layout_rope(SimpleNamespace(rotary_pos_emb=rope, modules=list), CP_CONFIG, groups)
     model = SimpleNamespace(rotary_pos_emb=RotaryEmbedding(kv_channels=16, rotary_percent=1.0,
-                                                           use_cpu_initialization=True))
+                                                           use_cpu_initialization=True), modules=list)
     use_layout_rope(model, CP_CONFIG, groups)
     use_layout_rope(model, CP_CONFIG, groups)            # again: already layout-aware
     assert type(model.rotary_pos_emb) is LayoutRotaryEmbedding
