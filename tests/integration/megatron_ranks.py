@@ -168,9 +168,9 @@ def loss_and_grads(model, batch, group, **forward) -> tuple[float, dict]:
     return (stats[0] / stats[1]).item(), grads
 
 
-def _step(model, batch, group) -> dict:
+def _step(model, batch, group, **forward) -> dict:
     """:func:`loss_and_grads` as JSON, and the weights' sum."""
-    loss, grads = loss_and_grads(model, batch, group)
+    loss, grads = loss_and_grads(model, batch, group, **forward)
     return {"loss": loss, "grads": {name: g.flatten().tolist() for name, g in grads.items()},
             "weights": sum(p.detach().double().sum().item() for p in model.parameters())}
 

@@ -47,7 +47,7 @@ def results() -> dict:
 
 
 def _rel(have, want) -> float:
-    have, want = torch.tensor(have), torch.tensor(want)
+    have, want = torch.tensor(have, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
     return ((have - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
