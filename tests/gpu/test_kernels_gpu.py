@@ -22,9 +22,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FUSED = [Kernel.SDPA_CUDNN, Kernel.SDPA_FLASH, Kernel.FLASH_ATTN]
 TOL = {torch.bfloat16: 2.5e-2, torch.float16: 1e-2}
 # (batch, query length, heads, kv heads, head_dim, key length): "prefix" is a query chunk attending to the
-# longer prefix that ends with it (bottom-right causal), as the all-gather backend calls it.
+# longer prefix that ends with it (bottom-right causal), as the all-gather backend calls it; "mla-d192" the width
+# DeepSeek-V3's latent attention reaches the kernel with (queries and keys 192, values padded to them).
 SHAPES = {"mha": (2, 512, 8, 8, 128, 512), "gqa": (2, 512, 8, 2, 128, 512), "mqa-d64": (1, 1024, 4, 1, 64, 1024),
-          "prefix": (2, 256, 8, 2, 128, 768)}
+          "prefix": (2, 256, 8, 2, 128, 768), "mla-d192": (1, 512, 8, 8, 192, 512)}
 
 
 def _inputs(shape, dtype, seed=0):
