@@ -18,6 +18,7 @@ from ..documents import Documents
 from ..groups import CPGroups, build_cp_groups
 from ..layouts import Zigzag, shard_layout
 from .options import check_model_options, window
+from .rope import megatron_rope_fits
 
 _MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
 
@@ -174,8 +175,6 @@ class CPCoreAttention(MegatronModule):
         an error, the same on every rank (config and lengths only), unless that gives the tokens this layout holds."""
         if (seq_len, packed) in self._unprepared_fits:
             return
-        from .spec import megatron_rope_fits
-
         if not megatron_rope_fits(self.cp_config, seq_len, self.groups.size, packed):
             raise ValueError(f"ctx_plugin's core attention (backend {self.cp_config.backend}) runs in a model "
                              f"ctx_plugin.megatron.spec.prepare_model was not called on: megatron-core's own RoPE then "

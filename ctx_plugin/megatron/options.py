@@ -83,7 +83,7 @@ def check_packed_data(args) -> None:
     """Packed batches (``--sft``, ``--dataloader-inter-document-masking``: cu_seqlens, megatron-core's THD format; and
     ``--reset-attention-mask``, whose document masks the batch sharder packs so) with RoPE/YaRN need a layout whose
     per-document shards are megatron-core's THD RoPE slices (chunks r and 2P-1-r of every document): ``zigzag`` or
-    ``allgather`` (:func:`ctx_plugin.megatron.spec.check_packed_rope`, which the model also checks per batch).
+    ``allgather`` (:func:`ctx_plugin.megatron.rope.check_packed_rope`, which the model also checks per batch).
     ValueError otherwise."""
     packed = [f for f in ("sft", "dataloader_inter_document_masking", "reset_attention_mask") if getattr(args, f, False)]
     if not packed or getattr(args, "position_embedding_type", None) not in ("rope", "yarn"):

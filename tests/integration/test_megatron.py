@@ -334,7 +334,7 @@ def test_unprepared_model_with_the_layout_hook(monkeypatch, backend, hook_backen
     import megatron.core.utils as core_utils
 
     import ctx_plugin
-    import ctx_plugin.megatron.spec as spec_module
+    import ctx_plugin.megatron.rope as rope_module
     from ctx_plugin.layouts import shard_layout
 
     def hook(seq_len, cp, rank):
@@ -344,10 +344,10 @@ def test_unprepared_model_with_the_layout_hook(monkeypatch, backend, hook_backen
                                                   else 1))
         return layout.local_indices(seq_len, rank, cp)
 
-    monkeypatch.setattr(spec_module, "_layout_hook_installed", lambda: True)
+    monkeypatch.setattr(rope_module, "_layout_hook_installed", lambda: True)
     monkeypatch.setattr(core_utils, "get_cp_layout_hook", lambda: hook, raising=False)
     config = ctx_plugin.CPConfig(backend=backend, ulysses_size=2 if "ulysses" in backend else 1)
-    assert spec_module.megatron_rope_fits(config, 64, 4, packed) is fits
+    assert rope_module.megatron_rope_fits(config, 64, 4, packed) is fits
 
 
 @pytest.mark.parametrize("flags,dropped", [(["--qk-l2-norm"], "--qk-l2-norm"), (["--num-experts", "2"], "--num-experts"),

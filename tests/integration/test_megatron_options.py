@@ -227,7 +227,7 @@ def test_rotary_embeddings_other_than_rope_and_yarn_are_refused(monkeypatch):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import (MultimodalRotaryEmbedding,
                                                                              RotaryEmbedding)
 
-    from ctx_plugin.megatron.spec import LayoutRotaryEmbedding, use_layout_rope
+    from ctx_plugin.megatron.rope import LayoutRotaryEmbedding, use_layout_rope
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")      # MultimodalRotaryEmbedding's constructor
     groups = ctx_plugin.build_cp_groups(CP_CONFIG)

@@ -86,7 +86,7 @@ def test_yarn_with_fused_thd_rope_is_refused_on_every_rank(case):
 def test_fused_thd_rope_is_refused_only_with_a_yarn_attention_factor():
     from types import SimpleNamespace
 
-    from ctx_plugin.megatron.spec import check_packed_yarn
+    from ctx_plugin.megatron.rope import check_packed_yarn
 
     check_packed_yarn(SimpleNamespace(apply_rope_fusion=True), 1.0)       # YaRN with mscale == mscale_all_dim
     check_packed_yarn(SimpleNamespace(apply_rope_fusion=False), 1.06)
