@@ -94,7 +94,8 @@ def reference_step(rank: int, world: int, payload: dict) -> dict:
 
 
 def mla_step(rank: int, world: int, payload: dict) -> dict:
-    """ctx_plugin's MLA model per (backend, ulysses size, rope type, prepare_model, config fields) of
+    """ctx_plugin's MLA model per (backend, ulysses size, rope type, prepare_model: False, True or the recompute
+    preset it applies, config fields) of
     ``payload["cases"]``, batches sharded by shard_batch, and per (backend, rope type, document mix) of
     ``payload["thd"]`` on the packed batch (``PackedSeqParams(qkv_format="thd")``); the messages of the cases refused
     at construction or first forward."""
@@ -119,13 +120,18 @@ def mla_step(rank: int, world: int, payload: dict) -> dict:
                 model = _model(world, rope, lambda spec: gpt_layer_spec(cp_config, base=spec,
                                                                         groups_provider=provider), **fields)
                 groups = provider.get(cp_group)
-                if prepare:
-                    settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse("none"),
+                if prepare:         # True, or the name of the recompute preset prepare_model applies
+                    preset = "none" if prepare is True else prepare
+                    settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse(preset),
                                                   megatron_recompute=None)
                     prepare_model(model, settings, provider)
                 batch = shard_batch(_batch(with_mask=True), config=cp_config, groups=groups)
+                calls = []          # a recompute preset runs the layers' projections again in backward
+                model.decoder.layers[0].self_attention.linear_kv_down_proj.register_forward_hook(
+                    lambda *args: calls.append(1))
                 with _cpu_shims():
                     out[key] = _step(model, batch, cp_group)
+                out[key]["projection_calls"] = len(calls)
                 out[key]["rope_classes"] = sorted({type(m.rotary_pos_emb).__name__ for m in model.modules()
                                                    if hasattr(m, "rotary_pos_emb")})
             except ValueError as e:

@@ -2,7 +2,8 @@
 layernorms, queries and keys of 24 channels next to values of 16, biases, init std 0.1, float64;
 tests/integration/megatron_mla_ranks.py) built through ctx_plugin's spec and prepared gives at CP 2 the loss and
 every gradient of the same Megatron model on one rank whose core attention is a plain float64 softmax attention,
-with MLA's own RoPE and YaRN made layout-aware in every attention, also with packed documents (THD); unprepared (Megatron's RoPE slicing zigzag-wise)
+with MLA's own RoPE and YaRN made layout-aware in every attention, also with packed documents (THD) and under
+ctx_plugin's recompute presets (the layers run again in backward); unprepared (Megatron's RoPE slicing zigzag-wise)
 and with the fused MLA RoPE (which picks zigzag chunks itself) other layouts are refused, on every rank."""
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from tests.distributed.harness import run_spawned  # noqa: E402
 # (backend, ulysses size, rope type, prepare_model, config fields set after construction)
 PARITY = [("ring", 1, "rope"), ("zigzag", 1, "yarn"), ("ulysses", 1, "rope"), ("striped", 1, "yarn"),
           ("allgather", 1, "rope")]
+# ctx_plugin's recompute presets on MLA layers (prepare_model applies them; the attention stays pinned)
+PRESETS = [("zigzag", 1, "rope", "selective"), ("ring", 1, "yarn", "full"), ("ulysses", 1, "rope", "sqrt")]
 REFUSED = [(("ring", 1, "rope", False, {}), "(backend ring) runs in a model ctx_plugin.megatron.spec.prepare_model was "
             "not called on"),
            (("striped", 1, "yarn", True, {"apply_rope_fusion": True}), "multi-latent attention with apply_rope_fusion "
@@ -37,7 +40,7 @@ def results() -> tuple[dict, list]:
         _results["ref"] = run_spawned("tests.integration.megatron_mla_ranks:reference_step", 1,
                                       {"ropes": sorted({c[2] for c in PARITY}), "thd": [c[1:] for c in THD]},
                                       timeout_s=300)[0]
-        cases = [(*c, True, {}) for c in PARITY] + [c for c, _ in REFUSED]
+        cases = [(*c, True, {}) for c in PARITY] + [(*c, {}) for c in PRESETS] + [c for c, _ in REFUSED]
         _results["cp2"] = run_spawned("tests.integration.megatron_mla_ranks:mla_step", 2,
                                       {"cases": cases, "thd": THD + [c for c, _ in THD_REFUSED]}, timeout_s=300)
     return _results["ref"], _results["cp2"]
@@ -60,7 +63,15 @@ def test_mla_matches_megatrons_model(backend, u, rope):
     ref, got = results()
     key = _key(backend, u, rope, True, {})
     assert got[0][key]["rope_classes"] == ["LayoutRotaryEmbedding" if rope == "rope" else "LayoutYarnRotaryEmbedding"]
+    assert got[0][key]["projection_calls"] == 1                                        # no recompute
     _assert_same(got, key, ref[rope])
+
+
+@pytest.mark.parametrize("backend,u,rope,preset", PRESETS, ids=["-".join(map(str, c)) for c in PRESETS])
+def test_mla_with_recompute_presets_matches_megatrons_model(backend, u, rope, preset):
+    ref, got = results()
+    _assert_same(got, _key(backend, u, rope, preset, {}), ref[rope])
+    assert got[0][_key(backend, u, rope, preset, {})]["projection_calls"] == 2       # again in backward
 
 
 @pytest.mark.parametrize("backend,rope,mix", THD, ids=["-".join(c) for c in THD])
