@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 
 from . import agreement
@@ -63,8 +64,9 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or v.shape[3] == 0:
+        raise ValueError(f"k and v must have the same shape but for their head_dim (values may be narrower or wider: "
+                         f"multi-latent attention), got {tuple(k.shape)} and {tuple(v.shape)}")
     (bq, sq, h, dq), (bk, sk, hkv, dk) = q.shape, k.shape
     if bq != bk:
         raise ValueError(f"q and k/v must have the same batch size, got {bq} and {bk}")
@@ -76,6 +78,18 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"empty attention input: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if h % hkv:
         raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({hkv}) for grouped-query attention")
+
+
+def _one_width(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``(q, k, v, v_dim)`` with one head_dim: values of another width than queries and keys (multi-latent attention:
+    DeepSeek's, MiMo-V2's) or the queries and keys are padded with zero columns, which add nothing to any score and
+    give zero output columns; ``v_dim`` (the output's width to keep) is None when the widths agree."""
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    if v_dim == qk_dim:
+        return q, k, v, None
+    if v_dim < qk_dim:
+        return q, k, F.pad(v, (0, qk_dim - v_dim)), v_dim
+    return F.pad(q, (0, v_dim - qk_dim)), F.pad(k, (0, v_dim - qk_dim)), v, v_dim
 
 
 def _check_sinks(sinks, q: torch.Tensor) -> None:
@@ -97,8 +111,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     """Exact softmax attention over the whole sequence, each rank holding its shard of q, k and v.
 
     q is ``[batch, local_seq, heads, head_dim]``, k and v ``[batch, local_seq, kv_heads, head_dim]``, sharded
-    with :func:`shard_sequence` (same config). Returns this rank's output rows, q's shape and dtype.
-    ``softmax_scale`` defaults to ``head_dim ** -0.5``. Differentiable in q, k, v and ``sinks``.
+    with :func:`shard_sequence` (same config). Returns this rank's output rows, q's shape and dtype (v's head_dim).
+    v may be narrower or wider than q and k (multi-latent attention): the narrower side runs padded with zero
+    columns (exact; memory and K/V traffic of the wider one). ``softmax_scale`` defaults to q's
+    ``head_dim ** -0.5``. Differentiable in q, k, v and ``sinks``.
 
     ``window=(left, right)``: global query position i sees keys i − left .. i + right (``None`` sides unbounded;
     intersected with causality), flash-attn's sliding window. ``softcap=c``: scaled scores s become
@@ -115,7 +131,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     (:func:`ctx_plugin.documents.pad_documents`). Padding rows return 0 and get no gradient.
     """
     _check_groups(groups)
-    kernel = error = mask = None
+    kernel = error = mask = v_dim = None
     doc_code = _document_code(None, given=documents is not None)
     try:                # this rank's own checks; the ranks then agree on their outcome before communicating
         _check_setup(config, groups)
@@ -129,6 +145,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
         elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
                 or not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
+        q, k, v, v_dim = _one_width(q, k, v)
         check_seq_len(config, q.shape[1] * groups.size, groups.size, _GLOBAL)
         docs = _documents_for(documents, config, q.shape[1] * groups.size, groups.size)
         doc_code = _document_code(docs, given=documents is not None)
@@ -155,7 +172,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
             return run_backend(q, k, v, config=config, groups=groups, kernel=kernel, mask=mask,
                                scale=float(softmax_scale), sinks=sinks)
 
-    return pinning.run(compute)
+    out = pinning.run(compute)
+    return out if v_dim is None else out[..., :v_dim]
 
 
 def _document_code(docs: Documents | None, *, given: bool = True) -> str:

@@ -16,9 +16,10 @@ Nothing is dropped silently. :func:`enable` refuses models with attention option
 from a rank's shard: :mod:`ctx_plugin.hf_checks`); before every forward of the model, or of its base model called
 directly, or of ``model.forward(...)`` called itself (as PEFT calls it), the inputs are checked once (padding masks,
 caches, position ids, labels, logits_to_keep, hidden states under multi-layer recompute regions, inputs of other
-modalities: :mod:`ctx_plugin.hf_inputs`) and the ranks of the context-parallel group share their findings (one small all-reduce), so a problem on any rank
-is the same ``ValueError`` on every rank; and the attention function refuses every keyword it does not know to be
-harmless (:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`: the README's table).
+modalities: :mod:`ctx_plugin.hf_inputs`) and the ranks of the context-parallel group share their findings (one
+small all-reduce), so a problem on any rank is the same ``ValueError`` on every rank; and the attention function
+refuses every keyword it does not know to be harmless (:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`:
+the README's table).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import inspect
 import weakref
 
 import torch
-import torch.nn.functional as F
 
 from . import agreement
 from .api import cp_attention
@@ -109,18 +109,12 @@ class _Attention:
         if torch.is_autocast_enabled(query.device.type):    # as autocast casts sdpa's inputs: q, k come out of
             dtype = torch.get_autocast_dtype(query.device.type)     # RoPE in fp32 next to a bf16 v
             query, key, value = (t.to(dtype) for t in (query, key, value))
-        qk_dim, v_dim = query.shape[-1], value.shape[-1]
-        scaling = qk_dim ** -0.5 if scaling is None else scaling
-        if v_dim < qk_dim:      # latent attention (DeepSeek, MiMo-V2): values narrower than queries and keys; zero
-            value = F.pad(value, (0, qk_dim - v_dim))           # columns give zero output columns, dropped below
-        elif v_dim > qk_dim:    # zero columns of q and k add nothing to any score
-            query, key = F.pad(query, (0, v_dim - qk_dim)), F.pad(key, (0, v_dim - qk_dim))
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
                            groups=self.groups, causal=causal, softmax_scale=scaling,
                            window=hf_window(kwargs.get("sliding_window"), given, causal,
                                             overlay=not causal and bidirectional_overlay(module)),
                            softcap=kwargs.get("softcap"), sinks=sinks, documents=documents)
-        return (out[..., :v_dim] if v_dim != out.shape[-1] else out), None
+        return out, None
 
     def _documents(self, module, query, key, attention_mask, dropout, kwargs):
         """The call's packed documents (None: none), after checking what the attention cannot honour (ValueError,

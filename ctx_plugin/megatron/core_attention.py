@@ -5,7 +5,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -50,17 +49,18 @@ class CPCoreAttention(MegatronModule):
     """Core attention running :func:`ctx_plugin.cp_attention` over Megatron's context-parallel group.
 
     Takes Megatron's ``[s, b, heads, dim]`` query and ``[s, b, groups, dim]`` key/value (GQA not expanded) and
-    returns ``[s, b, heads·dim_v]``: multi-latent attention's values (``v_channels``) may be narrower than its
-    queries and keys (``k_channels``), and run padded with zero columns, the output's padding dropped. Causal and no-mask types, applied by the attention itself: a mask tensor is an
-    error (:func:`ctx_plugin.megatron.spec.shard_batch` checks that the dataloader's mask is the causal one and
-    drops it). Sliding windows as megatron-core decides them per layer (``window_size``,
-    ``window_attn_skip_freq``; :func:`ctx_plugin.megatron.options.window`) and ``softmax_type`` ``off-by-one``
-    (a zero sink logit per head) and ``learnable`` (a ``softmax_offset`` parameter per head of this tensor-parallel
-    rank, made, initialised and checkpointed like megatron-core's ``DotProductAttention``'s; its gradient is this
-    rank's part, reduced over data × context ranks like every other parameter's). Every option it does not
-    implement (options.py: QK-clip, FP8 attention, dropout, ...; padding/arbitrary masks, attention bias)
-    is an error. Packed sequences (``PackedSeqParams``, ``qkv_format="thd"``, q ``[t, heads, dim]``) attend inside
-    each document (:func:`packed_documents`), the batch sharded with the same documents (``shard_batch``)."""
+    returns ``[s, b, heads·dim_v]`` (multi-latent attention's values, ``v_channels``, may be narrower than its
+    queries and keys, ``k_channels``: :func:`ctx_plugin.cp_attention` takes them so). Causal and no-mask types,
+    applied by the attention itself: a mask tensor is an error (:func:`ctx_plugin.megatron.spec.shard_batch` checks
+    that the dataloader's mask is the causal one and drops it). Sliding windows as megatron-core decides them per
+    layer (``window_size``, ``window_attn_skip_freq``; :func:`ctx_plugin.megatron.options.window`) and
+    ``softmax_type`` ``off-by-one`` (a zero sink logit per head) and ``learnable`` (a ``softmax_offset`` parameter
+    per head of this tensor-parallel rank, made, initialised and checkpointed like megatron-core's
+    ``DotProductAttention``'s; its gradient is this rank's part, reduced over data × context ranks like every other
+    parameter's). Every option it does not implement (options.py: QK-clip, FP8 attention, dropout, ...;
+    padding/arbitrary masks, attention bias) is an error. Packed sequences (``PackedSeqParams``,
+    ``qkv_format="thd"``, q ``[t, heads, dim]``) attend inside each document (:func:`packed_documents`), the batch
+    sharded with the same documents (``shard_batch``)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  cp_comm_type: str | None = None, softmax_scale: float | None = None, k_channels: int | None = None,
@@ -147,11 +147,6 @@ class CPCoreAttention(MegatronModule):
                 raise ValueError("ctx_plugin's core attention got [t, heads, dim] tensors without packed_seq_params")
             query, key, value = query[:, None], key[:, None], value[:, None]
         s, b, heads, dim = query.shape
-        v_dim = value.shape[-1]
-        if v_dim < dim:         # multi-latent attention: values narrower than queries and keys; zero columns give
-            value = F.pad(value, (0, dim - v_dim))      # zero output columns, dropped below
-        elif v_dim > dim:       # zero columns of q and k add nothing to any score
-            query, key = F.pad(query, (0, v_dim - dim)), F.pad(key, (0, v_dim - dim))
         if not self.model_prepared and self.groups.size > 1:
             self._check_unprepared(s * self.groups.size, packed=documents is not None)
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(dim)
@@ -164,9 +159,7 @@ class CPCoreAttention(MegatronModule):
         out = cp_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                            config=self.cp_config, groups=self.groups, causal=mask_type == AttnMaskType.causal,
                            softmax_scale=scale, window=window_, sinks=sinks, documents=documents)
-        if out.shape[-1] != v_dim:
-            out = out[..., :v_dim]
-        out = out.transpose(0, 1).reshape(s, b, heads * v_dim)
+        out = out.transpose(0, 1).reshape(s, b, -1)         # heads × v's head_dim
         return out[:, 0] if thd else out
 
     def _check_unprepared(self, seq_len: int, packed: bool) -> None:
@@ -181,8 +174,8 @@ class CPCoreAttention(MegatronModule):
                              f"gives each rank the positions of Megatron's zigzag chunks (r and 2P-1-r of 2P"
                              f"{', per packed document' if packed else ''}), while this backend's layout holds other "
                              f"tokens. Call prepare_model(model, settings, groups_provider) after building the model "
-                             f"(it makes RoPE follow the layout; shard batches with shard_batch), run through python -m "
-                             f"ctx_plugin.megatron.pretrain_gpt, or use backend zigzag or allgather")
+                             f"(it makes RoPE follow the layout; shard batches with shard_batch), run through "
+                             f"python -m ctx_plugin.megatron.pretrain_gpt, or use backend zigzag or allgather")
         self._unprepared_fits.add((seq_len, packed))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):

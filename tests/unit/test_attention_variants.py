@@ -74,7 +74,7 @@ def simulated_run(config, size: int, q, k, v, dout, *, causal: bool, sinks=None,
         return out.detach(), grads, None if sinks is None else own_sinks.grad, dict(counter.counts)
 
     results = run_threaded(size, rank_work)
-    full = [torch.empty_like(t) for t in (q, q, k, v)]
+    full = [torch.empty_like(t) for t in (dout, q, k, v)]         # the output has dout's (v's) head_dim
     for rank, (out, grads, _, _) in enumerate(results):
         for whole, part in zip(full, (out, *grads)):
             whole[:, index[rank]] = part
@@ -98,6 +98,23 @@ def test_variants_match_the_float64_reference(backend, size, u, causal):
             assert rel_err(g, w) < 1e-10, f"{what}: {name} relative error {rel_err(g, w):.2e}"
         if with_sinks:
             assert rel_err(dsinks, want[4]) < 1e-10, f"{what}: dsinks relative error {rel_err(dsinks, want[4]):.2e}"
+
+
+@pytest.mark.parametrize("backend,size,u", [(b, p, u) for b, sizes in SIZES.items() for p, u in sizes if p > 1],
+                         ids=[f"{b.value}-P{p}-u{u}" for b, sizes in SIZES.items() for p, u in sizes if p > 1])
+def test_values_of_another_width_match_the_float64_reference(backend, size, u):
+    """Values narrower (multi-latent attention) and wider than queries and keys, with a window and sinks: the output
+    has v's head_dim, the default scale is q's."""
+    config = ctx_plugin.CPConfig(backend=backend, kernel="torch", ulysses_size=u)
+    q, k, _, _, sinks = _inputs()
+    g = torch.Generator().manual_seed(3)
+    for width in (DIM - 3, DIM + 4):
+        v = torch.randn(2, SEQ, KV_HEADS, width, generator=g, dtype=torch.float64)
+        dout = torch.randn(2, SEQ, HEADS, width, generator=g, dtype=torch.float64)
+        got, dsinks, _ = simulated_run(config, size, q, k, v, dout, causal=True, window=(9, 0), sinks=sinks)
+        want = dense_with_grads(q, k, v, dout, causal=True, window=(9, 0), sinks=sinks)
+        for name, have, w in zip(("out", "dq", "dk", "dv", "dsinks"), (*got, dsinks), want):
+            assert have.shape == w.shape and rel_err(have, w) < 1e-10, f"v width {width}: {name}"
 
 
 @pytest.fixture
