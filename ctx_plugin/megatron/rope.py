@@ -37,23 +37,24 @@ def megatron_rope_fits(cp_config: CPConfig, seq_len: int, cp: int, packed: bool)
         return False
     import megatron.core.utils as core_utils
 
-    hook, layout = core_utils.get_cp_layout_hook(), shard_layout(cp_config)
-    for rank in range(cp):                                  # every rank's, so that every rank decides alike
-        positions = hook(seq_len, cp, rank)
-        if positions is None or not torch.equal(positions.cpu(), layout.local_indices(seq_len, rank, cp)):
-            return False
-    return True
+    hook = core_utils.get_cp_layout_hook()
+    return _every_rank_holds(cp_config, seq_len, cp, lambda rank: hook(seq_len, cp, rank))
 
 
 def _is_megatron_zigzag(cp_config: CPConfig, seq_len: int, cp: int) -> bool:
-    """Whether every rank holds the tokens Megatron's zigzag gives it: chunks r and 2cp-1-r of 2cp."""
-    if seq_len % (2 * cp):
-        return False
-    layout, chunk = shard_layout(cp_config), seq_len // (2 * cp)
+    """Whether every rank holds the tokens Megatron's zigzag gives it: chunks r and 2cp-1-r of 2cp (ctx_plugin's
+    :class:`~ctx_plugin.layouts.Zigzag`)."""
+    return seq_len % (2 * cp) == 0 and _every_rank_holds(cp_config, seq_len, cp,
+                                                         lambda rank: Zigzag().local_indices(seq_len, rank, cp))
+
+
+def _every_rank_holds(cp_config: CPConfig, seq_len: int, cp: int, positions) -> bool:
+    """Whether ``positions(rank)`` (None: unknown) are the tokens ``cp_config``'s layout gives each rank: every
+    rank's compared, so that every rank decides alike."""
+    layout = shard_layout(cp_config)
     for rank in range(cp):
-        zigzag = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                            torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
-        if not torch.equal(layout.local_indices(seq_len, rank, cp), zigzag):
+        want = positions(rank)
+        if want is None or not torch.equal(want.cpu(), layout.local_indices(seq_len, rank, cp)):
             return False
     return True
 

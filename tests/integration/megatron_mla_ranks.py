@@ -95,10 +95,9 @@ def reference_step(rank: int, world: int, payload: dict) -> dict:
 
 def mla_step(rank: int, world: int, payload: dict) -> dict:
     """ctx_plugin's MLA model per (backend, ulysses size, rope type, prepare_model: False, True or the recompute
-    preset it applies, config fields) of
-    ``payload["cases"]``, batches sharded by shard_batch, and per (backend, rope type, document mix) of
-    ``payload["thd"]`` on the packed batch (``PackedSeqParams(qkv_format="thd")``); the messages of the cases refused
-    at construction or first forward."""
+    preset it applies, config fields) of ``payload["cases"]``, batches sharded by shard_batch, and per (backend, rope
+    type, document mix) of ``payload["thd"]`` on the packed batch (``PackedSeqParams(qkv_format="thd")``); the
+    messages of the cases refused at construction or first forward."""
     from tests.integration.megatron_thd_ranks import _batch as _documents_batch
     from tests.integration.megatron_thd_ranks import _packed_params
 
@@ -109,22 +108,23 @@ def mla_step(rank: int, world: int, payload: dict) -> dict:
     from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model, shard_batch
     from ctx_plugin.recompute import RecomputeConfig
 
+    def prepare(model, cp_config, provider, preset: str) -> None:
+        prepare_model(model, MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse(preset),
+                                                megatron_recompute=None), provider)
+
     out = {}
     with model_parallel(context_parallel_size=world) as parallel_state:
         cp_group = parallel_state.get_context_parallel_group()
-        for backend, u, rope, prepare, fields in payload["cases"]:
+        for backend, u, rope, prepared, fields in payload["cases"]:
             cp_config = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
             provider = GroupsProvider(cp_config)
-            key = "-".join(map(str, (backend, u, rope, prepare, *sorted(fields))))
+            key = "-".join(map(str, (backend, u, rope, prepared, *sorted(fields))))
             try:
                 model = _model(world, rope, lambda spec: gpt_layer_spec(cp_config, base=spec,
                                                                         groups_provider=provider), **fields)
                 groups = provider.get(cp_group)
-                if prepare:         # True, or the name of the recompute preset prepare_model applies
-                    preset = "none" if prepare is True else prepare
-                    settings = MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse(preset),
-                                                  megatron_recompute=None)
-                    prepare_model(model, settings, provider)
+                if prepared:        # True, or the name of the recompute preset prepare_model applies
+                    prepare(model, cp_config, provider, "none" if prepared is True else prepared)
                 batch = shard_batch(_batch(with_mask=True), config=cp_config, groups=groups)
                 calls = []          # a recompute preset runs the layers' projections again in backward
                 model.decoder.layers[0].self_attention.linear_kv_down_proj.register_forward_hook(
@@ -140,8 +140,7 @@ def mla_step(rank: int, world: int, payload: dict) -> dict:
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
             provider = GroupsProvider(cp_config)
             model = _model(world, rope, lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider))
-            prepare_model(model, MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse("none"),
-                                                    megatron_recompute=None), provider)
+            prepare(model, cp_config, provider, "none")
             batch = shard_batch(_documents_batch(mix), config=cp_config, groups=provider.get(cp_group))
             try:
                 with _cpu_shims():
