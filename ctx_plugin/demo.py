@@ -21,13 +21,13 @@ import torch.distributed as dist
 
 import ctx_plugin
 from ctx_plugin import recompute
-from ctx_plugin.models import DecoderConfig, DecoderLM
 from ctx_plugin.cliargs import nonnegative_float, output_file, positive_float, positive_int, random_seed, tokens
+from ctx_plugin.core.documents import Documents
+from ctx_plugin.core.rules import SettingNames, check_split, padding_units
+from ctx_plugin.models import DecoderConfig, DecoderLM
 from ctx_plugin.names import Backend, Kernel, Recompute
-from ctx_plugin.recompute.presets import RecomputeConfig
-from ctx_plugin.documents import Documents
 from ctx_plugin.packing import shift_labels
-from ctx_plugin.rules import SettingNames, check_split, padding_units
+from ctx_plugin.recompute.presets import RecomputeConfig
 
 
 def sample_batch(generator: torch.Generator, batch: int, seq_len: int, vocab: int) -> torch.Tensor:

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .api import cp_attention
-from .config import CPConfig
-from .groups import CPGroups
+from .core.api import cp_attention
+from .core.config import CPConfig
+from .core.groups import CPGroups
 
 
 @dataclass(frozen=True, kw_only=True)

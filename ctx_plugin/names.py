@@ -96,7 +96,7 @@ class Framework(StrEnum):
 
 class Part(StrEnum):
     """Where a rank's wall time goes in ``ctx-plugin bench --profile`` (:mod:`ctx_plugin.bench.profile`); the first
-    three are also the attention's profiler ranges (:func:`ctx_plugin.profiling.span`)."""
+    three are also the attention's profiler ranges (:func:`ctx_plugin.core.profiling.span`)."""
 
     KERNEL = "kernel"
     """The local attention kernel's forward and backward calls (flash/cuDNN/efficient SDPA, flash-attn, torch)."""

@@ -3,7 +3,7 @@ sequence, padding every document to the layout's unit, and the documents transfo
 
 A packed causal-LM batch holds several documents in one sequence; its ``position_ids`` restart at 0 in each one
 (Hugging Face's ``DataCollatorWithFlattening``) or it comes with the global cumulative lengths (``cu_seq_lens_q``,
-flash-attn's ``cu_seqlens``). :func:`documents_of_batch` reads either into a :class:`~ctx_plugin.documents.Documents`
+flash-attn's ``cu_seqlens``). :func:`documents_of_batch` reads either into a :class:`~ctx_plugin.core.documents.Documents`
 (the same for every row of the batch), :func:`pad_packed_batch` pads each document to the layout's unit (only when
 asked: nothing is padded silently) and :func:`shift_labels` makes the next-token targets of a packed sequence (the
 last token of every document has none: ``-100``, never the next document's first token).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .documents import IGNORE_INDEX, Documents, check_documents, pad_documents, pad_tokens
+from .core.documents import IGNORE_INDEX, Documents, check_documents, pad_documents, pad_tokens
 
 DOCUMENTS_KEYWORD = "ctx_plugin_documents"
 """The model keyword (passed down to the attention function) that carries a batch's :class:`Documents`."""
@@ -150,7 +150,7 @@ def shift_labels(labels: torch.Tensor, documents: Documents | None) -> torch.Ten
 
 def pad_packed_batch(batch: dict, documents: Documents, unit: int, total_unit: int) -> tuple[dict, Documents]:
     """Pads every document of a packed global batch at its end to a multiple of ``unit`` (the sequence to a multiple
-    of ``total_unit``; ``ctx_plugin.rules.padding_units``): ``input_ids`` with 0, ``labels`` with ``-100``,
+    of ``total_unit``; ``ctx_plugin.core.rules.padding_units``): ``input_ids`` with 0, ``labels`` with ``-100``,
     ``position_ids`` counting on inside each document, other per-token tensors with 0 (a loss mask: padding excluded).
     Returns the padded batch and its :class:`Documents` (``valid`` = the real lengths; attention skips padding)."""
     if documents.valid is not None:

@@ -117,11 +117,11 @@ def check_job(args: argparse.Namespace, cp_config, size: int) -> None:
     """What the job would refuse once started, checked without training (``ctx-plugin launch`` calls it with the
     DeepSpeed config's "context_parallel" section): the model, built from ``--model``'s config on the meta device
     (no weights, no memory), as :func:`ctx_plugin.hf.enable` checks it, and ``--seq-len`` against the layout's
-    sequence unit (:func:`ctx_plugin.rules.check_seq_len`, as sharding the batches checks it). ``ValueError``."""
+    sequence unit (:func:`ctx_plugin.core.rules.check_seq_len`, as sharding the batches checks it). ``ValueError``."""
     from transformers import AutoModelForCausalLM
 
+    from .core.rules import SettingNames, check_seq_len
     from .hf import check_model
-    from .rules import SettingNames, check_seq_len
 
     try:
         config = _model_config(args)

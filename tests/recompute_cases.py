@@ -8,9 +8,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import ctx_plugin
-import ctx_plugin.api
-from ctx_plugin.bench.counting import CommCounter
+import ctx_plugin.core.api
 from ctx_plugin import recompute
+from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin.memory import ModelSpec, ParallelSpec, layer_activations, saved_bytes
 from ctx_plugin.models import CoreAttention, DecoderBlock, DecoderConfig
 
@@ -71,17 +71,17 @@ def measured_vs_model(shape: str, preset: str, cfg: ctx_plugin.CPConfig, groups,
 def counting_attention():
     """Counts the backend runs of ``cp_attention`` inside the block (``calls["n"]``)."""
     calls = {"n": 0}
-    original = ctx_plugin.api.run_backend
+    original = ctx_plugin.core.api.run_backend
 
     def counting(*args, **kwargs):
         calls["n"] += 1
         return original(*args, **kwargs)
 
-    ctx_plugin.api.run_backend = counting
+    ctx_plugin.core.api.run_backend = counting
     try:
         yield calls
     finally:
-        ctx_plugin.api.run_backend = original
+        ctx_plugin.core.api.run_backend = original
 
 
 def sharded_input(c, cfg: ctx_plugin.CPConfig, groups, seq_len: int, dtype: torch.dtype):

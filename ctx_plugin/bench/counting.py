@@ -1,4 +1,4 @@
-"""Counting communication operations: an observer for :func:`ctx_plugin.comm.observing` (tests and diagnostics).
+"""Counting communication operations: an observer for :func:`ctx_plugin.core.comm.observing` (tests and diagnostics).
 
     counter = CommCounter()
     with counter.counting():
@@ -6,7 +6,7 @@
     out.backward(dout)          # counted too: the attention's backward reports to its forward's observers
     counter.counts["ring_kv"]
 
-Kinds are those of :mod:`ctx_plugin.comm` (``"ring_kv"``, ``"ring_dkv"``, ``"a2a"``, ``"allgather_kv"``,
+Kinds are those of :mod:`ctx_plugin.core.comm` (``"ring_kv"``, ``"ring_dkv"``, ``"a2a"``, ``"allgather_kv"``,
 ``"reduce_scatter_dkv"``, ``"reduce_scatter_grad"``, ``"agree"``).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections import Counter
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from .. import comm
+from ..core import comm
 
 
 @dataclass(eq=False)

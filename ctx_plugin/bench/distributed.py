@@ -23,16 +23,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .. import agreement
-from ..api import _document_code
-from ..attention import run_backend
-from ..groups import build_cp_groups
-from ..kernels import accum_dtype, select_kernel
-from ..mask import Mask
+from ..core import agreement
+from ..core.api import _document_code
+from ..core.attention import run_backend
+from ..core.groups import build_cp_groups
+from ..core.kernels import accum_dtype, select_kernel
+from ..core.mask import Mask
 from ..names import Kernel
 from .harness import Shape, attention_step, call_time, ideal_share, median_time
-from .planning import plan_ms
 from .options import add_arguments, configs, settle, shape_from_args
+from .planning import plan_ms
 from .report import row, write_outputs
 from .simulated import SILENT, simulated_groups
 

@@ -20,14 +20,14 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..api import cp_attention
-from ..config import CPConfig
-from ..documents import Documents, pad_documents
-from ..kernels import select_kernel
-from ..layouts import shard_layout
-from ..mask import Mask
+from ..core.api import cp_attention
+from ..core.config import CPConfig
+from ..core.documents import Documents, pad_documents
+from ..core.kernels import select_kernel
+from ..core.layouts import shard_layout
+from ..core.mask import Mask
+from ..core.rules import SettingNames, check_seq_len, padding_units
 from ..memory.flops import Packing, check_documents, pack
-from ..rules import SettingNames, check_seq_len, padding_units
 from ..names import Kernel
 from .simulated import FILLING, run_threaded, simulated_groups
 
@@ -88,10 +88,10 @@ class Shape:
         return 1 if self.documents is None else padding_units(config, size)[0]
 
     def documents_for(self, config: CPConfig, size: int) -> Documents | None:
-        """The packed :class:`~ctx_plugin.documents.Documents` that ``cp_attention`` gets for ``config`` over
+        """The packed :class:`~ctx_plugin.core.documents.Documents` that ``cp_attention`` gets for ``config`` over
         ``size`` ranks (``None`` without documents): the documents of :attr:`documents` filling the sequence, each
-        padded at its end to the layout's document unit by :func:`ctx_plugin.documents.pad_documents` with
-        :func:`ctx_plugin.rules.padding_units` — the positions, real tokens and documents that :meth:`packing`
+        padded at its end to the layout's document unit by :func:`ctx_plugin.core.documents.pad_documents` with
+        :func:`ctx_plugin.core.rules.padding_units` — the positions, real tokens and documents that :meth:`packing`
         counts. ValueError naming the fix when the sequence does not split over the ranks."""
         if self.documents is None:
             return None

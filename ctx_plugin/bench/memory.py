@@ -32,9 +32,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..config import CPConfig
-from ..kernels import select_kernel
-from ..mask import Mask
+from ..core.config import CPConfig
+from ..core.kernels import select_kernel
+from ..core.mask import Mask
 from ..names import Kernel
 from .harness import Shape, attention_step
 from .simulated import SILENT, simulated_groups

@@ -1,6 +1,6 @@
 """``ctx-plugin bench``'s options: the parser, their defaults (or ``--smoke``'s), the combinations refused before
 anything runs, and what they describe (the benchmarked :class:`~ctx_plugin.bench.harness.Shape`, each backend's
-:class:`~ctx_plugin.config.CPConfig`)."""
+:class:`~ctx_plugin.core.config.CPConfig`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from ..cliargs import non_negative_tokens, output_file, positive_int, tokens
-from ..config import CPConfig
+from ..core.config import CPConfig
 from ..memory.report import doc_lengths_file
 from ..names import Backend, Kernel
 from .harness import PASSES, Shape

@@ -1,8 +1,8 @@
 """Host time to plan a new batch of packed documents (the bench's ``plan ms`` column).
 
 With packed documents every attention call runs blocks cut per document: a rank builds its ring schedule, each
-step's blocks (:meth:`ctx_plugin.layouts.RingLayout.plan`, or the all-gather's query chunks) and their varlen
-calls (:func:`ctx_plugin.block_calls.plan_calls`) in Python. That happens once per batch of documents, before
+step's blocks (:meth:`ctx_plugin.core.layouts.RingLayout.plan`, or the all-gather's query chunks) and their varlen
+calls (:func:`ctx_plugin.core.block_calls.plan_calls`) in Python. That happens once per batch of documents, before
 the first layer's attention launches: the plans are cached, so the other layers, the backward and recomputation
 reuse them. This module times that work for each rank with the caches emptied first (a new batch), in the same
 functions the backends call, and reports the slowest rank. It is host time, not device time: on a GPU it is
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 
-from .. import allgather, block_calls, layouts
-from ..config import CPConfig
-from ..kernels import select_kernel
-from ..kernels.varlen import has_varlen
-from ..mask import Mask
+from ..core import allgather, block_calls, layouts
+from ..core.config import CPConfig
+from ..core.kernels import select_kernel
+from ..core.kernels.varlen import has_varlen
+from ..core.mask import Mask
+from ..core.rules import ulysses_ranks
 from ..names import Backend
-from ..rules import ulysses_ranks
 
 _CACHES = (layouts._document_plan, layouts._segments, layouts._segment_table, layouts._schedule, block_calls._varlen_plan,
            allgather._query_chunks)

@@ -9,7 +9,7 @@ end): the range is the *wall* time, and :func:`breakdown` splits it into the par
   user annotations, what torch's own tables count as device time. On the CPU every op's *self* interval (its span
   minus its child ops'); ranges, autograd's own scopes and the profiler's bookkeeping are host time, not ops.
 - *an interval's part* is its op's: for a device activity, the CPU op that launched it (the profiler's correlation
-  of each activity with its op). The innermost ctx_plugin range around the op (:mod:`ctx_plugin.profiling`: the
+  of each activity with its op). The innermost ctx_plugin range around the op (:mod:`ctx_plugin.core.profiling`: the
   kernel calls, the merges and gradient accumulation) decides; outside every range, the innermost of the op and its
   parent ops whose name :data:`PATTERNS` knows (copies, an SDPA op); else ``other``. A device activity with no op (a
   Triton kernel is launched outside aten ops) is named by its own name through the same table.
@@ -27,9 +27,9 @@ from collections import Counter
 import torch
 from torch.autograd import DeviceType
 
-from ..config import CPConfig
+from ..core.config import CPConfig
+from ..core.profiling import RANGES
 from ..names import Part
-from ..profiling import RANGES
 from .harness import Shape, attention_step
 from .memory import _SCATTERS, COPY_OPS, _quiet_kineto
 from .simulated import SILENT, simulated_groups

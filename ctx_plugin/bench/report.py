@@ -22,17 +22,17 @@ from pathlib import Path
 
 import torch
 
-from ..config import CPConfig
-from ..rules import SettingNames, check_seq_len
+from ..core.config import CPConfig
+from ..core.kernels import kernel_unavailable, select_kernel
+from ..core.mask import Mask
+from ..core.rules import SettingNames, check_seq_len
 from ..memory.flops import describe as describe_documents
 from ..memory.report import need_matplotlib
-from ..kernels import kernel_unavailable, select_kernel
-from ..mask import Mask
 from ..names import Kernel
 from .harness import Shape, call_time, ideal_share, rank_times
-from .planning import format_plan_table, plan_ms, plan_rows
 from .memory import memory_columns, rank_bytes, single_device_bytes
 from .options import configs, settle, shape_from_args
+from .planning import format_plan_table, plan_ms, plan_rows
 from .profile import format_profile_table, slowest_profile
 
 

@@ -1,7 +1,7 @@
 """Simulated ranks: an N-rank context-parallel group inside one process, running the real ``cp_attention``.
 
-Each simulated rank gets :class:`~ctx_plugin.groups.CPGroups` whose groups' process group is a
-:class:`SimulatedGroup` (a :class:`ctx_plugin.comm.Transport`: it moves the data itself) instead of a
+Each simulated rank gets :class:`~ctx_plugin.core.groups.CPGroups` whose groups' process group is a
+:class:`SimulatedGroup` (a :class:`ctx_plugin.core.comm.Transport`: it moves the data itself) instead of a
 torch.distributed one, laid out exactly as :func:`~ctx_plugin.build_cp_groups` lays them out (Ulysses
 groups of ``ulysses_size`` consecutive ranks, ring groups of every ``ulysses_size``-th rank). Two data movers:
 
@@ -23,10 +23,10 @@ from collections import defaultdict
 
 import torch
 
-from ..config import CPConfig
-from ..groups import ALONE, CPGroups, RankGroup
+from ..core.config import CPConfig
+from ..core.groups import ALONE, CPGroups, RankGroup
+from ..core.rules import SettingNames, check_ulysses_size
 from ..names import Backend
-from ..rules import SettingNames, check_ulysses_size
 
 TIMEOUT_S = 120.0
 """A simulated rank waiting longer than this for its peers raises instead of hanging (a peer failed)."""
@@ -169,7 +169,7 @@ class ThreadedWorld:
 class SimulatedGroup:
     """The process group of one simulated rank (``RankGroup.group``): its members' world ranks (for the
     mailboxes), its rank among them, and the data mover (:data:`SILENT` or a :class:`ThreadedWorld`).
-    Implements :class:`ctx_plugin.comm.Transport`."""
+    Implements :class:`ctx_plugin.core.comm.Transport`."""
 
     def __init__(self, members: tuple[int, ...], rank: int, mover) -> None:
         self.members, self.rank, self.size, self.mover = members, rank, len(members), mover

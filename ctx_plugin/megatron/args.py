@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CPConfig
+from ..core.config import CPConfig
+from ..core.rules import SettingNames, check_heads, check_seq_len, check_ulysses_size
 from ..names import Backend, Kernel, Recompute
 from ..recompute import RecomputeConfig, regions, to_megatron
-from ..rules import SettingNames, check_heads, check_seq_len, check_ulysses_size
 
 _USAGE = {
     Backend.RING: "contiguous shards; non-causal",

@@ -11,11 +11,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is_layer_window_attention,
                                              make_sharded_tensors_for_checkpoint)
 
-from ..api import cp_attention
-from ..config import CPConfig
-from ..documents import Documents
-from ..groups import CPGroups, build_cp_groups
-from ..layouts import Zigzag, shard_layout
+from ..core.api import cp_attention
+from ..core.config import CPConfig
+from ..core.documents import Documents
+from ..core.groups import CPGroups, build_cp_groups
+from ..core.layouts import Zigzag, shard_layout
 from .options import check_model_options, window
 from .rope import megatron_rope_fits
 

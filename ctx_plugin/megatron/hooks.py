@@ -9,9 +9,9 @@ import functools
 
 import torch
 
-from ..config import CPConfig
-from ..layouts import shard_layout
-from ..rules import SettingNames, check_seq_len
+from ..core.config import CPConfig
+from ..core.layouts import shard_layout
+from ..core.rules import SettingNames, check_seq_len
 
 
 def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor | None:

@@ -27,10 +27,10 @@ import math
 
 import torch
 
-from ..config import CPConfig
-from ..documents import Documents, pad_documents, pad_tokens
-from ..layouts import shard_layout
-from ..rules import document_unit, padding_units
+from ..core.config import CPConfig
+from ..core.documents import Documents, pad_documents, pad_tokens
+from ..core.layouts import shard_layout
+from ..core.rules import document_unit, padding_units
 
 METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
 """Keys of Megatron's batch that are not along the sequence (megatron-core 0.19's get_batch_on_this_cp_rank)."""
@@ -148,7 +148,7 @@ def documents_of_mask(batch: dict, pad: tuple[int, int] | None = None) -> dict |
 def check_mask_documents_fit(config: CPConfig, documents: Documents, cp: int, *, seq_len: int,
                              dataset: bool = False) -> None:
     """ValueError naming the first document of a packed batch (``seq_len`` tokens a sample) whose length the layout
-    cannot split over ``cp`` ranks (:func:`ctx_plugin.rules.document_unit`), and the fix; before any communication,
+    cannot split over ``cp`` ranks (:func:`ctx_plugin.core.rules.document_unit`), and the fix; before any communication,
     from the batch every context-parallel rank holds, so every rank raises it. The documents come from
     ``--reset-attention-mask``'s mask, or (``dataset``) from the dataset's own ``cu_seqlens``
     (``--dataloader-inter-document-masking``, ``--sft``)."""

@@ -6,10 +6,10 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
-from ..api import sequence_positions
-from ..config import CPConfig
-from ..groups import CPGroups
-from ..layouts import Zigzag, shard_layout
+from ..core.api import sequence_positions
+from ..core.config import CPConfig
+from ..core.groups import CPGroups
+from ..core.layouts import Zigzag, shard_layout
 
 
 def _layout_hook_installed() -> bool:
@@ -43,7 +43,7 @@ def megatron_rope_fits(cp_config: CPConfig, seq_len: int, cp: int, packed: bool)
 
 def _is_megatron_zigzag(cp_config: CPConfig, seq_len: int, cp: int) -> bool:
     """Whether every rank holds the tokens Megatron's zigzag gives it: chunks r and 2cp-1-r of 2cp (ctx_plugin's
-    :class:`~ctx_plugin.layouts.Zigzag`)."""
+    :class:`~ctx_plugin.core.layouts.Zigzag`)."""
     return seq_len % (2 * cp) == 0 and _every_rank_holds(cp_config, seq_len, cp,
                                                          lambda rank: Zigzag().local_indices(seq_len, rank, cp))
 

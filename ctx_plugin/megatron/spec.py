@@ -9,10 +9,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .. import recompute as recompute_presets
-from ..api import shard_sequence
-from ..config import CPConfig
-from ..groups import CPGroups
-from ..documents import Documents
+from ..core.api import shard_sequence
+from ..core.config import CPConfig
+from ..core.documents import Documents
+from ..core.groups import CPGroups
 from ..names import Recompute
 from .args import MegatronCPSettings
 from .core_attention import CPCoreAttention, GroupsProvider, context_parallel_group

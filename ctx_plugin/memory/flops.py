@@ -8,7 +8,7 @@ Pairs, counted exactly (the diagonal included). A document of ``n`` real tokens 
 (``n²`` without the causal mask); with a causal sliding window of ``w`` tokens back (``window=(w, 0)``) it holds
 ``n(w+1) − w(w+1)/2`` when ``w < n``. Attention never crosses documents, so a sequence holds the sum over its
 documents: a sequence of one document is the plain causal ``S(S+1)/2``. These are the pairs the ring's plans
-compute (:func:`ctx_plugin.layouts.rank_work` summed over ranks, ``tests/unit/test_plan_documents.py``).
+compute (:func:`ctx_plugin.core.layouts.rank_work` summed over ranks, ``tests/unit/test_plan_documents.py``).
 
 **Which documents.** The planner does not know a batch's documents, only their lengths:
 
@@ -20,9 +20,9 @@ compute (:func:`ctx_plugin.layouts.rank_work` summed over ranks, ``tests/unit/te
 * lengths ``(n₁, …, n_k)``: the documents in this order, repeated until the sequence is full, the last one cut.
 
 **Padding.** A layout that splits every document over the ranks (zigzag, striped, the hybrid, the all-gather
-backend) needs each document to be a multiple of its document unit ``u`` (:func:`ctx_plugin.rules.padding_units`),
+backend) needs each document to be a multiple of its document unit ``u`` (:func:`ctx_plugin.core.rules.padding_units`),
 so each document is padded at its end to a multiple of ``u`` — up to ``u − 1`` tokens, as
-:func:`ctx_plugin.documents.pad_documents` does — and the padded documents fill the sequence. A document cut at the
+:func:`ctx_plugin.core.documents.pad_documents` does — and the padded documents fill the sequence. A document cut at the
 sequence's end is cut to the room left (a multiple of ``u`` when the sequence is: it needs no padding). Padding
 tokens hold no pairs (the plans trim every block to real tokens) but run through the layer's projections and MLP,
 and they take activation memory like any token: the memory model's bytes do not change with documents (every

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..core.rules import SettingNames, check_heads, check_seq_len, check_tp_heads, document_unit
 from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig, candidates, regions
-from ..rules import SettingNames, check_heads, check_seq_len, check_tp_heads, document_unit
 from ..tiled_loss import auto_tokens
 from .blocks import layer_terms
 from .flops import Packing, check_documents, pack

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from ..cliargs import output_file, positive_float, positive_int, read_json_object, tokens
+from ..core.rules import SettingNames, check_sequence_parallel, check_tp_heads
 from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig
-from ..rules import SettingNames, check_sequence_parallel, check_tp_heads
 from .flops import describe as describe_documents
 from .model import GiB, MemoryEstimate, estimate, resolve
 from .specs import FAMILIES, MODEL_PRESETS, ModelSpec, ParallelSpec, ZeroSettings

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import CPConfig
+from ..core.config import CPConfig
+from ..core.rules import SettingNames, check_ulysses_size
 from ..names import Backend, Framework, parse_enum
-from ..rules import SettingNames, check_ulysses_size
 
 _NAMES = SettingNames(cp="cp")
 
@@ -287,7 +287,7 @@ class ParallelSpec:
 
     @property
     def cp_config(self) -> CPConfig:
-        """The attention configuration of this layout (what the split rules of :mod:`ctx_plugin.rules` check)."""
+        """The attention configuration of this layout (what the split rules of :mod:`ctx_plugin.core.rules` check)."""
         return CPConfig(backend=self.backend, ulysses_size=self.ulysses_size)
 
     @property

@@ -1,7 +1,7 @@
 """The longest sequence a model trains on a cluster, the fastest configuration at that length, and what binds.
 
 Lengths are multiples of every layout's unit (the least common multiple, so each length is valid for each layout;
-with tp > 1 the unit of sequence parallelism, :func:`ctx_plugin.rules.sequence_unit`). Only the combinations a
+with tp > 1 the unit of sequence parallelism, :func:`ctx_plugin.core.rules.sequence_unit`). Only the combinations a
 framework runs are searched (:mod:`ctx_plugin.plan.frameworks`: tp > 1 at ZeRO 0 or 1, without optimizer offload).
 A length is feasible when some configuration — layout × recompute preset × modifiers × ZeRO stage × optimizer
 offload — fits in GPU memory and in host memory; by :mod:`ctx_plugin.plan.variants`' rule 1 it is enough to try
@@ -23,11 +23,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import CPConfig
+from ..core.config import CPConfig
+from ..core.rules import sequence_unit
 from ..memory.specs import ModelSpec, ParallelSpec, ZeroSettings
 from ..names import Framework
 from ..recompute.presets import RecomputeConfig, candidates
-from ..rules import sequence_unit
 from .cluster import Cluster
 from .frameworks import check_search, runnable, runnable_stages
 from .predict import Footprint, check_heads_split, predict

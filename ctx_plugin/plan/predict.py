@@ -57,14 +57,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import CPConfig
-from ..kernels import accum_dtype
+from ..core.config import CPConfig
+from ..core.kernels import accum_dtype
+from ..core.rules import SettingNames, check_heads, check_sequence_parallel, check_tp_heads
 from ..memory.flops import check_documents, contiguous_rank_pairs
 from ..memory.model import MemoryEstimate, estimate, layer_flops, layout_packing, param_count
 from ..memory.specs import ModelSpec, ParallelSpec, ceil_div
 from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig
-from ..rules import SettingNames, check_heads, check_sequence_parallel, check_tp_heads
 from .cluster import Cluster
 from .costs import (attention_recompute_layers, copy_exposed, mlp_chunks, optimizer_offload, region_layers,
                     tile_mlp_forwards)
@@ -87,7 +87,7 @@ def ring_step(compute_s: float, transfer_s: float) -> float:
 
 def check_heads_split(model: ModelSpec, parallel: ParallelSpec) -> None:
     """ValueError when the Ulysses axis cannot split this model's heads per TP rank
-    (:func:`ctx_plugin.rules.check_heads`)."""
+    (:func:`ctx_plugin.core.rules.check_heads`)."""
     check_heads(CPConfig(backend=parallel.backend, ulysses_size=parallel.ulysses_size),
                 model.heads // parallel.tp, max(model.kv_heads // parallel.tp, 1), parallel.cp)
 

@@ -7,7 +7,7 @@ configuration without context parallelism. Each layout is tried with every recom
 ``budget`` chooses from (:func:`ctx_plugin.recompute.presets.candidates`). A layout the sequence length or the
 heads do not allow (the memory model's and the attention's own checks) is skipped. Every layout with tp > 1 runs
 Megatron's sequence parallelism (the memory model's ``sequence_parallel``, the TP collectives of the cost model), so
-its ``seq_len / cp`` tokens must split over its tp ranks (:func:`ctx_plugin.rules.check_sequence_parallel`), and it
+its ``seq_len / cp`` tokens must split over its tp ranks (:func:`ctx_plugin.core.rules.check_sequence_parallel`), and it
 is tried only at the ZeRO stages a framework runs it at, without optimizer offload
 (:mod:`ctx_plugin.plan.frameworks`: Megatron's ZeRO 0 or 1; ZeRO-2/3 and optimizer offload are DeepSpeed's, which
 has no TP).
@@ -25,11 +25,11 @@ from dataclasses import replace
 
 import torch
 
-from ..config import CPConfig
+from ..core.config import CPConfig
+from ..core.rules import check_tp_heads
 from ..memory.specs import ModelSpec, ParallelSpec, ZeroSettings
 from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig, candidates
-from ..rules import check_tp_heads
 from .frameworks import check_search, runnable_stages
 from .predict import NAMES, Cluster, Prediction, check_heads_split, predict
 from .variants import Checker, Config, Setting, fitting, stage_order
@@ -71,7 +71,7 @@ def _check_tp(model: ModelSpec, cluster: Cluster, tp_options: Iterable[int]) -> 
 
 def tp_sizes(model: ModelSpec, cluster: Cluster) -> list[int]:
     """The tensor-parallel sizes the planner can try: they divide the GPUs of a node and split the heads
-    (:func:`ctx_plugin.rules.check_tp_heads`, K/V heads not replicated)."""
+    (:func:`ctx_plugin.core.rules.check_tp_heads`, K/V heads not replicated)."""
     out = []
     for k in divisors(cluster.gpus_per_node):
         try:

@@ -10,11 +10,11 @@ import importlib.util
 import json
 from pathlib import Path
 
+from ..core.rules import SettingNames, check_sequence_parallel, check_tp_heads
 from ..megatron.args import add_arguments, settings_from_args
 from ..megatron.options import DATA_OPTIONS, MODEL_OPTIONS
 from ..megatron.pretrain_gpt import uses_megatron_pretrain
 from ..names import Recompute
-from ..rules import SettingNames, check_sequence_parallel, check_tp_heads
 
 _NAMES = SettingNames(seq_len="--seq-length", cp="--context-parallel-size", tp="--tensor-model-parallel-size",
                       heads="--num-attention-heads", kv_heads="--num-query-groups")
@@ -168,7 +168,7 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
 def _batch_check(config: dict, world: int, size: int) -> None:
     """The batch rule ``ctx_plugin.deepspeed.initialize`` applies, checked early: ``train_batch_size`` = micro ×
     accumulation × data-parallel replicas (the ranks of one context-parallel group share each sample)."""
-    from ..deepspeed_config import batch_sizes
+    from ..deepspeed.config import batch_sizes
 
     if config.get("train_batch_size") is None and config.get("train_micro_batch_size_per_gpu") is None:
         raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu")
@@ -178,7 +178,7 @@ def _batch_check(config: dict, world: int, size: int) -> None:
 def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: str) -> str:
     """Checks a DeepSpeed job: the config file and its ``"context_parallel"`` section for ``world`` ranks, and
     the program (``script.py ...`` or ``-m module ...``) that ``torchrun`` starts; returns the layout."""
-    from ..deepspeed_config import SECTION, _refuse_curriculum, _refuse_ds_checkpointing, parse_section
+    from ..deepspeed.config import SECTION, _refuse_curriculum, _refuse_ds_checkpointing, parse_section
 
     path = _file(ds_config, "--ds-config")
     try:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import ctx_plugin
-import ctx_plugin.groups
+import ctx_plugin.core.groups
 from ctx_plugin.bench.counting import CommCounter
 from tests.recompute_cases import train_step
 from tests.reference import dense_with_grads, rel_err
@@ -105,13 +105,13 @@ def disagreements(rank: int, world: int, payload) -> dict:
 def _nccl_like(rank: int, world: int) -> dict:
     """A group whose backend cannot send CPU tensors (as NCCL): build_cp_groups makes a gloo group over the same
     ranks for the check (and none with check_ranks=False); the check then catches a disagreement on it."""
-    original = ctx_plugin.groups._device_types
-    ctx_plugin.groups._device_types = lambda group: frozenset({"cuda"})
+    original = ctx_plugin.core.groups._device_types
+    ctx_plugin.core.groups._device_types = lambda group: frozenset({"cuda"})
     try:
         on = ctx_plugin.build_cp_groups(_cfg())
         off = ctx_plugin.build_cp_groups(_cfg(check_ranks=False))
     finally:
-        ctx_plugin.groups._device_types = original
+        ctx_plugin.core.groups._device_types = original
     object.__setattr__(on, "device_types", frozenset({"cpu"}))   # let this CPU test run the attention itself
     members = dist.get_process_group_ranks(on.check_group)
     try:

@@ -162,7 +162,7 @@ def sharding_helpers(rank: int, world: int, payload) -> dict:
         want_grad = world * ctx_plugin.shard_sequence(weight, config=cfg, groups=groups)
         out[f"{backend}-u{u}"] = {"positions_roundtrip": gathered_pos.flatten().tolist() == list(range(seq)),
                         "positions_are_layout": pos.tolist() == x_local.new_tensor(
-                            ctx_plugin.layouts.shard_layout(cfg).local_indices(seq, rank, world)).long().tolist(),
+                            ctx_plugin.core.layouts.shard_layout(cfg).local_indices(seq, rank, world)).long().tolist(),
                         "gather_roundtrip": torch.equal(full.detach(), x),
                         "gather_grad": torch.equal(x_local.grad, want_grad)}
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import ctx_plugin
-from ctx_plugin.rules import padding_units
+from ctx_plugin.core.rules import padding_units
 from tests.reference import documents_with_grads, rel_err
 
 LENGTHS = [3, 29, 1, 11, 2]

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 import ctx_plugin
-import ctx_plugin.api
+import ctx_plugin.core.api
 from ctx_plugin import recompute
 from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin.models import CoreAttention, DecoderBlock, DecoderConfig
@@ -33,13 +33,13 @@ def _step(preset: str, cfg: ctx_plugin.CPConfig, groups, seq: int) -> dict:
     x = ctx_plugin.shard_sequence(full, config=cfg, groups=groups).requires_grad_(True)
     pos = ctx_plugin.sequence_positions(seq, config=cfg, groups=groups)
     calls = {"n": 0}
-    original = ctx_plugin.api.run_backend
+    original = ctx_plugin.core.api.run_backend
 
     def counting(*args, **kwargs):
         calls["n"] += 1
         return original(*args, **kwargs)
 
-    ctx_plugin.api.run_backend = counting
+    ctx_plugin.core.api.run_backend = counting
     try:
         with CommCounter().counting() as counter:
             y = x
@@ -48,7 +48,7 @@ def _step(preset: str, cfg: ctx_plugin.CPConfig, groups, seq: int) -> dict:
             forward = dict(counter.counts)
             y.pow(2).sum().backward()
     finally:
-        ctx_plugin.api.run_backend = original
+        ctx_plugin.core.api.run_backend = original
     grads = {"input": x.grad, **{name: p.grad for name, p in blocks.named_parameters()}}
     return {"grads": grads, "forward": forward, "total": dict(counter.counts), "runs": calls["n"],
             "mode": pinning.state().mode}

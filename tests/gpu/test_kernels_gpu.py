@@ -12,8 +12,8 @@ import torch
 
 import ctx_plugin
 from ctx_plugin.bench.harness import simulated_outputs
-from ctx_plugin.kernels import kernel_unavailable, select_kernel
-from ctx_plugin.kernels.torch_math import TorchKernel
+from ctx_plugin.core.kernels import kernel_unavailable, select_kernel
+from ctx_plugin.core.kernels.torch_math import TorchKernel
 from ctx_plugin.names import Backend, Kernel
 from tests.reference import dense_with_grads, rel_err
 
@@ -149,8 +149,8 @@ def test_sdpa_flash_applies_windows_like_the_torch_kernel(shape, causal, window)
 def test_sdpa_flash_backward_split_over_heads_is_exact(monkeypatch):
     """With the int32 limit lowered, torch's FlashAttention-2 backward runs over head chunks (dense and varlen
     paths share the split): the gradients equal one call's."""
-    import ctx_plugin.kernels.head_chunks as head_chunks
-    from ctx_plugin.kernels.sdpa import FlashKernel
+    import ctx_plugin.core.kernels.head_chunks as head_chunks
+    from ctx_plugin.core.kernels.sdpa import FlashKernel
 
     torch.manual_seed(0)
     q = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -170,7 +170,7 @@ def test_sdpa_flash_backward_beyond_int32_offsets():
     """524,416 query rows × 32 heads of 128 (past 2^31 dQ offsets): the last rows' dQ against the torch kernel on
     those rows alone (about 60 GiB; about 30 s on an H200: 2.3 PFLOP forward, 5.6 backward at FlashAttention-2's
     rates)."""
-    from ctx_plugin.kernels.sdpa import FlashKernel
+    from ctx_plugin.core.kernels.sdpa import FlashKernel
 
     if torch.cuda.get_device_properties(0).total_memory < 80 * 2**30:
         pytest.skip("needs 80 GiB of GPU memory")

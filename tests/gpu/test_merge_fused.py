@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctx_plugin import merge
-from ctx_plugin.merge import merge_into, merge_into_fused, merge_into_torch
+from ctx_plugin.core import merge
+from ctx_plugin.core.merge import merge_into, merge_into_fused, merge_into_torch
 from tests.reference import rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -83,7 +83,7 @@ def test_fused_merge_matches_torch_merge(dtype, shape):
 
 def test_ring_of_merges_equals_attention_over_all_keys():
     """Eight key chunks merged like a ring (fused, through merge_into) equal one call over all keys."""
-    from ctx_plugin.kernels import select_kernel
+    from ctx_plugin.core.kernels import select_kernel
     from ctx_plugin.names import Kernel
 
     g = torch.Generator(device="cuda").manual_seed(1)

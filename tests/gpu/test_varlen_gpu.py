@@ -14,10 +14,10 @@ import torch
 
 import ctx_plugin
 from ctx_plugin.bench.harness import simulated_outputs
-from ctx_plugin.blocks import Block
-from ctx_plugin.documents import Documents
-from ctx_plugin.kernels import kernel_unavailable, select_kernel
-from ctx_plugin.kernels.varlen import has_varlen, pack
+from ctx_plugin.core.blocks import Block
+from ctx_plugin.core.documents import Documents
+from ctx_plugin.core.kernels import kernel_unavailable, select_kernel
+from ctx_plugin.core.kernels.varlen import has_varlen, pack
 from ctx_plugin.names import Backend, Kernel
 from tests.reference import documents_with_grads, rel_err
 from tests.unit.test_varlen import reference

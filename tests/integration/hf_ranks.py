@@ -164,8 +164,8 @@ def _packed(kind: str, backend: str, u: int, mix: str) -> dict:
     against :func:`_packed_reference`: loss, logits at the real tokens, CP-summed gradients."""
     import ctx_plugin
     import ctx_plugin.hf
+    from ctx_plugin.core.rules import padding_units
     from ctx_plugin.packing import documents_of_batch, pad_packed_batch, shift_labels
-    from ctx_plugin.rules import padding_units
 
     lengths = PACKED_LENGTHS[mix]
     reference = _packed_reference(kind, lengths)

@@ -241,7 +241,7 @@ def test_attention_keywords_honoured_and_harmless():
 def test_packed_document_keywords():
     """transformers' cu_seq_lens_q/k (global cumulative lengths) and ctx_plugin_documents give attention inside each
     document (HF's sdpa on each document on its own); inconsistent packing keywords are errors naming them."""
-    from ctx_plugin.documents import Documents
+    from ctx_plugin.core.documents import Documents
 
     model, fn = _enabled_llama()
     module = model.model.layers[0].self_attn

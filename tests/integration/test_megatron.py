@@ -335,7 +335,7 @@ def test_unprepared_model_with_the_layout_hook(monkeypatch, backend, hook_backen
 
     import ctx_plugin
     import ctx_plugin.megatron.rope as rope_module
-    from ctx_plugin.layouts import shard_layout
+    from ctx_plugin.core.layouts import shard_layout
 
     def hook(seq_len, cp, rank):
         if hook_backend is None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ctx_plugin
-from ctx_plugin.agreement import FIELDS, LENGTH, NONE, agreed, decode, digest, disagreement, encode
 from ctx_plugin.bench.counting import CommCounter
+from ctx_plugin.core.agreement import FIELDS, LENGTH, NONE, agreed, decode, digest, disagreement, encode
 
 FULL = {"op": "cp_attention", "batch": 2, "local_seq": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128,
         "shape": "(2, 4096, 32, 128)", "dim": 1, "dtype": "torch.bfloat16", "device": "cuda", "requires_grad": True,
@@ -83,7 +83,7 @@ def test_unknown_field_is_a_programming_error():
 
 def test_codes_do_not_depend_on_the_process():
     """No Python hash(): another interpreter with another hash seed encodes the same words."""
-    code = ("import json, sys; from ctx_plugin.agreement import digest, encode; s = json.loads(sys.argv[1]); "
+    code = ("import json, sys; from ctx_plugin.core.agreement import digest, encode; s = json.loads(sys.argv[1]); "
             "print(json.dumps([encode(s).tolist(), digest(s)]))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code, json.dumps(FULL)], capture_output=True, text=True, env=env,

@@ -21,8 +21,8 @@ import torch
 import ctx_plugin
 from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin.bench.simulated import run_threaded, simulated_groups
-from ctx_plugin.kernels.torch_math import TorchKernel
-from ctx_plugin.layouts import shard_layout
+from ctx_plugin.core.kernels.torch_math import TorchKernel
+from ctx_plugin.core.layouts import shard_layout
 from ctx_plugin.names import Backend
 
 from ..reference import dense_with_grads, rel_err

@@ -189,7 +189,7 @@ def test_windowed_ideal_is_the_kernels_full_mask_time_scaled_by_the_kept_flops(m
     """The windowed ideal: the kernel that applies the window, timed over the mask without it, times the share of
     FLOPs the window keeps (timing the windowed call would make the torch kernel's full-matrix cost the ideal)."""
     from ctx_plugin.bench import harness
-    from ctx_plugin.kernels.torch_math import TorchKernel
+    from ctx_plugin.core.kernels.torch_math import TorchKernel
 
     seen = []
 

@@ -61,7 +61,7 @@ def test_every_rank_gets_the_documents_padded_to_its_layouts_unit(backend):
     """``documents_for`` lays out exactly the positions the FLOPs count (the token-by-token layout above)."""
     cfg = ctx_plugin.CPConfig(backend=backend, ulysses_size=2 if backend == Backend.ULYSSES_RING else 1)
     shape = Shape(seq_len=64, heads=4, kv_heads=2, head_dim=8, documents=(10, 3, 20))
-    unit = ctx_plugin.rules.document_unit(cfg, 4)
+    unit = ctx_plugin.core.rules.document_unit(cfg, 4)
     assert shape.document_unit(cfg, 4) == unit
     docs = shape.documents_for(cfg, 4)
     doc, real = layout(64, (10, 3, 20), unit)
@@ -91,7 +91,7 @@ def test_padded_documents_by_hand():
 def test_packed_ideal_is_the_full_mask_call_scaled_by_the_kept_pairs(monkeypatch):
     """One kernel call on the whole sequence, without documents (they need no kernel feature), times the share of
     the full mask's pairs the documents (padded to the row's unit) keep."""
-    from ctx_plugin.kernels.torch_math import TorchKernel
+    from ctx_plugin.core.kernels.torch_math import TorchKernel
 
     seen = []
 
@@ -156,8 +156,8 @@ def test_cli_packed_table(tmp_path, capsys):
 def test_plan_ms_plans_what_each_ring_rank_plans_with_fresh_caches(monkeypatch, backend, calls, sq, sk):
     """The backends' own planning functions, for every rank of the ring (Ulysses': one rank, the whole sequence),
     each rank starting from empty caches (a new batch): its first plan misses as many times as every other's."""
-    from ctx_plugin import block_calls, layouts
     from ctx_plugin.bench.planning import plan_ms
+    from ctx_plugin.core import block_calls, layouts
     seen, real = [], block_calls.plan_calls
 
     def spy(kernel, blocks, mask, q_rows, k_rows, batch):

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import ctx_plugin
-import ctx_plugin.api
+import ctx_plugin.core.api
 from ctx_plugin.bench import memory
 from ctx_plugin.bench.harness import Shape, attention_step
 from ctx_plugin.bench.memory import CallBytes, call_bytes, memory_columns, rank_bytes, single_device_bytes
 from ctx_plugin.bench.simulated import SILENT, simulated_groups
 from ctx_plugin.cli import main
-from ctx_plugin.kernels.sdpa import CpuFlashKernel
+from ctx_plugin.core.kernels.sdpa import CpuFlashKernel
 from ctx_plugin.names import Kernel
 
 CPU = torch.device("cpu")
@@ -167,7 +167,7 @@ def test_a_query_chunk_against_its_prefix_merges_without_fp32_copies():
     lse_c = lse.contiguous()            # (a non-contiguous LSE is also made contiguous, once per part)
     assert call_bytes(lambda: kernel.backward(dout, q, k, v, out, lse_c, **kw), CPU).copied == \
         b * sq * h * d * 4 + 2 * b * sk * hkv * d * 2
-    ref = ctx_plugin.kernels.torch_math.TorchKernel()
+    ref = ctx_plugin.core.kernels.torch_math.TorchKernel()
     want_out, want_lse = ref.forward(*(t.double() for t in (q, k, v)), **kw)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert ((out.double() - want_out).norm() / want_out.norm()).item() < 4e-3    # bf16 rounding: ~2.7e-3
@@ -186,7 +186,7 @@ def test_quiet_kineto_passes_on_every_other_line(capfd):
 def test_cli_memory_columns(tmp_path, capsys, monkeypatch):
     """``--memory`` adds the columns; with the known-size kernel the one-device peak (and so the bound) is exact."""
     monkeypatch.setattr(memory, "select_kernel", lambda *args: _KnownKernel())
-    monkeypatch.setattr(ctx_plugin.api, "select_kernel", lambda *args: _KnownKernel())
+    monkeypatch.setattr(ctx_plugin.core.api, "select_kernel", lambda *args: _KnownKernel())
     out = tmp_path / "m.json"
     assert main(["bench", "--smoke", "--memory", "--passes", "fwd", "--backends", "ring", "allgather",
                  "--kernel", "torch", "--json", str(out)]) == 0
@@ -220,7 +220,7 @@ def test_torch_merge_makes_no_out_sized_temporaries_of_its_own(block_dtype):
     """merge_into_torch (the ring's merge off CUDA): the [B, H, S] weights only (25·B·H·S bytes: logaddexp, isneginf,
     masked_fill, two differences, two exps), and the LSE written back (B·H·S fp32). It used to add an fp32 copy of
     the block output and their product (2·B·S·H·D·4 bytes); a bf16 block is still widened inside addcmul_."""
-    from ctx_plugin.merge import merge_into_torch
+    from ctx_plugin.core.merge import merge_into_torch
     b, s, h, d = 2, 16, 4, 32
     g = torch.Generator().manual_seed(0)
     out, block = torch.randn(b, s, h, d, generator=g), torch.randn(b, s, h, d, generator=g).to(block_dtype)

@@ -13,8 +13,8 @@ import ctx_plugin
 from ctx_plugin.bench import profile
 from ctx_plugin.bench.harness import Shape
 from ctx_plugin.cli import main
+from ctx_plugin.core.profiling import span
 from ctx_plugin.names import Backend, Part
-from ctx_plugin.profiling import span
 
 SHAPE = Shape(seq_len=128, heads=4, kv_heads=2, head_dim=16, dtype=torch.float32)
 RINGS = (Backend.RING, Backend.ZIGZAG, Backend.STRIPED, Backend.ULYSSES_RING)
@@ -165,7 +165,7 @@ def test_the_name_table_knows_the_real_names():
     assert profile.by_name("aten::masked_fill") is None and profile.by_name("aten::mul_") is None
     triton = pytest.importorskip("triton")
     del triton
-    from ctx_plugin.kernels import merge_triton
+    from ctx_plugin.core.kernels import merge_triton
     assert profile.by_name(merge_triton._merge_kernel.fn.__name__) == Part.MERGE
 
 

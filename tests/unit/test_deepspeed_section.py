@@ -63,7 +63,7 @@ def test_initialize_rejects_conflicts_before_starting_anything():
 
 
 def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path):
-    from ctx_plugin.deepspeed_config import _load_config
+    from ctx_plugin.deepspeed.config import _load_config
 
     path = tmp_path / "ds.json"
     path.write_text('{"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2, "recompute": "full", '
@@ -216,7 +216,7 @@ def test_tp_model_init_is_refused_with_the_section(monkeypatch):
 
 
 def test_data_parallel_size_must_be_the_sections_replicas():
-    from ctx_plugin.deepspeed_config import check_data_parallel_size
+    from ctx_plugin.deepspeed.config import check_data_parallel_size
 
     config = {"data_parallel_size": 2, "train_micro_batch_size_per_gpu": 1}
     check_data_parallel_size(config, 2)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctx_plugin.block_calls import plan_calls
-from ctx_plugin.blocks import Block, merge_blocks
-from ctx_plugin.documents import Documents, check_documents, pad_documents
-from ctx_plugin.kernels.torch_math import TorchKernel
-from ctx_plugin.layouts import RING_LAYOUTS, Contiguous, Striped, UlyssesRing, Zigzag, rank_work, ring_schedule
-from ctx_plugin.mask import Mask
+from ctx_plugin.core.block_calls import plan_calls
+from ctx_plugin.core.blocks import Block, merge_blocks
+from ctx_plugin.core.documents import Documents, check_documents, pad_documents
+from ctx_plugin.core.kernels.torch_math import TorchKernel
+from ctx_plugin.core.layouts import RING_LAYOUTS, Contiguous, Striped, UlyssesRing, Zigzag, rank_work, ring_schedule
+from ctx_plugin.core.mask import Mask
 
 from .test_layouts import _kernel_mask
 
@@ -189,7 +189,7 @@ def test_the_schedule_is_the_same_whichever_rank_looks_first(layout):
 
 def test_planning_pauses_the_garbage_collector_and_restores_it():
     import gc
-    from ctx_plugin.blocks import gc_paused
+    from ctx_plugin.core.blocks import gc_paused
     seen = []
     with gc_paused():
         seen.append(gc.isenabled())

@@ -10,11 +10,11 @@ import random
 import numpy as np
 import pytest
 
-from ctx_plugin import allgather, layouts
-from ctx_plugin.blocks import BlockPlan, BlockTable, band_block, merge_blocks
-from ctx_plugin.documents import Documents, pad_documents
-from ctx_plugin.layouts import RING_LAYOUTS, Contiguous, Zigzag
-from ctx_plugin.mask import Mask
+from ctx_plugin.core import allgather, layouts
+from ctx_plugin.core.blocks import BlockPlan, BlockTable, band_block, merge_blocks
+from ctx_plugin.core.documents import Documents, pad_documents
+from ctx_plugin.core.layouts import RING_LAYOUTS, Contiguous, Zigzag
+from ctx_plugin.core.mask import Mask
 
 from .test_document_layouts import WINDOWS, mixes
 
@@ -121,8 +121,8 @@ def test_a_plan_makes_block_objects_only_for_the_blocks_that_run_alone():
     """With a varlen kernel the calls are read from the plan's table: no Block object is made for the blocks inside a
     varlen call, and the result equals that of the same blocks handed in as a tuple. The plan equals (and hashes as)
     the tuple of its blocks."""
-    from ctx_plugin.block_calls import plan_calls
-    from ctx_plugin.kernels.torch_math import TorchKernel
+    from ctx_plugin.core.block_calls import plan_calls
+    from ctx_plugin.core.kernels.torch_math import TorchKernel
     docs = Documents(tuple(range(0, 64 * 12 + 1, 64)))
     for causal, window in ((True, (None, None)), (False, (2, 3))):     # (2, 3): right-bounded blocks run alone
         mask = Mask(causal, window, documents=docs).within(docs.seq_len)

@@ -19,10 +19,10 @@ import torch
 import ctx_plugin
 from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin.bench.simulated import run_threaded, simulated_groups
-from ctx_plugin.documents import Documents, pad_documents
-from ctx_plugin.kernels.torch_math import TorchKernel
+from ctx_plugin.core.documents import Documents, pad_documents
+from ctx_plugin.core.kernels.torch_math import TorchKernel
+from ctx_plugin.core.rules import padding_units
 from ctx_plugin.names import Backend
-from ctx_plugin.rules import padding_units
 
 from ..reference import documents_with_grads, rel_err
 

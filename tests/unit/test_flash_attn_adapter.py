@@ -11,7 +11,7 @@ so an adapter that passes a half-precision or strided lse gets wrong numbers, as
 
 The varlen stand-ins (FlashAttention-2's ``_flash_attn_varlen_*`` of 2.5.9 (never to be bound), 2.6.0 and 2.7.4,
 FA3's functions with ``cu_seqlens_q/k``; used by ``test_flash_attn_varlen.py``) keep the varlen contract of the
-real kernels (``ctx_plugin/kernels/flash_attn_varlen.py`` names the sources): cu_seqlens int32 and in bounds, an
+real kernels (``ctx_plugin/core/kernels/flash_attn_varlen.py`` names the sources): cu_seqlens int32 and in bounds, an
 fp32 lse ``[H, total_q]`` with +inf (FA2) / −inf (FA3) for rows of a sequence without keys, dq 0 there and
 dk = dv = 0 for keys of a sequence without rows, only the first ``max_seqlen_q`` rows (``max_seqlen_k`` keys in
 backward) of each sequence written and everything no sequence covers left as NaN (torch.empty), FA2's
@@ -28,7 +28,7 @@ from typing import Callable, Optional, Tuple
 import pytest
 import torch
 
-from ctx_plugin.kernels import flash_attn as fa
+from ctx_plugin.core.kernels import flash_attn as fa
 from tests.reference import fa2_window_reading, rel_err
 
 NAMES = ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn_interface", "flash_attn_3",
@@ -770,7 +770,7 @@ def test_missing_causal_parameter_is_an_error_not_a_silent_full_mask(monkeypatch
 
 
 def test_module_imports_nothing_from_flash_attn():
-    code = ("import sys, ctx_plugin.kernels.flash_attn\n"
+    code = ("import sys, ctx_plugin.core.kernels.flash_attn\n"
             f"hit = [n for n in {NAMES!r} if n in sys.modules]\n"
             "assert not hit, hit\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -841,7 +841,7 @@ def test_current_fa3_builds_train_any_head_dim_up_to_256(monkeypatch):
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0)])
 def test_fa3_alone_is_refused_off_hopper_and_auto_falls_back(monkeypatch, capability):
-    from ctx_plugin.kernels import select_kernel
+    from ctx_plugin.core.kernels import select_kernel
     from ctx_plugin.names import Kernel
 
     _hide_all(monkeypatch)
@@ -896,14 +896,14 @@ def test_fa2_and_a_fa3_with_the_same_op_names_are_refused_without_importing_eith
 
 @pytest.mark.parametrize("fa2,fa3", [("fa2-2.6", "fa3-2025-07"), ("fa2-2.8", "fa3-2025-09")])
 def test_builds_with_different_op_names_do_not_clash(tmp_path, monkeypatch, fa2, fa3):
-    from ctx_plugin.kernels import flash_attn_support as support
+    from ctx_plugin.core.kernels import flash_attn_support as support
 
     _on_disk(tmp_path, monkeypatch, fa2, fa3, "flash_attn_interface")
     assert support.ops_clash(fa._FA2_MODULES, fa._FA3_MODULES) is None
 
 
 def test_an_already_imported_fa2_is_read_from_its_file(tmp_path, monkeypatch):
-    from ctx_plugin.kernels import flash_attn_support as support
+    from ctx_plugin.core.kernels import flash_attn_support as support
 
     _on_disk(tmp_path, monkeypatch, "fa2-2.6", "fa3-2025-07", "flash_attn_interface")
     imported = types.ModuleType("flash_attn.flash_attn_interface")
@@ -999,10 +999,10 @@ def test_versions_before_the_feature_are_refused_even_with_the_argument(monkeypa
 
 
 def test_flash_attention_2_backward_past_int32_offsets_runs_over_head_chunks(version, monkeypatch):
-    """FlashAttention-2 builds compute dQ offsets in int32 (ctx_plugin.kernels.head_chunks): with the limit lowered
+    """FlashAttention-2 builds compute dQ offsets in int32 (ctx_plugin.core.kernels.head_chunks): with the limit lowered
     to fit 2 of 4 heads, the backward runs as two calls on head chunks with their K/V heads, same gradients;
     FlashAttention-3 runs as one call."""
-    import ctx_plugin.kernels.head_chunks as head_chunks
+    import ctx_plugin.core.kernels.head_chunks as head_chunks
 
     q, k, v, dout = _inputs(2, seed=1)
     kernel = fa.FlashAttnKernel(torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""flash-attn's varlen entry points behind the varlen kernel interface (``ctx_plugin/kernels/flash_attn_varlen.py``),
+"""flash-attn's varlen entry points behind the varlen kernel interface (``ctx_plugin/core/kernels/flash_attn_varlen.py``),
 run on CPU against the stand-ins of ``test_flash_attn_adapter.py``: FlashAttention-2's ``_flash_attn_varlen_*``
 (2.6.0, 2.7/2.8 custom ops) and FA3's functions with cu_seqlens (c082294, 01afd16d custom ops), each with the real
 signature and the real contract (fp16/bf16 only, rows without keys +inf (FA2) / −inf (FA3), rows past
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import ctx_plugin
-from ctx_plugin.block_calls import plan_calls
-from ctx_plugin.blocks import Block
-from ctx_plugin.documents import Documents
-from ctx_plugin.kernels import flash_attn as fa
-from ctx_plugin.kernels.varlen import has_varlen, pack
-from ctx_plugin.mask import Mask
+from ctx_plugin.core.block_calls import plan_calls
+from ctx_plugin.core.blocks import Block
+from ctx_plugin.core.documents import Documents
+from ctx_plugin.core.kernels import flash_attn as fa
+from ctx_plugin.core.kernels.varlen import has_varlen, pack
+from ctx_plugin.core.mask import Mask
 from ctx_plugin.names import Backend, Kernel
 from tests.reference import dense_scores, dense_with_grads, rel_err
 from tests.unit.test_flash_attn_adapter import FA22, VERSIONS, _fresh_probe, _hide_all, _install  # noqa: F401
@@ -117,7 +117,7 @@ def test_softcap_and_windows_reach_the_varlen_call(build, causal, window):
 def test_a_left_window_stays_exact_when_a_sequence_has_more_rows_than_keys(build):
     """Not causal, window (2, None), a sequence of 10 rows and 3 keys (the longest key sequence: 5): FlashAttention-2
     sets the unbounded right side to max_seqlen_k (the stand-ins do), which must reach every row's keys."""
-    from ctx_plugin.kernels.varlen import Varlen
+    from ctx_plugin.core.kernels.varlen import Varlen
 
     call = Varlen(((0, 10, 0, 3), (10, 14, 3, 8)), False, (2, None), 2)
     h = _tensors(14, 8, 4, 2, torch.float16, seed=12)
@@ -200,6 +200,6 @@ def test_simulated_runs_with_documents_on_the_flash_attn_kernel(monkeypatch, lab
     def select(name, device, dtype, head_dim, features):         # flash_attn on CPU tensors, behind the stand-ins
         assert name == Kernel.FLASH_ATTN and features <= built.features
         return built
-    monkeypatch.setattr(ctx_plugin.api, "select_kernel", select)
+    monkeypatch.setattr(ctx_plugin.core.api, "select_kernel", select)
     check_packed_run("flash_attn", backend, size, window)
     assert calls and max(calls) >= 2          # the varlen path ran, with calls of several blocks

@@ -1,4 +1,4 @@
-"""FlashAttention-2's backward split over heads where its int32 dQ offsets would wrap (ctx_plugin.kernels.
+"""FlashAttention-2's backward split over heads where its int32 dQ offsets would wrap (ctx_plugin.core.kernels.
 head_chunks): when it splits, and that the split gives the same gradients (the torch kernel on CPU, float64; the
 real FlashAttention-2 in tests/gpu/test_kernels_gpu.py)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctx_plugin.kernels.head_chunks import by_head_chunks, fa2_head_chunk
-from ctx_plugin.kernels.torch_math import TorchKernel
+from ctx_plugin.core.kernels.head_chunks import by_head_chunks, fa2_head_chunk
+from ctx_plugin.core.kernels.torch_math import TorchKernel
 
 
 def test_when_the_offsets_wrap():

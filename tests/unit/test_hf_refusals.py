@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 import ctx_plugin  # noqa: E402
 import ctx_plugin.hf as cphf  # noqa: E402
-import ctx_plugin.hf_inputs as hf_inputs  # noqa: E402
-from ctx_plugin.hf_checks import config_problems  # noqa: E402
+import ctx_plugin.hf.inputs as hf_inputs  # noqa: E402
+from ctx_plugin.hf.checks import config_problems  # noqa: E402
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=64)

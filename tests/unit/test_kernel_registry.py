@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from ctx_plugin.kernels import SPECS, auto_order, flash_attn, kernel_unavailable, select_kernel
-from ctx_plugin.kernels.sdpa import CpuFlashKernel
-from ctx_plugin.kernels.torch_math import TorchKernel
+from ctx_plugin.core.kernels import SPECS, auto_order, flash_attn, kernel_unavailable, select_kernel
+from ctx_plugin.core.kernels.sdpa import CpuFlashKernel
+from ctx_plugin.core.kernels.torch_math import TorchKernel
 from ctx_plugin.names import Kernel
 
 CPU = torch.device("cpu")

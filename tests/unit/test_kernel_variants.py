@@ -1,6 +1,6 @@
 """Sliding windows and softcap in the local kernels, against the float64 dense reference (tests/reference.py).
 
-The kernel convention (ctx_plugin/kernels/base.py) is flash-attn's, bottom-right aligned: query row a of Sq sees
+The kernel convention (ctx_plugin/core/kernels/base.py) is flash-attn's, bottom-right aligned: query row a of Sq sees
 key b of Sk iff ``a + (Sk − Sq) − left <= b <= a + (Sk − Sq) + right`` (and ``b <= a + Sk − Sq`` when causal);
 the reference places query row a at position ``a + Sk − Sq`` and applies the window to positions.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctx_plugin.kernels.sdpa import CpuFlashKernel
-from ctx_plugin.kernels.torch_math import TorchKernel
-from ctx_plugin.merge import merge_into
+from ctx_plugin.core.kernels.sdpa import CpuFlashKernel
+from ctx_plugin.core.kernels.torch_math import TorchKernel
+from ctx_plugin.core.merge import merge_into
 from tests.reference import dense_scores, dense_with_grads, rel_err
 
 SCALE = 0.3

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import ctx_plugin
-from ctx_plugin.layouts import (RING_LAYOUTS, Contiguous, Striped, UlyssesRing, Zigzag, ring_layout, ring_schedule,
-                               shard_layout)
-from ctx_plugin.mask import Mask
+from ctx_plugin.core.layouts import (RING_LAYOUTS, Contiguous, Striped, UlyssesRing, Zigzag, ring_layout, ring_schedule,
+                                     shard_layout)
+from ctx_plugin.core.mask import Mask
 from ctx_plugin.names import Backend
 
 SIZES = range(1, 9)

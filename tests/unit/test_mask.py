@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from ctx_plugin.layouts import band_block
-from ctx_plugin.mask import Mask
+from ctx_plugin.core.layouts import band_block
+from ctx_plugin.core.mask import Mask
 
 WINDOWS = [(None, None), (0, 0), (1, 0), (2, None), (3, 0), (7, 0), (100, 0), (None, 0), (2, 3), (0, 5), (None, 2),
            (5, 1)]

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-import ctx_plugin.api as api
+import ctx_plugin.core.api as api
 from ctx_plugin import CPConfig, cp_attention
 from ctx_plugin.bench.memory import call_bytes
 from ctx_plugin.bench.simulated import SILENT, simulated_groups

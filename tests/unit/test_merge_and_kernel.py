@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctx_plugin.kernels.sdpa import CpuFlashKernel
-from ctx_plugin.kernels.torch_math import TorchKernel
-from ctx_plugin.merge import merge_into
+from ctx_plugin.core.kernels.sdpa import CpuFlashKernel
+from ctx_plugin.core.kernels.torch_math import TorchKernel
+from ctx_plugin.core.merge import merge_into
 from tests.reference import dense_with_grads, rel_err
 
 HEADS = [(4, 4), (4, 2), (4, 1)]

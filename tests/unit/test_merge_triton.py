@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ctx_plugin import merge
-from ctx_plugin.merge import merge_into, merge_into_fused, merge_into_torch
+from ctx_plugin.core import merge
+from ctx_plugin.core.merge import merge_into, merge_into_fused, merge_into_torch
 from tests.reference import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,6 +196,6 @@ def test_fused_merge_rejects_what_it_cannot_merge():
 
 
 def test_importing_the_package_does_not_import_triton():
-    code = "import sys, ctx_plugin, ctx_plugin.merge, ctx_plugin.ring\nassert 'triton' not in sys.modules\n"
+    code = "import sys, ctx_plugin, ctx_plugin.core.merge, ctx_plugin.core.ring\nassert 'triton' not in sys.modules\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import ctx_plugin
-from ctx_plugin.deepspeed_data import shard_batch
-from ctx_plugin.documents import Documents
+from ctx_plugin.core.documents import Documents
+from ctx_plugin.deepspeed.data import shard_batch
 from ctx_plugin.packing import documents_from_positions, documents_of_batch, pad_packed_batch, shift_labels
 
 
@@ -67,7 +67,7 @@ def test_documents_from_seq_idx_as_hugging_faces_collator_writes_it():
 
 
 def test_lm_loss_refuses_per_token_entries_it_would_ignore():
-    from ctx_plugin.deepspeed_data import lm_loss
+    from ctx_plugin.deepspeed.data import lm_loss
 
     batch = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "position_ids": torch.arange(6)[None],
              "labels": torch.zeros(1, 6, dtype=torch.long), "loss_mask": torch.ones(1, 6), "sample_id": torch.ones(1)}
@@ -118,7 +118,7 @@ def test_loader_shards_packed_batches_per_document():
 
 
 def test_deepspeed_section_pad_documents():
-    from ctx_plugin.deepspeed_config import parse_section
+    from ctx_plugin.deepspeed.config import parse_section
 
     assert parse_section({"size": 2}).pad_documents is False
     assert parse_section({"size": 2, "pad_documents": True}).pad_documents is True

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from ctx_plugin.documents import Documents, pad_documents, pad_tokens
+from ctx_plugin.core.documents import Documents, pad_documents, pad_tokens
 
 
 def reference(lengths: list[int], unit: int, total_unit: int) -> tuple[Documents, torch.Tensor]:

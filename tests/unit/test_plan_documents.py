@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from ctx_plugin.cli import main
-from ctx_plugin.documents import Documents
-from ctx_plugin.layouts import Contiguous, Striped, Zigzag, rank_work
-from ctx_plugin.mask import Mask
+from ctx_plugin.core.documents import Documents
+from ctx_plugin.core.layouts import Contiguous, Striped, Zigzag, rank_work
+from ctx_plugin.core.mask import Mask
 from ctx_plugin.memory import ModelSpec, ParallelSpec, estimate
 from ctx_plugin.memory.flops import contiguous_rank_pairs, document_pairs, pack
 from ctx_plugin.plan import Cluster, predict

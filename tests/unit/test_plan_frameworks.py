@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from ctx_plugin.cli import main
-from ctx_plugin.config import CPConfig
+from ctx_plugin.core.config import CPConfig
+from ctx_plugin.core.rules import SettingNames, check_sequence_parallel, check_tp_heads, sequence_unit
 from ctx_plugin.memory import ModelSpec, ParallelSpec
 from ctx_plugin.plan import Cluster, enumerate_plans, explain, longest, predict
 from ctx_plugin.plan.longest import parallel_layouts, unit
 from ctx_plugin.plan.search import untried
-from ctx_plugin.rules import SettingNames, check_sequence_parallel, check_tp_heads, sequence_unit
 
 LLAMA = ModelSpec.preset("llama3-8b")
 

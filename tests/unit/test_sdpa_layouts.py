@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import ctx_plugin
-import ctx_plugin.api
+import ctx_plugin.core.api
 from ctx_plugin.bench.harness import simulated_outputs
-from ctx_plugin.kernels import sdpa
-from ctx_plugin.kernels.torch_math import TorchKernel
+from ctx_plugin.core.kernels import sdpa
+from ctx_plugin.core.kernels.torch_math import TorchKernel
 from ctx_plugin.names import Backend, Kernel
 from tests.reference import dense_with_grads, fa2_window_reading, rel_err
 
@@ -155,7 +155,7 @@ def recorder(monkeypatch):
     def select(name, device, dtype, head_dim, features):   # the CUDA kernels, on CPU tensors, behind the stand-ins
         assert not features, "these kernels apply no window or softcap"
         return KERNELS[name]()
-    monkeypatch.setattr(ctx_plugin.api, "select_kernel", select)
+    monkeypatch.setattr(ctx_plugin.core.api, "select_kernel", select)
     return rec
 
 
@@ -327,7 +327,7 @@ def test_simulated_ranks_with_windows_on_the_flash_kernel(windowed, recorder, mo
     def select(name, device, dtype, head_dim, features):
         assert features == frozenset({"window"})
         return sdpa.FlashKernel()
-    monkeypatch.setattr(ctx_plugin.api, "select_kernel", select)
+    monkeypatch.setattr(ctx_plugin.core.api, "select_kernel", select)
     q, k, v, dout = _inputs(2, 24, 4, 2, torch.float16, seed=7)
     cfg = ctx_plugin.CPConfig(backend=backend, kernel=Kernel.SDPA_FLASH)
     got = simulated_outputs(cfg, size, q, k, v, dout, causal=causal, window=window)
@@ -341,7 +341,7 @@ def test_fa2_window_is_what_flashattention2_applies_or_a_lookup_error():
     """For every small block shape and window: the sides fa2_window passes, read as FlashAttention-2 reads them
     (_flash_semantics: flash_api.cpp), keep exactly the keys the window keeps; where no sides can, LookupError —
     and then only for non-causal blocks with Sq > Sk + 1."""
-    from ctx_plugin.kernels.base import fa2_window, keep_mask
+    from ctx_plugin.core.kernels.base import fa2_window, keep_mask
 
     sides = [None, 0, 1, 2, 3, 5, 8]
     refused = 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctx_plugin.kernels import sdpa
-from ctx_plugin.kernels.varlen import Varlen
+from ctx_plugin.core.kernels import sdpa
+from ctx_plugin.core.kernels.varlen import Varlen
 
 # The leading positional parameters ctx_plugin passes, by name, per op (the rest by keyword: scale, windows).
 POSITIONAL = {

@@ -1,4 +1,4 @@
-"""``+tile_loss`` on Hugging Face causal LMs (ctx_plugin.hf_loss, one process, no DeepSpeed): the final hidden
+"""``+tile_loss`` on Hugging Face causal LMs (ctx_plugin.hf.loss, one process, no DeepSpeed): the final hidden
 states through the model's own forward with its lm_head handing its input through, then the tiled loss, give HF's
 own logits' cross-entropy and every parameter's gradient (Qwen2 float64 with biases, GQA, init 0.1, tied or own
 embeddings; Llama float32); models whose logits are not just ``lm_head(hidden)`` are refused."""
@@ -11,7 +11,7 @@ pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ctx_plugin import hf_loss  # noqa: E402
+from ctx_plugin.hf import loss as hf_loss  # noqa: E402
 from ctx_plugin.tiled_loss import lm_loss_sum  # noqa: E402
 
 SEQ, BATCH, VOCAB = 24, 2, 157

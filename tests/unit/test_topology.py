@@ -14,7 +14,7 @@ import torch
 import ctx_plugin
 from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin.bench.simulated import SimulatedGroup, run_threaded, simulated_groups
-from ctx_plugin.groups import CPGroups, RankGroup
+from ctx_plugin.core.groups import CPGroups, RankGroup
 from ctx_plugin.names import Backend
 from ctx_plugin.recompute import pinning
 from tests.recompute_cases import BATCH, build_blocks, counting_attention, decoder_config

@@ -1,4 +1,4 @@
-"""Varlen calls (many blocks in one kernel call, ``ctx_plugin/kernels/varlen.py``): which blocks share a call, the
+"""Varlen calls (many blocks in one kernel call, ``ctx_plugin/core/kernels/varlen.py``): which blocks share a call, the
 sequences a call is cut into, the varlen contract against an independent float64 reference (rows without keys: 0 and
 −inf, keys without rows: no gradient), torch's flash kernel's varlen glue against a stand-in of
 ``aten::_flash_attention_forward/_backward``'s varlen path, and whole simulated runs on it with packed documents."""
@@ -11,13 +11,13 @@ import torch
 
 import ctx_plugin
 from ctx_plugin.bench.harness import simulated_outputs
-from ctx_plugin.blocks import Block
-from ctx_plugin.documents import Documents
-from ctx_plugin.kernels import sdpa
-from ctx_plugin.kernels.torch_math import TorchKernel
-from ctx_plugin.kernels.varlen import Varlen, chains, has_varlen, pack
-from ctx_plugin.layouts import Striped, Zigzag
-from ctx_plugin.mask import Mask
+from ctx_plugin.core.blocks import Block
+from ctx_plugin.core.documents import Documents
+from ctx_plugin.core.kernels import sdpa
+from ctx_plugin.core.kernels.torch_math import TorchKernel
+from ctx_plugin.core.kernels.varlen import Varlen, chains, has_varlen, pack
+from ctx_plugin.core.layouts import Striped, Zigzag
+from ctx_plugin.core.mask import Mask
 from ctx_plugin.names import Backend
 from tests.reference import documents_with_grads, rel_err
 from tests.unit.test_sdpa_layouts import recorder  # noqa: F401  (fixture: the dense CUDA ops' stand-ins)
