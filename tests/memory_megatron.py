@@ -104,3 +104,47 @@ def measure_cases(rank: int, world: int, payload: dict) -> dict:
                 for step, key in ((True, "cases"), (False, "kept_only")) for case in payload.get(key, [])}
     finally:
         parallel_state.destroy_model_parallel()
+
+
+PARAM_BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+              "--max-position-embeddings", "64", "--micro-batch-size", "1", "--attention-dropout", "0",
+              "--use-cpu-initialization", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
+
+
+def param_counts(rank: int, world: int, payload: list[list[str]]) -> dict:
+    """For each list of Megatron-LM flags: Megatron's real parser and ``validate_args``, its GPT model built from
+    ``core_transformer_config_from_args`` (local spec), and the memory model's count of the ModelSpec that
+    ``ctx_plugin.megatron.args.model_spec`` describes it with: ``{flags: (counted, the model's parameters, the
+    ModelSpec's fields)}``."""
+    import dataclasses
+    import sys
+
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
+
+    from ctx_plugin.megatron.args import add_arguments, model_spec
+    from ctx_plugin.memory import param_count
+
+    warnings.filterwarnings("ignore")
+    parallel_state.initialize_model_parallel()
+    counts, argv = {}, sys.argv
+    try:
+        for flags in payload:
+            sys.argv = ["pretrain_gpt.py", *PARAM_BASE, *flags]
+            args = parse_args(extra_args_provider=add_arguments)
+            args.padded_vocab_size = 96
+            validate_args(args, {})
+            model = GPTModel(config=core_transformer_config_from_args(args),
+                             transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+                             vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                             position_embedding_type=args.position_embedding_type)     # as pretrain_gpt.py passes it
+            spec = model_spec(args)
+            counts[" ".join(flags)] = (param_count(spec), sum(p.numel() for p in model.parameters()),
+                                       dataclasses.asdict(spec))
+    finally:
+        sys.argv = argv
+        parallel_state.destroy_model_parallel()
+    return counts

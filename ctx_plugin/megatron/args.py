@@ -213,23 +213,10 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
     if missing:
         raise ValueError(f"--cp-recompute {recompute} is resolved from Megatron's {' and '.join(missing)}, which "
                          f"Megatron sets in validate_args/set_global_variables: call settings_from_args after them")
-    from ..memory import ModelSpec, ParallelSpec, resolve
+    from ..memory import ParallelSpec, resolve
     from ..names import Framework
 
-    model = ModelSpec(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
-                      kv_heads=(args.num_query_groups if getattr(args, "group_query_attention", False)
-                                and args.num_query_groups else args.num_attention_heads),
-                      ffn=args.ffn_hidden_size or 4 * args.hidden_size, vocab=args.padded_vocab_size,
-                      gated=bool(getattr(args, "swiglu", False)),
-                      norm="rms" if getattr(args, "normalization", "LayerNorm") == "RMSNorm" else "layer",
-                      family="megatron",     # Megatron ties the output layer to the embedding unless --untie-...
-                      tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
-                      attention_bias=bool(getattr(args, "add_bias_linear", False)
-                                          or getattr(args, "add_qkv_bias", False)),
-                      output_bias=bool(getattr(args, "add_bias_linear", False)),
-                      mlp_bias=bool(getattr(args, "add_bias_linear", False) and getattr(args, "swiglu", False)),
-                      bias_activation_fusion=bool(getattr(args, "bias_swiglu_fusion" if getattr(args, "swiglu", False)
-                                                          else "bias_gelu_fusion", True)))
+    model = model_spec(args)
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
         else torch.float32
     # validate_args's verdict on the gradient buffer (fp32 for bf16 unless --grad-reduce-in-bf16 / --main-grads-dtype)
@@ -243,3 +230,29 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
                             torch.float32 if fp32_grads else dtype)
     return resolve(recompute, model, parallel, seq_len=args.seq_length, micro_batch=args.micro_batch_size,
                    dtype=dtype)
+
+
+def model_spec(args):
+    """The :class:`~ctx_plugin.memory.ModelSpec` of the GPT model Megatron-LM builds from its arguments (with
+    ``padded_vocab_size`` set), completed as Megatron's ``validate_args`` completes them where that has not run yet
+    (the launcher's check): the MLP width (``--ffn-hidden-size``, else 4·hidden, or SwiGLU's ⌊8·hidden/3/64⌋·64),
+    the biases ``--add-bias-linear`` (the default) and ``--add-qkv-bias`` give the projections, and the learned
+    position table of ``--position-embedding-type learned_absolute`` (the default)."""
+    from ..memory import ModelSpec
+
+    swiglu, biases = bool(getattr(args, "swiglu", False)), bool(getattr(args, "add_bias_linear", False))
+    hidden = args.hidden_size
+    ffn = args.ffn_hidden_size or (int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden)
+    learned = getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
+        not getattr(args, "use_rotary_position_embeddings", False)
+    fusion = getattr(args, "bias_swiglu_fusion", True) if swiglu else getattr(args, "bias_gelu_fusion", True) and biases
+    return ModelSpec(layers=args.num_layers, hidden=hidden, heads=args.num_attention_heads,
+                     kv_heads=(args.num_query_groups if getattr(args, "group_query_attention", False)
+                               and args.num_query_groups else args.num_attention_heads),
+                     ffn=ffn, vocab=args.padded_vocab_size, gated=swiglu,
+                     norm="rms" if getattr(args, "normalization", "LayerNorm") == "RMSNorm" else "layer",
+                     family="megatron",     # Megatron ties the output layer to the embedding unless --untie-...
+                     tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+                     attention_bias=biases or bool(getattr(args, "add_qkv_bias", False)), output_bias=biases,
+                     mlp_bias=biases, bias_activation_fusion=bool(fusion),
+                     position_embeddings=(args.max_position_embeddings or args.seq_length) if learned else 0)

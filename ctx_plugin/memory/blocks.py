@@ -109,7 +109,7 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
     inner = (4 if m.gated else 2) * t * f * e
     mlp_temps = 2 * t * f * e if m.gated else t * f * e
     grad = x
-    mlp_weights = (up * m.hidden + f * m.hidden + (0 if m.gated else f + m.hidden)) * e
+    mlp_weights = (up * m.hidden + f * m.hidden + (f + m.hidden if m.mlp_bias and not m.gated else 0)) * e
     if m.family == "hf":
         norm = t * m.hidden * 4 + t * 4 + 2 * x          # fp32 copy (or the input itself), rstd, x̂, x̂·w
         if u > 1:    # head-sharded q, k, v (K/V replicated below u heads), out; the out handed back

@@ -100,12 +100,13 @@ def param_count(m: ModelSpec, tp: int = 1) -> int:
     kv_w = max(m.kv_heads // tp, 1) * m.head_dim
     q_w, f = m.hidden // tp, ceil_div(m.ffn, tp)
     norm = (1 if m.norm == "rms" else 2) * m.hidden
-    mlp = 3 * m.hidden * f + (2 * f + m.hidden if m.mlp_bias else 0) if m.gated else 2 * m.hidden * f + f + m.hidden
+    up = (2 if m.gated else 1) * f                            # a gated MLP's gate and up projections, or fc1
+    mlp = (up + f) * m.hidden + (up + m.hidden if m.mlp_bias else 0)
     bias = ((q_w + 2 * kv_w) if m.attention_bias else 0) + (m.hidden if m.output_bias else 0)
     qk_norm = 2 * m.head_dim if m.qk_norm else 0
     layer = m.hidden * (q_w + 2 * kv_w) + bias + q_w * m.hidden + mlp + 2 * norm + qk_norm
     embed = ceil_div(m.vocab, tp) * m.hidden
-    return m.layers * layer + embed * (1 if m.tied_embeddings else 2) + norm
+    return m.layers * layer + embed * (1 if m.tied_embeddings else 2) + m.position_embeddings * m.hidden + norm
 
 
 def _cp_buffers(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int, micro_batch: int, e: int, acc: int,

@@ -55,9 +55,9 @@ class ModelSpec:
     output_bias: bool = False
     """A bias on the attention's output projection (Llama-family ``attention_bias``, Megatron's
     ``add_bias_linear``); counted in the parameters."""
-    mlp_bias: bool = False
-    """Biases on a gated MLP's projections (Llama's ``mlp_bias``, Megatron's ``add_bias_linear`` with SwiGLU; a plain
-    MLP always has them); counted in the parameters."""
+    mlp_bias: bool | None = None
+    """Biases on the MLP's projections (Llama's ``mlp_bias``, Megatron's ``add_bias_linear``); counted in the
+    parameters. None: as ``ctx_plugin.models`` builds them, none on a gated MLP and biases on a plain one."""
     qk_norm: bool = False
     """``hf`` family: an RMSNorm over each head of q and of k before RoPE (Qwen3's ``q_norm``/``k_norm``); its kept
     tensors (an fp32 copy, the reciprocal RMS per head, the normalised q and k) are counted, its weights too."""
@@ -65,10 +65,18 @@ class ModelSpec:
     """``megatron`` family: Megatron's fused bias-activation (``bias_swiglu_fusion``/``bias_gelu_fusion``, on by
     default; its fused SwiGLU keeps only its input). False (``--no-bias-swiglu-fusion``): the unfused GLU keeps
     the SiLU output and ``x_linear + glu_linear_offset`` too. Other families have no such switch."""
+    position_embeddings: int = 0
+    """Rows of a learned absolute position-embedding table (Megatron's ``--position-embedding-type learned_absolute``:
+    ``--max-position-embeddings`` rows, whole on every tensor-parallel rank); 0 with RoPE or no position embedding.
+    Counted in the parameters."""
     name: str = "custom"
 
     def __post_init__(self) -> None:
         _positive(self, "layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+        if self.position_embeddings < 0:
+            raise ValueError(f"position_embeddings must be >= 0, got {self.position_embeddings}")
+        if self.mlp_bias is None:
+            object.__setattr__(self, "mlp_bias", not self.gated)
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"hidden ({self.hidden}) must divide into heads ({self.heads}), which must divide into "
                              f"kv_heads ({self.kv_heads})")

@@ -117,19 +117,20 @@ def model_state(m: ModelSpec, parallel: ParallelSpec, n_params: int, dtype: torc
                          f"grad_accum_dtype unset, or estimate with framework megatron for fp32 gradients")
     q_w, kv_w = m.hidden // parallel.tp, max(m.kv_heads // parallel.tp, 1) * m.head_dim
     norms = 1 if m.norm == "rms" else 2                      # weight (and bias) of each norm
-    small = [(m.hidden, norms * (2 * m.layers + 1)), (m.head_dim, 2 * m.layers if m.qk_norm else 0)]
+    small = [(m.hidden, norms * (2 * m.layers + 1)), (m.head_dim, 2 * m.layers if m.qk_norm else 0),
+             (m.position_embeddings * m.hidden, 1 if m.position_embeddings else 0)]
     if m.attention_bias:
         small += [(q_w, m.layers), (kv_w, 2 * m.layers)]
     if m.output_bias:
         small += [(m.hidden, m.layers)]
-    if m.gated and m.mlp_bias:             # gate and up (Megatron: one fused fc1 of both), down
+    if m.mlp_bias:                         # gate and up (Megatron: one fused fc1 of both) or fc1, and down
         f = ceil_div(m.ffn, parallel.tp)
-        small += [(2 * f, m.layers) if m.family == "megatron" else (f, 2 * m.layers), (m.hidden, m.layers)]
-    if not m.gated:
-        small += [(ceil_div(m.ffn, parallel.tp), m.layers), (m.hidden, m.layers)]
+        up = [(2 * f, m.layers)] if m.gated and m.family == "megatron" else [(f, (2 if m.gated else 1) * m.layers)]
+        small += up + [(m.hidden, m.layers)]
     threshold = parallel.zero_settings.stage3_param_persistence_threshold
     persistent = sum(numel * count for numel, count in small if numel <= threshold)
-    largest = max(ceil_div(m.vocab, parallel.tp) * m.hidden, m.hidden * ceil_div(m.ffn, parallel.tp))
+    largest = max(ceil_div(m.vocab, parallel.tp) * m.hidden, m.hidden * ceil_div(m.ffn, parallel.tp),
+                  m.position_embeddings * m.hidden)
     return deepspeed_state(n_params, z, shards, dtype, parallel.zero_settings, largest=largest,
                            persistent=persistent)
 

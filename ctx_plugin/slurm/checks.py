@@ -71,15 +71,20 @@ def _megatron_parser() -> argparse.ArgumentParser:
                                 ("--load", str, None), ("--save", str, None), ("--exit-signal", str, None),
                                 ("--data-args-path", str, None),
                                 ("--tokenizer-model", str, None), ("--vocab-file", str, None),
-                                ("--merge-file", str, None), ("--make-vocab-size-divisible-by", int, 128)):
+                                ("--merge-file", str, None), ("--make-vocab-size-divisible-by", int, 128),
+                                ("--max-position-embeddings", int, None)):
         p.add_argument(flag, type=kind, default=default)
     for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--cp-comm-type",
                  "--hierarchical-context-parallel-sizes"):
         p.add_argument(flag, nargs="*", default=None)
     for flag in ("--group-query-attention", "--swiglu", "--bf16", "--fp16", "--sequence-parallel",
                  "--use-distributed-optimizer", "--mock-data", "--exit-signal-handler", "--recompute-activations",
-                 "--reset-attention-mask", "--sft", "--dataloader-inter-document-masking"):     # options.check_reset_data
+                 "--reset-attention-mask", "--sft", "--dataloader-inter-document-masking",    # options.check_reset_data
+                 "--add-qkv-bias", "--untie-embeddings-and-output-weights", "--use-rotary-position-embeddings"):
         p.add_argument(flag, action="store_true")
+    for flag, dest in (("--disable-bias-linear", "add_bias_linear"), ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
+                       ("--no-bias-gelu-fusion", "bias_gelu_fusion")):          # budget:<GiB>'s model (model_spec)
+        p.add_argument(flag, action="store_false", dest=dest)
     p.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader")
     for flag, kind, default in (("--num-experts", int, None), ("--mtp-num-layers", int, None)):

@@ -3,6 +3,7 @@ Megatron's flags is refused for what it cannot describe — MoE layers (``--num-
 width than ``--hidden-size`` (``--kv-channels``) — resolved or not; a dense model resolves to a concrete preset."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -82,3 +83,35 @@ def test_budget_counts_the_output_layer_as_megatron_builds_it(monkeypatch, flags
         preset, model, *a, **kw))
     settings_from_args(_args(monkeypatch, "--cp-recompute", "budget:80", *flags))
     assert [m.tied_embeddings for m in seen] == [tied]
+
+
+PARAM_FLAGS = [[], ["--disable-bias-linear"], ["--disable-bias-linear", "--add-qkv-bias", "--no-bias-gelu-fusion"],
+               ["--swiglu"], ["--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+                "--no-rope-fusion"],
+               ["--use-rotary-position-embeddings", "--no-rope-fusion", "--untie-embeddings-and-output-weights"],
+               ["--group-query-attention", "--num-query-groups", "2", "--normalization", "RMSNorm", "--swiglu",
+                "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96", "--disable-bias-linear",
+                "--no-bias-swiglu-fusion", "--max-position-embeddings", "80"]]
+
+
+def test_model_spec_counts_megatrons_parameters():
+    """The ModelSpec budget:<GiB> is resolved with counts exactly the parameters of the GPT model Megatron-LM builds
+    from the same flags (its parser, validate_args and config; plain GeLU and SwiGLU MLPs with their default widths,
+    with and without --add-bias-linear, QKV biases alone, learned absolute positions (the default) or RoPE, GQA,
+    RMSNorm, an untied output layer), and the SLURM launcher's check, which runs before Megatron completes its
+    arguments, describes the same model."""
+    from megatron.training.arguments import parse_args  # noqa: F401 (the skip above covers Megatron-LM's parser)
+
+    from ctx_plugin.megatron.args import model_spec
+    from ctx_plugin.slurm.checks import _megatron_parser
+    from tests.distributed.harness import run_spawned
+    from tests.memory_megatron import PARAM_BASE
+
+    counts = run_spawned("tests.memory_megatron:param_counts", 1, PARAM_FLAGS)[0]
+    assert len(counts) == len(PARAM_FLAGS)
+    for flags in PARAM_FLAGS:
+        counted, built, fields = counts[" ".join(flags)]
+        assert counted == built, f"{flags or 'defaults'}: the memory model counts {counted}, Megatron builds {built}"
+        launcher, _ = _megatron_parser().parse_known_args(PARAM_BASE + flags)
+        launcher.padded_vocab_size = 96
+        assert dataclasses.asdict(model_spec(launcher)) == fields, flags

@@ -77,6 +77,7 @@ def _mlp_budget() -> str:
 
     model = ModelSpec(layers=3, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=128, gated=False, norm="layer",
                       family="megatron", attention_bias=True,          # --add-qkv-bias; what args.py describes
+                      mlp_bias=False,                                  # --disable-bias-linear
                       tied_embeddings=True)                            # Megatron's default (no --untie-...)
     parallel = ParallelSpec(cp=2, backend="zigzag", tp=1, dp=1)
     peaks = sorted(estimate(model, parallel, c, seq_len=32, micro_batch=2, dtype=torch.float32).peak
