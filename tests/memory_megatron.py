@@ -114,7 +114,7 @@ PARAM_BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads
 def param_counts(rank: int, world: int, payload: list[list[str]]) -> dict:
     """For each list of Megatron-LM flags: Megatron's real parser and ``validate_args``, its GPT model built from
     ``core_transformer_config_from_args`` (local spec), and the memory model's count of the ModelSpec that
-    ``ctx_plugin.megatron.args.model_spec`` describes it with: ``{flags: (counted, the model's parameters, the
+    ``ctx_plugin.megatron.budget.model_spec`` describes it with: ``{flags: (counted, the model's parameters, the
     ModelSpec's fields)}``."""
     import dataclasses
     import sys
@@ -124,7 +124,8 @@ def param_counts(rank: int, world: int, payload: list[list[str]]) -> dict:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
 
-    from ctx_plugin.megatron.args import add_arguments, model_spec
+    from ctx_plugin.megatron.args import add_arguments
+    from ctx_plugin.megatron.budget import model_spec
     from ctx_plugin.memory import param_count
 
     warnings.filterwarnings("ignore")

@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-import torch
-
 from ..core.config import CPConfig
 from ..core.rules import SettingNames, check_heads, check_seq_len, check_ulysses_size
 from ..names import Backend, Kernel, Recompute
 from ..recompute import RecomputeConfig, regions, to_megatron
+from .budget import budget_recompute
 
 _USAGE = {
     Backend.RING: "contiguous shards; non-causal",
@@ -186,73 +185,4 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
                          f"pinned, so backward does not repeat its communication)")
     if recompute.preset != Recompute.BUDGET:
         return recompute
-    if getattr(args, "num_experts", None):       # checked unresolved too: the launcher refuses what the job would
-        raise ValueError(f"--cp-recompute {recompute} with --num-experts {args.num_experts}: the memory model that "
-                         f"resolves budget:<GiB> covers dense decoders only (no expert parameters, gradients, "
-                         f"optimizer state or routing); give a concrete preset instead, e.g. --cp-recompute full")
-    if getattr(args, "multi_latent_attention", False):
-        raise ValueError(f"--cp-recompute {recompute} with --multi-latent-attention: the memory model that resolves "
-                         f"budget:<GiB> sizes standard attention (q/k/v projections and heads --hidden-size wide), "
-                         f"not latent attention's compressed projections and wider queries; give a concrete preset "
-                         f"instead, e.g. --cp-recompute full")
-    kv_channels = getattr(args, "kv_channels", None)
-    if kv_channels and kv_channels * args.num_attention_heads != args.hidden_size:
-        raise ValueError(f"--cp-recompute {recompute} with --kv-channels {kv_channels}: {args.num_attention_heads} "
-                         f"heads × {kv_channels} is not --hidden-size {args.hidden_size}, and the memory model that "
-                         f"resolves budget:<GiB> sizes the attention --hidden-size wide; give a concrete preset "
-                         f"instead, e.g. --cp-recompute full (`ctx-plugin memory` to choose it)")
-    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    if pp > 1:
-        raise ValueError(f"--cp-recompute {recompute} with --pipeline-model-parallel-size {pp}: the memory model that "
-                         f"resolves budget:<GiB> covers one whole-model stack (every layer's parameters, one micro "
-                         f"batch in flight), not a pipeline stage's share under its schedule; give a concrete preset "
-                         f"instead, e.g. --cp-recompute full")
-    if not resolve_budget:
-        return recompute
-    missing = [name for name in ("padded_vocab_size", "data_parallel_size") if not getattr(args, name, None)]
-    if missing:
-        raise ValueError(f"--cp-recompute {recompute} is resolved from Megatron's {' and '.join(missing)}, which "
-                         f"Megatron sets in validate_args/set_global_variables: call settings_from_args after them")
-    from ..memory import ParallelSpec, resolve
-    from ..names import Framework
-
-    model = model_spec(args)
-    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
-        else torch.float32
-    # validate_args's verdict on the gradient buffer (fp32 for bf16 unless --grad-reduce-in-bf16 / --main-grads-dtype)
-    fp32_grads = getattr(args, "accumulate_allreduce_grads_in_fp32", None)
-    parallel = ParallelSpec(cp=args.context_parallel_size, backend=args.cp_backend,
-                            ulysses_size=args.cp_ulysses_size, tp=getattr(args, "tensor_model_parallel_size", 1),
-                            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-                            dp=args.data_parallel_size,
-                            zero_stage=1 if getattr(args, "use_distributed_optimizer", False) else 0,
-                            framework=Framework.MEGATRON, grad_dtype=None if fp32_grads is None else
-                            torch.float32 if fp32_grads else dtype)
-    return resolve(recompute, model, parallel, seq_len=args.seq_length, micro_batch=args.micro_batch_size,
-                   dtype=dtype)
-
-
-def model_spec(args):
-    """The :class:`~ctx_plugin.memory.ModelSpec` of the GPT model Megatron-LM builds from its arguments (with
-    ``padded_vocab_size`` set), completed as Megatron's ``validate_args`` completes them where that has not run yet
-    (the launcher's check): the MLP width (``--ffn-hidden-size``, else 4·hidden, or SwiGLU's ⌊8·hidden/3/64⌋·64),
-    the biases ``--add-bias-linear`` (the default) and ``--add-qkv-bias`` give the projections, and the learned
-    position table of ``--position-embedding-type learned_absolute`` (the default)."""
-    from ..memory import ModelSpec
-
-    swiglu, biases = bool(getattr(args, "swiglu", False)), bool(getattr(args, "add_bias_linear", False))
-    hidden = args.hidden_size
-    ffn = args.ffn_hidden_size or (int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden)
-    learned = getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
-        not getattr(args, "use_rotary_position_embeddings", False)
-    fusion = getattr(args, "bias_swiglu_fusion", True) if swiglu else getattr(args, "bias_gelu_fusion", True) and biases
-    return ModelSpec(layers=args.num_layers, hidden=hidden, heads=args.num_attention_heads,
-                     kv_heads=(args.num_query_groups if getattr(args, "group_query_attention", False)
-                               and args.num_query_groups else args.num_attention_heads),
-                     ffn=ffn, vocab=args.padded_vocab_size, gated=swiglu,
-                     norm="rms" if getattr(args, "normalization", "LayerNorm") == "RMSNorm" else "layer",
-                     family="megatron",     # Megatron ties the output layer to the embedding unless --untie-...
-                     tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
-                     attention_bias=biases or bool(getattr(args, "add_qkv_bias", False)), output_bias=biases,
-                     mlp_bias=biases, bias_activation_fusion=bool(fusion),
-                     position_embeddings=(args.max_position_embeddings or args.seq_length) if learned else 0)
+    return budget_recompute(args, recompute, resolve_budget)

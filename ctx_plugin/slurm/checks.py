@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..core.rules import SettingNames, check_sequence_parallel, check_tp_heads
 from ..megatron.args import add_arguments, settings_from_args
+from ..megatron.budget import UNDESCRIBED
 from ..megatron.options import DATA_OPTIONS, MODEL_OPTIONS
 from ..megatron.pretrain_gpt import uses_megatron_pretrain
 from ..names import Recompute
@@ -82,6 +83,8 @@ def _megatron_parser() -> argparse.ArgumentParser:
                  "--reset-attention-mask", "--sft", "--dataloader-inter-document-masking",    # options.check_reset_data
                  "--add-qkv-bias", "--untie-embeddings-and-output-weights", "--use-rotary-position-embeddings"):
         p.add_argument(flag, action="store_true")
+    for name, kind, _ in UNDESCRIBED:                                         # refused with budget:<GiB>
+        p.add_argument("--" + name.replace("_", "-"), **({"action": "store_true"} if kind is bool else {"type": kind}))
     for flag, dest in (("--disable-bias-linear", "add_bias_linear"), ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
                        ("--no-bias-gelu-fusion", "bias_gelu_fusion")):          # budget:<GiB>'s model (model_spec)
         p.add_argument(flag, action="store_false", dest=dest)

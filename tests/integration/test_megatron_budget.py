@@ -85,6 +85,40 @@ def test_budget_counts_the_output_layer_as_megatron_builds_it(monkeypatch, flags
     assert [m.tied_embeddings for m in seen] == [tied]
 
 
+UNDESCRIBED_FLAGS = [["--qk-layernorm"], ["--qk-l2-norm"], ["--attention-output-gate"], ["--fp32-residual-connection"],
+                     ["--squared-relu"], ["--quick-geglu"], ["--openai-gelu"],
+                     ["--swiglu", "--activation-func-clamp-value", "7.0"]]
+
+
+def test_every_undescribed_flag_is_tested():
+    from ctx_plugin.megatron.budget import UNDESCRIBED
+
+    assert sorted(f[-1] if f[-1].startswith("--") else f[-2] for f in UNDESCRIBED_FLAGS) == \
+        sorted("--" + name.replace("_", "-") for name, _, _ in UNDESCRIBED)
+
+
+@pytest.mark.parametrize("flags", UNDESCRIBED_FLAGS)
+def test_budget_with_layers_the_model_does_not_describe_is_refused(monkeypatch, flags):
+    """Every flag of UNDESCRIBED, through Megatron's parser and through the SLURM launcher's check (which parses
+    them itself): one error naming the flag and the fix; a concrete preset runs."""
+    from ctx_plugin.megatron.args import settings_from_args
+    from ctx_plugin.slurm.checks import _megatron_parser
+
+    flag = next(f for f in flags if f != "--swiglu")
+    message = (rf"--cp-recompute budget:80 with {flag} \(.+\): the memory model that resolves budget:<GiB> does "
+               rf"not describe this, so it would under-count what each layer keeps; give a concrete preset instead, "
+               rf"e\.g\. --cp-recompute full$")
+    for resolve_budget in (True, False):
+        with pytest.raises(ValueError, match=message):
+            settings_from_args(_args(monkeypatch, "--cp-recompute", "budget:80", *flags), resolve_budget=resolve_budget)
+    launcher, _ = _megatron_parser().parse_known_args([*BASE, "--cp-recompute", "budget:80", *flags])
+    launcher.padded_vocab_size, launcher.data_parallel_size = 1024, 1
+    with pytest.raises(ValueError, match=message):
+        settings_from_args(launcher)
+    settings_from_args(_args(monkeypatch, "--cp-recompute", "full", *flags))      # a preset: fine
+
+
+
 PARAM_FLAGS = [[], ["--disable-bias-linear"], ["--disable-bias-linear", "--add-qkv-bias", "--no-bias-gelu-fusion"],
                ["--swiglu"], ["--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
                 "--no-rope-fusion"],
@@ -102,7 +136,7 @@ def test_model_spec_counts_megatrons_parameters():
     arguments, describes the same model."""
     from megatron.training.arguments import parse_args  # noqa: F401 (the skip above covers Megatron-LM's parser)
 
-    from ctx_plugin.megatron.args import model_spec
+    from ctx_plugin.megatron.budget import model_spec
     from ctx_plugin.slurm.checks import _megatron_parser
     from tests.distributed.harness import run_spawned
     from tests.memory_megatron import PARAM_BASE
