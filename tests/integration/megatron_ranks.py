@@ -110,7 +110,7 @@ def relative_errors(loss: float, grads: dict, ref_loss: float, ref_grads: dict) 
     return {"loss_err": abs(loss - ref_loss) / abs(ref_loss), "grad_err": grad_err}
 
 
-def _model(world: int, position: str, variant: str, core_spec, **refused):
+def _model(world: int, position: str, variant: str, core_spec, tp: int = 1, **refused):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -118,7 +118,7 @@ def _model(world: int, position: str, variant: str, core_spec, **refused):
     fields, model_args, qk_layernorm = VARIANTS[variant]
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=128, use_cpu_initialization=True, context_parallel_size=world,
-                               attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=True, add_qkv_bias=True,
+                               tensor_model_parallel_size=tp, attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=True, add_qkv_bias=True,
                                init_method_std=0.1, **fields)
     for name, value in refused.items():     # after construction: Megatron's own checks of some need CUDA
         setattr(config, name, value)
@@ -132,9 +132,9 @@ def _model(world: int, position: str, variant: str, core_spec, **refused):
     return model.double()
 
 
-def cp_model(world: int, cp_config, position: str, variant: str = "base", preset: str = "none"):
-    """``(model, groups)``: the tiny GPT of :func:`_model` with ctx_plugin's core attention for ``cp_config``, prepared
-    as the entry point prepares it (layout-aware RoPE, the recompute ``preset``)."""
+def cp_model(world: int, cp_config, position: str, variant: str = "base", preset: str = "none", tp: int = 1):
+    """``(model, groups)``: the tiny GPT of :func:`_model` (``world``: the CP size) with ctx_plugin's core attention for
+    ``cp_config``, prepared as the entry point prepares it (layout-aware RoPE, the recompute ``preset``)."""
     from ctx_plugin.megatron.args import MegatronCPSettings
     from ctx_plugin.megatron.core_attention import GroupsProvider
     from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model
@@ -144,7 +144,7 @@ def cp_model(world: int, cp_config, position: str, variant: str = "base", preset
                                   megatron_recompute=None)
     provider = GroupsProvider(cp_config)
     model = _model(world, position, variant,
-                   lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider))
+                   lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider), tp=tp)
     return model, prepare_model(model, settings, provider)
 
 

@@ -1,0 +1,106 @@
+"""Tensor × context parallelism on a megatron-core GPTModel (see test_megatron_tp.py), on 4 spawned gloo ranks.
+
+First Megatron's own model (local spec: DotProductAttention, its RoPE) at TP 2, CP 1 on the whole batch — the
+reference, initialised as the TP 2 model is (megatron-core draws a learnable softmax offset per tensor-parallel
+rank) — then ctx_plugin's model at TP 2 × CP 2 for each case, its batch sharded over the CP ranks. Both report the
+loss and every parameter's whole gradient: summed over the CP group (what DDP over data × context ranks does), the
+tensor-parallel shards gathered along their partition dimension. The tiny model of
+:mod:`tests.integration.megatron_ranks` (biases, GQA, init std 0.1, float64): at TP 2 each rank holds 2 heads and
+1 query group, so Ulysses replicates that group's K/V over its 2 ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from tests.integration.megatron_ranks import _batch, _cpu_shims, _model, cp_model, model_parallel
+
+TP, CP = 2, 2
+
+
+class _GatherVocabulary(torch.autograd.Function):
+    """The TP ranks' logits (each its vocabulary shard, the last dimension) side by side; backward: this rank's
+    shard of the gradient (megatron-core's gather_from_tensor_model_parallel_region allocates on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        ctx.group = group
+        parts = [torch.empty_like(logits) for _ in range(group.size())]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.group.size(), dim=-1)[ctx.group.rank()].contiguous(), None
+
+
+def loss_and_grads(model, batch, cp_group, tp_group) -> tuple[float, dict]:
+    """tests.integration.megatron_ranks.loss_and_grads on the whole vocabulary (the TP ranks' logits gathered)."""
+    logits = _GatherVocabulary.apply(model(batch["tokens"], batch["position_ids"], batch.get("attention_mask")),
+                                     tp_group)
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+    mask = batch["loss_mask"]
+    stats = torch.stack([(per_token * mask).sum().detach(), mask.sum()])
+    if cp_group is not None:
+        dist.all_reduce(stats, group=cp_group)
+    ((per_token * mask).sum() / stats[1]).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if cp_group is not None:
+            dist.all_reduce(g, group=cp_group)
+        grads[name] = g
+    return (stats[0] / stats[1]).item(), grads
+
+
+def _whole(model, grads: dict, tp_group) -> dict:
+    """Every parameter's whole gradient from this rank's TP shard (as lists), and the weights' sum over the
+    whole parameters."""
+    out, weights = {}, 0.0
+    for name, p in model.named_parameters():
+        g, w = grads[name], p.detach()
+        if getattr(p, "tensor_model_parallel", False) or name.endswith("softmax_offset"):
+            dim = getattr(p, "partition_dim", 0)
+            gathered = [[torch.empty_like(t) for _ in range(tp_group.size())] for t in (g, w)]
+            dist.all_gather(gathered[0], g.contiguous(), group=tp_group)
+            dist.all_gather(gathered[1], w.contiguous(), group=tp_group)
+            g, w = torch.cat(gathered[0], dim=dim), torch.cat(gathered[1], dim=dim)
+        out[name] = g.flatten().tolist()
+        weights += w.double().sum().item()
+    return {"grads": out, "weights": weights}
+
+
+def run(rank: int, world: int, payload: dict) -> dict:
+    """payload: {"cases": [(backend, ulysses size, position embedding, variant, dataloader mask)]}; returns
+    {"reference-<position>-<variant>": ..., "<case key>": ...} with loss, whole gradients (rank 0) and weights."""
+    warnings.filterwarnings("ignore")
+    import ctx_plugin
+    from ctx_plugin.megatron.spec import shard_batch
+
+    assert world == TP * CP
+    out = {}
+    with model_parallel(tensor_model_parallel_size=TP) as parallel_state, _cpu_shims():
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        for position, variant in sorted({(c[2], c[3]) for c in payload["cases"]}):
+            model = _model(1, position, variant, lambda spec: spec, tp=TP)
+            loss, grads = loss_and_grads(model, _batch(with_mask=True), None, tp_group)
+            out[f"reference-{position}-{variant}"] = {"loss": loss, **_whole(model, grads, tp_group)}
+    with model_parallel(tensor_model_parallel_size=TP, context_parallel_size=CP) as parallel_state:
+        tp_group, cp_group = (parallel_state.get_tensor_model_parallel_group(),
+                              parallel_state.get_context_parallel_group())
+        for backend, u, position, variant, with_mask in payload["cases"]:
+            cp_config = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
+            model, groups = cp_model(CP, cp_config, position, variant, tp=TP)
+            assert groups.size == CP
+            batch = shard_batch(_batch(with_mask), config=cp_config, groups=groups)
+            with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
+                loss, grads = loss_and_grads(model, batch, cp_group, tp_group)
+            out[case_key(backend, u, position, variant, with_mask)] = {"loss": loss, **_whole(model, grads, tp_group)}
+    return {k: {**v, "grads": v["grads"] if rank == 0 else None} for k, v in out.items()}
+
+
+def case_key(backend, u, position, variant, with_mask) -> str:
+    return f"{backend}-u{u}-{position}-{variant}-{'mask' if with_mask else 'nomask'}"

@@ -1,0 +1,49 @@
+"""Tensor × context parallelism under Megatron (megatron-core, CPU, gloo, 4 ranks): ctx_plugin's model at TP 2 ×
+CP 2 gives the loss and every parameter's whole gradient (TP shards gathered, CP ranks summed) of Megatron's own
+model at TP 2 on the whole batch, within 1e-9, for every backend but the hybrid (which needs CP ≥ 4) — each TP rank
+attends over its 2 heads and 1 query group (Ulysses replicating that group's K/V over its CP ranks), with RoPE,
+YaRN and learned positions, the honoured options (output gate, QK layernorm, partial interleaved RoPE, ...), and
+sliding windows with learnable (TP-sharded) and off-by-one softmax offsets (tests/integration/megatron_tp_ranks.py)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'ctx-plugin[megatron]'")
+
+import torch  # noqa: E402
+
+from tests.distributed.harness import run_spawned  # noqa: E402
+from tests.integration.megatron_tp_ranks import CP, TP, case_key  # noqa: E402
+
+# (backend, ulysses size, position embedding, variant, dataloader mask)
+CASES = [(b, 1, "rope", "base", True) for b in ("ring", "zigzag", "striped", "ulysses", "allgather")]
+CASES += [("striped", 1, "learned_absolute", "base", False), ("zigzag", 1, "yarn", "base", False),
+          ("zigzag", 1, "rope", "knobs", True), ("ulysses", 1, "rope", "knobs", False),
+          ("ulysses", 1, "rope", "window", False), ("ring", 1, "rope", "window", True),
+          ("allgather", 1, "rope", "offbyone", False)]
+_results: list = []
+
+
+def results() -> list:
+    if not _results:
+        _results.extend(run_spawned("tests.integration.megatron_tp_ranks:run", TP * CP, {"cases": CASES},
+                                    timeout_s=600))
+    return _results
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_key(*c) for c in CASES])
+def test_tensor_and_context_parallel_model_matches_megatron(case):
+    backend, u, position, variant, mask = case
+    ranks = results()
+    want, got = ranks[0][f"reference-{position}-{variant}"], ranks[0][case_key(*case)]
+    assert got["weights"] == want["weights"], "the two models were not initialised alike"
+    for rank in ranks:
+        assert abs(rank[case_key(*case)]["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"])
+    assert set(got["grads"]) == set(want["grads"])
+    assert any(name.endswith("softmax_offset") for name in want["grads"]) == (variant == "window")
+    floor = 1e-6 * max(max(abs(x) for x in g) for g in want["grads"].values())
+    for name, w in want["grads"].items():
+        w, have = torch.tensor(w, dtype=torch.float64), torch.tensor(got["grads"][name], dtype=torch.float64)
+        assert have.shape == w.shape, name
+        err = ((have - w).abs().max() / w.abs().max().clamp_min(floor)).item()
+        assert err <= 1e-9, f"{name}: relative error {err:.2e}"
