@@ -51,7 +51,7 @@ def _with_core(spec, module, **params):
     return spec
 
 
-def _model(world: int, rope: str, core_spec, **fields):
+def _model(world: int, rope: str, core_spec, tp: int = 1, **fields):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -59,6 +59,7 @@ def _model(world: int, rope: str, core_spec, **fields):
     config = MLATransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
                                   q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8,
                                   v_head_dim=16, use_cpu_initialization=True, context_parallel_size=world,
+                                  tensor_model_parallel_size=tp,
                                   attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=True,
                                   init_method_std=0.1, apply_rope_fusion=False, qk_layernorm=True,
                                   **ROPE[rope])

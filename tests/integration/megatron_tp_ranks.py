@@ -74,11 +74,17 @@ def _whole(model, grads: dict, tp_group) -> dict:
 
 
 def run(rank: int, world: int, payload: dict) -> dict:
-    """payload: {"cases": [(backend, ulysses size, position embedding, variant, dataloader mask)]}; returns
-    {"reference-<position>-<variant>": ..., "<case key>": ...} with loss, whole gradients (rank 0) and weights."""
+    """payload: {"cases": [(backend, ulysses size, position embedding, variant, dataloader mask)], "mla": [(backend,
+    rope type)]}; returns {"reference-<position>-<variant>": ..., "<case key>": ..., "mla-reference-<rope>": ...,
+    "mla-<backend>-<rope>": ...} with loss, whole gradients (rank 0) and weights. The multi-latent attention model is
+    tests/integration/megatron_mla_ranks.py's, its reference core attention a float64 softmax at TP 2."""
     warnings.filterwarnings("ignore")
     import ctx_plugin
-    from ctx_plugin.megatron.spec import shard_batch
+    from ctx_plugin.megatron.args import MegatronCPSettings
+    from ctx_plugin.megatron.core_attention import GroupsProvider
+    from ctx_plugin.megatron.spec import gpt_layer_spec, prepare_model, shard_batch
+    from ctx_plugin.recompute import RecomputeConfig
+    from tests.integration import megatron_mla_ranks as mla
 
     assert world == TP * CP
     out = {}
@@ -88,6 +94,10 @@ def run(rank: int, world: int, payload: dict) -> dict:
             model = _model(1, position, variant, lambda spec: spec, tp=TP)
             loss, grads = loss_and_grads(model, _batch(with_mask=True), None, tp_group)
             out[f"reference-{position}-{variant}"] = {"loss": loss, **_whole(model, grads, tp_group)}
+        for rope in sorted({rope for _, rope in payload.get("mla", [])}):
+            model = mla._model(1, rope, lambda spec: mla._with_core(spec, mla._reference_core_attention()), tp=TP)
+            loss, grads = loss_and_grads(model, _batch(with_mask=True), None, tp_group)
+            out[f"mla-reference-{rope}"] = {"loss": loss, **_whole(model, grads, tp_group)}
     with model_parallel(tensor_model_parallel_size=TP, context_parallel_size=CP) as parallel_state:
         tp_group, cp_group = (parallel_state.get_tensor_model_parallel_group(),
                               parallel_state.get_context_parallel_group())
@@ -99,6 +109,17 @@ def run(rank: int, world: int, payload: dict) -> dict:
             with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
                 loss, grads = loss_and_grads(model, batch, cp_group, tp_group)
             out[case_key(backend, u, position, variant, with_mask)] = {"loss": loss, **_whole(model, grads, tp_group)}
+        for backend, rope in payload.get("mla", []):
+            cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
+            provider = GroupsProvider(cp_config)
+            model = mla._model(CP, rope, lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider),
+                               tp=TP)
+            groups = prepare_model(model, MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse(
+                "none"), megatron_recompute=None), provider)
+            batch = shard_batch(_batch(with_mask=True), config=cp_config, groups=groups)
+            with _cpu_shims():      # MLA's rotary embeddings: on torch.cuda.current_device()
+                loss, grads = loss_and_grads(model, batch, cp_group, tp_group)
+            out[f"mla-{backend}-{rope}"] = {"loss": loss, **_whole(model, grads, tp_group)}
     return {k: {**v, "grads": v["grads"] if rank == 0 else None} for k, v in out.items()}
 
 
