@@ -29,6 +29,11 @@ VARIANTS = {   # name: (TransformerConfig fields, GPTModel arguments, qk_layerno
     # (window_attn_skip_freq), learnable softmax offsets; both layers a window of 12 with the off-by-one softmax
     "window": ({"window_size": (5, 0), "window_attn_skip_freq": 2, "softmax_type": "learnable"}, {}, False),
     "offbyone": ({"window_size": (12, 0), "softmax_type": "off-by-one"}, {}, False),
+    # mixture of experts: 4 experts, top-2 routing, no capacity limit (Megatron's default: dropless), the
+    # load-balancing and z losses (their gradients join backward through Megatron's MoEAuxLossAutoScaler); QKV
+    # biases only (megatron-core's experts modify a view of a tensor-parallel reduction in place with linear biases)
+    "moe": ({"add_bias_linear": False, "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01,
+             "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "aux_loss"}, {}, False),
 }
 
 
@@ -116,15 +121,16 @@ def _model(world: int, position: str, variant: str, core_spec, tp: int = 1, **re
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields, model_args, qk_layernorm = VARIANTS[variant]
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                               ffn_hidden_size=128, use_cpu_initialization=True, context_parallel_size=world,
-                               tensor_model_parallel_size=tp, attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=True, add_qkv_bias=True,
-                               init_method_std=0.1, **fields)
+    config = TransformerConfig(**{**dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                         ffn_hidden_size=128, use_cpu_initialization=True,
+                                         context_parallel_size=world, tensor_model_parallel_size=tp,
+                                         attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=True,
+                                         add_qkv_bias=True, init_method_std=0.1), **fields})
     for name, value in refused.items():     # after construction: Megatron's own checks of some need CUDA
         setattr(config, name, value)
     for name, value in (YARN.items() if position == "yarn" else ()):
         setattr(config, name, value)            # what Megatron-LM's arguments set for --position-embedding-type yarn
-    spec = core_spec(get_gpt_layer_local_spec(qk_layernorm=qk_layernorm))
+    spec = core_spec(get_gpt_layer_local_spec(num_experts=fields.get("num_moe_experts"), qk_layernorm=qk_layernorm))
     torch.manual_seed(1234)
     with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -216,8 +222,8 @@ def gpt_step(rank: int, world: int, payload: dict) -> dict:
             model, groups = cp_model(world, cp_config, position, variant, preset)
             batch = shard_batch(_batch(with_mask), config=cp_config, groups=groups)
             assert batch.get("attention_mask") is None          # checked to be causal, then dropped
-            with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
-                result = _step(model, batch, cp_group)
+            with _cpu_shims() if position == "yarn" or variant == "moe" else contextlib.nullcontext():
+                result = _step(model, batch, cp_group)      # (megatron-core's MoE router moves itself to CUDA)
             out[case_key(backend, u, position, preset, variant, with_mask)] = {
                 **result, "grads": result["grads"] if rank == 0 else None,
                 "rope_class": type(getattr(model, "rotary_pos_emb", None)).__name__, "offsets": _offset_shards(model)}

@@ -2,7 +2,8 @@
 built through ctx_plugin's spec gives, for every backend at CP = 2 and 4 (hybrid: ulysses_size 2), the loss and
 every parameter gradient of Megatron's own model (local spec: DotProductAttention, its RoPE/YaRN) on one rank
 within 1e-9 — with RoPE, YaRN, learned positions, honoured options (tests/integration/megatron_ranks.py VARIANTS:
-per-layer sliding windows, learnable and off-by-one softmax offsets among them, with the offsets' gradients) and
+per-layer sliding windows, learnable and off-by-one softmax offsets among them, with the offsets' gradients),
+mixture-of-experts layers (their auxiliary losses' gradients included) and
 the dataloader's causal mask; flags parse with Megatron's real parser and bad combinations give clear
 messages."""
 from __future__ import annotations
@@ -36,6 +37,11 @@ CASES += [(2, "zigzag", 1, "rope", "selective+tile_mlp:5", "base", True),     # 
 CASES += [(2, "ring", 1, "rope", "none", "window", True), (2, "zigzag", 1, "rope", "selective", "window", True),
           (2, "allgather", 1, "rope", "none", "window", False), (2, "ulysses", 1, "rope", "none", "offbyone", False),
           (4, "striped", 1, "rope", "none", "offbyone", True), (4, "ulysses_ring", 2, "rope", "none", "window", False)]
+# mixture of experts (dropless: the per-token routing and the load-balancing and z losses over all tokens do not
+# depend on which tokens a rank holds), under the presets ctx_plugin applies too
+CASES += [(2, "zigzag", 1, "rope", "none", "moe", True), (2, "striped", 1, "rope", "selective", "moe", True),
+          (2, "ring", 1, "rope", "full", "moe", False), (4, "ulysses", 1, "rope", "none", "moe", False),
+          (4, "allgather", 1, "rope", "sqrt", "moe", True), (4, "ulysses_ring", 2, "rope", "none", "moe", False)]
 ROPE_CLASS = {"rope": "LayoutRotaryEmbedding", "yarn": "LayoutYarnRotaryEmbedding", "learned_absolute": "NoneType"}
 _results: dict[int, list] = {}
 
