@@ -1,6 +1,7 @@
 """``--cp-recompute budget:<GiB>`` under Megatron: the memory model's description of the GPT model Megatron-LM
 builds from its flags (:func:`model_spec`), the flags that model does not describe (refused, with the fix), and the
-resolution to a concrete preset with Megatron's data-parallel size, padded vocabulary, dtype and optimizer."""
+resolution to a concrete preset with Megatron's data-parallel size, padded vocabulary, dtype and optimizer (and the
+GPU memory of the dataloader's attention mask, when Megatron builds one, taken from the budget)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import argparse
 import torch
 
 from ..recompute import RecomputeConfig
+from .options import dataloader_mask_bytes
 
 # Flags that change what a layer holds beyond what the megatron block family describes (measured on megatron-core's
 # local GPT layers): budget:<GiB> would under-count them. Each: (argument, its type: bool for a switch, what it adds).
@@ -83,7 +85,7 @@ def budget_recompute(args: argparse.Namespace, recompute: RecomputeConfig, resol
                             framework=Framework.MEGATRON, grad_dtype=None if fp32_grads is None else
                             torch.float32 if fp32_grads else dtype)
     return resolve(recompute, model_spec(args), parallel, seq_len=args.seq_length, micro_batch=args.micro_batch_size,
-                   dtype=dtype)
+                   dtype=dtype, reserved=dataloader_mask_bytes(args))
 
 
 def model_spec(args):

@@ -169,6 +169,39 @@ def check_model_options(source, *, where: str = "ctx_plugin's core attention") -
         raise ValueError(f"{where} cannot honour these settings:\n  " + "\n  ".join(found))
 
 
+MASK_LIMIT = 4 * 2 ** 30
+"""The largest dataloader mask (bytes per micro batch) :func:`check_dataloader_mask` lets through."""
+
+
+def dataloader_mask_bytes(args) -> int:
+    """The GPU memory of the attention mask Megatron-LM's dataloader builds unless
+    ``--no-create-attention-mask-in-dataloader``: a ``[micro batch, 1, seq, seq]`` bool tensor that every
+    tensor-parallel rank holds on its GPU through the step (megatron-core's ``get_batch_on_this_tp_rank`` moves it
+    there and broadcasts it); 0 without it."""
+    if not getattr(args, "create_attention_mask_in_dataloader", True):
+        return 0
+    return (getattr(args, "micro_batch_size", 1) or 1) * args.seq_length ** 2
+
+
+def check_dataloader_mask(args) -> None:
+    """A dataloader mask of :data:`MASK_LIMIT` bytes or more is an error naming the flag that drops it: ctx_plugin's
+    attention applies causality itself and only checks that mask (or reads ``--reset-attention-mask``'s documents
+    from it, which ``--dataloader-inter-document-masking`` gives as ``cu_seqlens`` instead), so at long sequences it is
+    GPU memory spent on nothing (16 GiB at 128k tokens, 1 TiB at 1M)."""
+    size = dataloader_mask_bytes(args)
+    if size < MASK_LIMIT:
+        return
+    if getattr(args, "reset_attention_mask", False) and not getattr(args, "dataloader_inter_document_masking", False):
+        fix = ("replace --reset-attention-mask with --dataloader-inter-document-masking (the documents as cu_seqlens) "
+               "and add --no-create-attention-mask-in-dataloader")
+    else:
+        fix = "add --no-create-attention-mask-in-dataloader"
+    raise ValueError(f"--seq-length {args.seq_length} with the dataloader's attention mask (Megatron's default): "
+                     f"every tensor-parallel rank would hold a dense [seq, seq] mask of {size / 2 ** 30:.0f} GiB per "
+                     f"micro batch on its GPU, which ctx_plugin's attention does not need (it applies causality "
+                     f"itself); {fix}")
+
+
 def check_data_options(args) -> None:
     """Raises one ValueError naming every data option of Megatron-LM's ``args`` that ctx_plugin cannot honour."""
     found = refused_options(args, DATA_OPTIONS)
@@ -176,6 +209,7 @@ def check_data_options(args) -> None:
         raise ValueError("ctx_plugin cannot honour these data settings:\n  " + "\n  ".join(found))
     check_reset_data(args)
     check_packed_data(args)
+    check_dataloader_mask(args)
 
 
 def window(window_size, causal: bool) -> tuple[int | None, int | None]:

@@ -325,12 +325,15 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
 
 
 def resolve(recompute: RecomputeConfig | str, model: ModelSpec, parallel: ParallelSpec, *, seq_len: int,
-            micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, documents=None) -> RecomputeConfig:
+            micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, documents=None,
+            reserved: int = 0) -> RecomputeConfig:
     """``budget:<GiB>`` → among the presets whose estimated peak fits, the one with the least estimated recompute
     (:attr:`MemoryEstimate.recompute_fraction`, extra FLOPs); ties go to the preset without elementwise recompute
     (``none`` before ``selective``, whose recomputed norms and activations the FLOP estimate counts as free), then
     to the smaller peak. Other presets are returned unchanged. ``documents``: packed documents, whose shorter
-    attention makes ``core_attn`` cheaper (:func:`estimate`). Also ``ctx_plugin.recompute.resolve``."""
+    attention makes ``core_attn`` cheaper (:func:`estimate`). ``reserved``: bytes the framework holds on the GPU
+    through the step besides what the estimate counts (Megatron's dataloader mask), taken from the budget. Also
+    ``ctx_plugin.recompute.resolve``."""
     recompute = RecomputeConfig.parse(recompute)
     if recompute.preset != Recompute.BUDGET:
         return recompute
@@ -340,11 +343,12 @@ def resolve(recompute: RecomputeConfig | str, model: ModelSpec, parallel: Parall
     estimates = [(c, estimate(model, parallel, c, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                               documents=documents))
                  for c in (replace(c, **keep) for c in candidates(model.layers))]
-    fits = [(c, est) for c, est in estimates if est.peak <= budget]
+    fits = [(c, est) for c, est in estimates if est.peak + reserved <= budget]
     if fits:     # min keeps the first of equal keys: candidates' order (none before attn_out)
         return min(fits, key=lambda ce: (ce[1].recompute_fraction, ce[0].preset == Recompute.SELECTIVE,
                                          ce[1].peak))[0]
     smallest, est = min(estimates, key=lambda ce: ce[1].peak)
+    held = f" and {reserved / GiB:.1f} GiB the framework holds besides" if reserved else ""
     raise ValueError(f"no recompute preset fits {recompute.budget_gib:g} GiB per GPU: the smallest estimate is "
-                     f"{est.peak / GiB:.1f} GiB ({smallest}); raise the budget, the context-parallel size, tensor "
-                     f"parallelism or the ZeRO stage, or shorten the sequence")
+                     f"{est.peak / GiB:.1f} GiB ({smallest}){held}; raise the budget, the context-parallel size, "
+                     f"tensor parallelism or the ZeRO stage, or shorten the sequence")

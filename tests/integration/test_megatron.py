@@ -229,7 +229,25 @@ BAD = [
     (["--position-embedding-type", "mrope", "--mrope-section", "2", "2", "4"], ValueError,
      "position_embedding_type='mrope' (--position-embedding-type): multimodal RoPE"),
     (["--qk-clip"], ValueError, "qk_clip=True (--qk-clip)"),
+    (["--seq-length", "65536", "--max-position-embeddings", "65536"], ValueError,
+     "mask of 4 GiB per micro batch on its GPU, which ctx_plugin's attention does not need (it applies causality "
+     "itself); add --no-create-attention-mask-in-dataloader"),
+    (["--seq-length", "32768", "--max-position-embeddings", "32768", "--micro-batch-size", "4"], ValueError,
+     "mask of 4 GiB per micro batch"),
+    (["--seq-length", "65536", "--max-position-embeddings", "65536", "--reset-attention-mask"], ValueError,
+     "replace --reset-attention-mask with --dataloader-inter-document-masking (the documents as cu_seqlens) and add "
+     "--no-create-attention-mask-in-dataloader"),
 ]
+
+
+def test_long_sequences_without_the_dataloader_mask(monkeypatch):
+    """Below 4 GiB of mask per micro batch, or without the mask, long sequences pass (the limit is the mask's)."""
+    from ctx_plugin.megatron.args import settings_from_args
+
+    for flags in (["--seq-length", "32768"], ["--seq-length", "1048576", "--no-create-attention-mask-in-dataloader"],
+                  ["--seq-length", "1048576", "--dataloader-inter-document-masking",
+                   "--no-create-attention-mask-in-dataloader"]):
+        settings_from_args(_parse(monkeypatch, *flags, "--max-position-embeddings", flags[1]))
 
 
 @pytest.mark.parametrize("flags,error,message", BAD, ids=[" ".join(f) for f, _, _ in BAD])

@@ -85,6 +85,29 @@ def test_budget_counts_the_output_layer_as_megatron_builds_it(monkeypatch, flags
     assert [m.tied_embeddings for m in seen] == [tied]
 
 
+def test_budget_counts_the_dataloader_mask(monkeypatch):
+    """Megatron's dataloader mask ([micro batch, 1, seq, seq] bool on every GPU through the step) is taken from the
+    budget: a budget 8 MiB above the lightest preset's estimate resolves to it without the mask, and to a heavier
+    preset with the 16 MiB mask of 4096 tokens."""
+    import torch
+
+    from ctx_plugin.megatron.args import settings_from_args
+    from ctx_plugin.megatron.budget import model_spec
+    from ctx_plugin.memory import ParallelSpec
+    from ctx_plugin.memory.model import GiB, estimate
+
+    args = _args(monkeypatch, "--cp-recompute", "budget:80", "--no-create-attention-mask-in-dataloader")
+    peak = estimate(model_spec(args), ParallelSpec(), "none", seq_len=4096, dtype=torch.float32).peak
+    budget = f"budget:{(peak + 8 * 2 ** 20) / GiB:.9f}"
+    without = settings_from_args(_args(monkeypatch, "--cp-recompute", budget, "--no-create-attention-mask-in-dataloader"))
+    assert str(without.recompute) == "none"
+    with_mask = settings_from_args(_args(monkeypatch, "--cp-recompute", budget))
+    assert str(with_mask.recompute) not in ("none", "budget")
+    with pytest.raises(ValueError, match=r"no recompute preset fits .* and 0\.0 GiB the framework holds besides"):
+        settings_from_args(_args(monkeypatch, "--cp-recompute", f"budget:{peak / 4 / GiB:.9f}"))
+
+
+
 UNDESCRIBED_FLAGS = [["--qk-layernorm"], ["--qk-l2-norm"], ["--attention-output-gate"], ["--fp32-residual-connection"],
                      ["--squared-relu"], ["--quick-geglu"], ["--openai-gelu"],
                      ["--swiglu", "--activation-func-clamp-value", "7.0"]]

@@ -122,6 +122,7 @@ def test_megatrons_budget_counts_the_gradient_buffer_validate_args_chose():
                          swiglu=True, normalization="RMSNorm", bf16=True, use_distributed_optimizer=True,
                          untie_embeddings_and_output_weights=True, add_bias_linear=False,
                          position_embedding_type="rope", max_position_embeddings=131072,
+                         create_attention_mask_in_dataloader=False,
                          accumulate_allreduce_grads_in_fp32=fp32_grads).items():
             setattr(args, k, v)
         return args
