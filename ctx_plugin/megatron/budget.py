@@ -91,12 +91,13 @@ def budget_recompute(args: argparse.Namespace, recompute: RecomputeConfig, resol
 def model_spec(args):
     """The :class:`~ctx_plugin.memory.ModelSpec` of the GPT model Megatron-LM builds from its arguments (with
     ``padded_vocab_size`` set), completed as Megatron's ``validate_args`` completes them where that has not run yet
-    (the launcher's check): the MLP width (``--ffn-hidden-size``, else 4·hidden, or SwiGLU's ⌊8·hidden/3/64⌋·64),
-    the biases ``--add-bias-linear`` (the default) and ``--add-qkv-bias`` give the projections, and the learned
-    position table of ``--position-embedding-type learned_absolute`` (the default)."""
+    (the launcher's check), absent ones taken at Megatron-LM's defaults: the MLP width (``--ffn-hidden-size``, else
+    4·hidden, or SwiGLU's ⌊8·hidden/3/64⌋·64), the biases ``--add-bias-linear`` (the default) and ``--add-qkv-bias``
+    give the projections, and the learned position table of ``--position-embedding-type learned_absolute`` (the
+    default)."""
     from ..memory import ModelSpec
 
-    swiglu, biases = bool(getattr(args, "swiglu", False)), bool(getattr(args, "add_bias_linear", False))
+    swiglu, biases = bool(getattr(args, "swiglu", False)), bool(getattr(args, "add_bias_linear", True))
     hidden = args.hidden_size
     ffn = args.ffn_hidden_size or (int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden)
     learned = getattr(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
