@@ -3,8 +3,8 @@ sequence, padding every document to the layout's unit, and the documents transfo
 
 A packed causal-LM batch holds several documents in one sequence; its ``position_ids`` restart at 0 in each one
 (Hugging Face's ``DataCollatorWithFlattening``) or it comes with the global cumulative lengths (``cu_seq_lens_q``,
-flash-attn's ``cu_seqlens``). :func:`documents_of_batch` reads either into a :class:`~ctx_plugin.core.documents.Documents`
-(the same for every row of the batch), :func:`pad_packed_batch` pads each document to the layout's unit (only when
+flash-attn's ``cu_seqlens``). :func:`documents_of_batch` reads either into a
+:class:`~ctx_plugin.core.documents.Documents` (the same for every row of the batch), :func:`pad_packed_batch` pads each document to the layout's unit (only when
 asked: nothing is padded silently) and :func:`shift_labels` makes the next-token targets of a packed sequence (the
 last token of every document has none: ``-100``, never the next document's first token).
 """

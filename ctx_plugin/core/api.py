@@ -121,7 +121,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     ``c·tanh(s/c)`` before the softmax. ``sinks``: one logit per query head (``[heads]``, floating, on q's
     device) that joins every row's softmax denominator without a value (gpt-oss, megatron-core's learnable
     softmax); its ``.grad`` on each rank is that rank's part: sum it over the context-parallel group (data
-    parallelism's gradient reduction over the CP ranks does). See :mod:`ctx_plugin.core.mask` and :mod:`ctx_plugin.core.sinks`.
+    parallelism's gradient reduction over the CP ranks does). See :mod:`ctx_plugin.core.mask` and
+    :mod:`ctx_plugin.core.sinks`.
 
     ``documents``: the packed documents of the *global* sequence, the same on every rank — a
     :class:`ctx_plugin.core.documents.Documents` or its cumulative lengths (flash-attn's ``cu_seqlens``: a 1-D integer

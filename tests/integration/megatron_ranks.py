@@ -32,8 +32,9 @@ VARIANTS = {   # name: (TransformerConfig fields, GPTModel arguments, qk_layerno
     # mixture of experts: 4 experts, top-2 routing, no capacity limit (Megatron's default: dropless), the
     # load-balancing and z losses (their gradients join backward through Megatron's MoEAuxLossAutoScaler); QKV
     # biases only (megatron-core's experts modify a view of a tensor-parallel reduction in place with linear biases)
-    "moe": ({"add_bias_linear": False, "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01,
-             "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "aux_loss"}, {}, False),
+    "moe": ({"add_bias_linear": False, "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.1,
+             "moe_z_loss_coeff": 0.01, "moe_token_dispatcher_type": "allgather",
+             "moe_router_load_balancing_type": "aux_loss"}, {}, False),
 }
 
 

@@ -99,7 +99,8 @@ def test_budget_counts_the_dataloader_mask(monkeypatch):
     args = _args(monkeypatch, "--cp-recompute", "budget:80", "--no-create-attention-mask-in-dataloader")
     peak = estimate(model_spec(args), ParallelSpec(), "none", seq_len=4096, dtype=torch.float32).peak
     budget = f"budget:{(peak + 8 * 2 ** 20) / GiB:.9f}"
-    without = settings_from_args(_args(monkeypatch, "--cp-recompute", budget, "--no-create-attention-mask-in-dataloader"))
+    without = settings_from_args(_args(monkeypatch, "--cp-recompute", budget,
+                                       "--no-create-attention-mask-in-dataloader"))
     assert str(without.recompute) == "none"
     with_mask = settings_from_args(_args(monkeypatch, "--cp-recompute", budget))
     assert str(with_mask.recompute) not in ("none", "budget")

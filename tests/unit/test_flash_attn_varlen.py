@@ -1,6 +1,6 @@
-"""flash-attn's varlen entry points behind the varlen kernel interface (``ctx_plugin/core/kernels/flash_attn_varlen.py``),
-run on CPU against the stand-ins of ``test_flash_attn_adapter.py``: FlashAttention-2's ``_flash_attn_varlen_*``
-(2.6.0, 2.7/2.8 custom ops) and FA3's functions with cu_seqlens (c082294, 01afd16d custom ops), each with the real
+"""flash-attn's varlen entry points behind the varlen kernel interface
+(``ctx_plugin/core/kernels/flash_attn_varlen.py``), run on CPU against the stand-ins of
+``test_flash_attn_adapter.py``: FlashAttention-2's ``_flash_attn_varlen_*`` (2.6.0, 2.7/2.8 custom ops) and FA3's functions with cu_seqlens (c082294, 01afd16d custom ops), each with the real
 signature and the real contract (fp16/bf16 only, rows without keys +inf (FA2) / −inf (FA3), rows past
 max_seqlen_q and memory outside every sequence left unwritten, the lse read as raw fp32 ``[H, Tq]`` memory).
 Checked against ``test_varlen.reference`` (float64, dense masked formulas), per-sequence ``tests.reference`` for

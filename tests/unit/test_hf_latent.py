@@ -1,8 +1,8 @@
 """Attention whose values are of another width than its queries and keys (multi-head latent attention and its
 kin in transformers 5.24) under ``ctx_plugin.hf.enable``: one CP rank in this process, against transformers' own
 sdpa attention in float64 (logits and every gradient; dense layers only, as these models' routers run in fp32).
-ctx_plugin pads the narrower side with zero columns and drops the output's padding (ctx_plugin/hf/__init__.py); DeepSeek-V3
-and MiMo-V2-Flash are also checked at CP 2 and 4 in tests/integration/test_hf.py. The kinds with indexed (sparse,
+ctx_plugin pads the narrower side with zero columns and drops the output's padding (ctx_plugin.cp_attention);
+DeepSeek-V3 and MiMo-V2-Flash are also checked at CP 2 and 4 in tests/integration/test_hf.py. The kinds with indexed (sparse,
 DSA) attention layers stay refused by their ``layer_types``.
 """
 from __future__ import annotations

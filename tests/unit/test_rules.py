@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from ctx_plugin import CPConfig
-from ctx_plugin.core.rules import SettingNames, check_heads, check_seq_len, check_split, check_ulysses_size, sequence_unit
+from ctx_plugin.core.rules import (SettingNames, check_heads, check_seq_len, check_split, check_ulysses_size,
+                                   sequence_unit)
 
 MEGATRON = SettingNames(seq_len="--seq-length", cp="--context-parallel-size", ulysses_size="--cp-ulysses-size")
 

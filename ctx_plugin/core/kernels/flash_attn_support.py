@@ -1,6 +1,7 @@
-"""Which flash-attn installs can run which inputs where: the rules :func:`ctx_plugin.core.kernels.flash_attn.unavailable`
-applies, each read from Dao-AILab/flash-attention's sources (``csrc/flash_attn/flash_api.cpp`` at the v2.x tags,
-``hopper/flash_api.cpp`` and ``hopper/flash_attn_interface.py`` along their history):
+"""Which flash-attn installs can run which inputs where: the rules
+:func:`ctx_plugin.core.kernels.flash_attn.unavailable` applies, each read from Dao-AILab/flash-attention's sources
+(``csrc/flash_attn/flash_api.cpp`` at the v2.x tags, ``hopper/flash_api.cpp`` and ``hopper/flash_attn_interface.py``
+along their history):
 
 * FlashAttention-2 before 2.7.3 checks ``is_sm8x || is_sm90`` (major 8, or exactly 9.0): no Blackwell or later;
   2.7.3+ accepts any major >= 8.
