@@ -236,10 +236,18 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
                                   "2", *train[:-1], "--report", str(tmp_path / "reference.json"), "--deepspeed_config",
                                   str(config)], env={**os.environ, "DS_ACCELERATOR": "cpu"},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    high = []       # the high-priority job that preempts `preempt`, submitted once that has trained a few steps
+
+    def preempt_once_trained() -> None:
+        if not high and _logged(runs["preempt"], 1, "step     3"):
+            high.append(cluster.sbatch("-p", "high", "-N", "1", "-c", "8", "--time", "2", "-o",
+                                       str(tmp_path / "high-%j.out"), "--wrap", "hostname", cwd=tmp_path))
+
     try:
         # scancel within 90 s of the time limit (--time 2, the warning 10 s before it, not at once: at once, before
-        # waiting on the others, so the limit cannot pass first on a slow machine): cancelled, not timeout
-        _wait_for("the sleeping job to run on both nodes", lambda: all(
+        # waiting on the others, so the limit cannot pass first on a slow machine): cancelled, not timeout. The
+        # sleeping job may start only when the preempted job's node is free, so the preemption is sent meanwhile.
+        _wait_for("the sleeping job to run on both nodes", lambda: preempt_once_trained() or all(
             (runs["cancel"] / "attempt-1" / "pids" / f"node-{n}.pid").exists() for n in (0, 1)))
         subprocess.run(["scancel", cancel], env=cluster.env, check=True, timeout=30)
         # one loop, the jobs getting there in any order: the warning once a training job has trained a few steps, the
@@ -260,8 +268,7 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
                     continue
                 del waiting[job]
                 if job == preempt:
-                    high = cluster.sbatch("-p", "high", "-N", "1", "-c", "8", "--time", "2", "-o",
-                                          str(tmp_path / "high-%j.out"), "--wrap", "hostname", cwd=tmp_path)
+                    preempt_once_trained()
                 else:
                     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=cluster.env, check=True,
                                    timeout=30)
@@ -286,7 +293,7 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
         subprocess.run(["scontrol", "update", f"JobId={requeue}", "StartTime=now"], env=cluster.env, check=True)
         _wait_for("SLURM's requeue of the preempted job", lambda: _job_state(cluster, preempt) == "PENDING",
                   GRACE_TIME + 120)
-        cluster.wait(high, timeout=120)
+        cluster.wait(high[0], timeout=120)
         # started within the second of its requeue, slurmd refuses the job ("Job credential revoked")
         time.sleep(3)
         subprocess.run(["scontrol", "update", f"JobId={preempt}", "StartTime=now"], env=cluster.env, check=True)
@@ -321,7 +328,7 @@ def test_warning_preemption_requeue_resume(cluster, tmp_path):
     status = _status(runs["preempt"])
     assert status["word"] == "completed" and status["attempt"] == "2", status
     assert status["attempt_1"].startswith("preempted exit_code="), status
-    assert _show_job(cluster, preempt, "Restarts") == "1" and _job_state(cluster, high) == "COMPLETED"
+    assert _show_job(cluster, preempt, "Restarts") == "1" and _job_state(cluster, high[0]) == "COMPLETED"
     for rank in (0, 1):   # SLURM signals the steps itself: each rank's handler recorded its SIGTERM
         assert _logged(runs["preempt"], 1, f"rank {rank}: stopped by signal 15 after step")
         assert "signal=SIGTERM " in (runs["preempt"] / "attempt-1" / "signals" / f"rank-{rank}.txt").read_text()
