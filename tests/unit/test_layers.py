@@ -44,3 +44,11 @@ def test_the_check_sees_relative_imports():
     found = imported_modules(CORE / "api.py")
     assert "ctx_plugin.core.agreement" in found and "ctx_plugin.recompute" in found
     assert "ctx_plugin.core.kernels.flash_attn_support" in imported_modules(CORE / "kernels" / "flash_attn.py")
+
+
+@pytest.mark.parametrize("path", sorted(CORE.rglob("*.py")), ids=lambda p: str(p.relative_to(CORE)))
+def test_core_reads_no_environment_variable(path):
+    """No env-var dispatch: the algorithm takes everything as arguments (the adapters read the frameworks' state)."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+            assert node.attr not in ("environ", "getenv", "putenv"), f"{path.name}:{node.lineno} reads os.{node.attr}"
