@@ -1,6 +1,6 @@
 """The package's layers (README "Layout of the repository"): ``ctx_plugin.core``, the algorithm, imports no adapter,
-no tool and no training framework, anywhere in its files (lazy imports included); only the shared list of names and
-the recompute state (the pinned attention's replay) come from outside it."""
+no tool and no training framework, anywhere in its files (lazy imports included), and reads no environment variable;
+only the shared list of names and the recompute state (the pinned attention's replay) come from outside it."""
 from __future__ import annotations
 
 import ast
