@@ -126,10 +126,16 @@ def check_reset_data(args) -> None:
                         f"--dataloader-inter-document-masking, and its stages exchange [seq/CP, batch, hidden] "
                         f"activations, not a packed [batch·seq/CP, 1, hidden] sequence; use "
                         f"--dataloader-inter-document-masking or --pipeline-model-parallel-size 1")
-    if getattr(args, "num_experts", None):
-        problems.append("--num-experts: MoE layers would see the packed [batch·seq/CP, 1, hidden] sequence, which "
-                        "megatron-core re-splits by --seq-length for its per-sequence auxiliary loss; not checked "
-                        "with ctx_plugin")
+    if getattr(args, "num_experts", None):      # the router sees the packed [batch·seq/CP, 1, hidden] sequence
+        balancing = getattr(args, "moe_router_load_balancing_type", None) or []
+        if "seq_aux_loss" in ([balancing] if isinstance(balancing, str) else balancing):
+            problems.append("--num-experts with --moe-router-load-balancing-type seq_aux_loss: megatron-core's router "
+                            "sees the packed batch as one sequence, so its per-sequence load-balancing loss would pool "
+                            "the samples; use aux_loss or global_aux_loss")
+        if getattr(args, "cp_pad_documents", False):
+            problems.append("--num-experts with --cp-pad-documents: the padding tokens would be routed to experts and "
+                            "counted by the load-balancing loss; drop --cp-pad-documents (documents a multiple of the "
+                            "layout's unit, or --cp-backend ring/ulysses)")
     if getattr(args, "mtp_num_layers", None):
         problems.append("--mtp-num-layers: on a packed batch megatron-core's multi-token prediction rolls tokens "
                         "within each document, while Megatron's own --reset-attention-mask run rolls them across "

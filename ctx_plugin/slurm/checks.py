@@ -92,6 +92,7 @@ def _megatron_parser() -> argparse.ArgumentParser:
                    dest="create_attention_mask_in_dataloader")
     for flag, kind, default in (("--num-experts", int, None), ("--mtp-num-layers", int, None)):
         p.add_argument(flag, type=kind, default=default)
+    p.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss")   # options.check_reset_data
     return add_arguments(p)
 
 

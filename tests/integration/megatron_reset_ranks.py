@@ -63,38 +63,39 @@ def _full_batch(mix: str, reset_mask: bool, reset_pos: bool, mask: str) -> dict:
 
 
 def reset_step(rank: int, world: int, payload: dict) -> dict:
-    """For each (backend, position embedding, mix, reset_mask, reset_pos, mask, pad): the relative errors of
-    ctx_plugin's loss and gradients at CP = world against Megatron's own model at CP 1 on the same batch, or the error
-    raised; ``pad``: the sharder pads the documents (``--cp-pad-documents``)."""
+    """For each (backend, position embedding, mix, reset_mask, reset_pos, mask, pad[, model variant]): the relative
+    errors of ctx_plugin's loss and gradients at CP = world against Megatron's own model at CP 1 on the same batch, or
+    the error raised; ``pad``: the sharder pads the documents (``--cp-pad-documents``); the variant (default
+    ``base``) is one of tests/integration/megatron_ranks.py's VARIANTS."""
     warnings.filterwarnings("ignore")
     import ctx_plugin
     from ctx_plugin.megatron.mask_documents import document_padding
     from ctx_plugin.megatron.spec import shard_batch
 
-    cases = [tuple(c) for c in payload["cases"]]
+    cases = [(*c, "base") if len(c) == 7 else tuple(c) for c in payload["cases"]]
     want = {}
     with model_parallel(), _cpu_shims():
-        for _, position, mix, reset_mask, reset_pos, mask, _ in cases:
-            if mask == "dataset" and (position, mix, reset_mask, reset_pos) not in want:
-                model = _model(1, position, "base", lambda spec: spec)
-                want[position, mix, reset_mask, reset_pos] = loss_and_grads(
+        for _, position, mix, reset_mask, reset_pos, mask, _, variant in cases:
+            if mask == "dataset" and (position, mix, reset_mask, reset_pos, variant) not in want:
+                model = _model(1, position, variant, lambda spec: spec)
+                want[position, mix, reset_mask, reset_pos, variant] = loss_and_grads(
                     model, batch(mix, reset_mask, reset_pos), None)
     out = {}
     with model_parallel(context_parallel_size=world) as parallel_state:
         cp_group = parallel_state.get_context_parallel_group()
-        for backend, position, mix, reset_mask, reset_pos, mask, pad in cases:
-            key = case_key(backend, position, mix, reset_mask, reset_pos, mask, pad)
+        for backend, position, mix, reset_mask, reset_pos, mask, pad, variant in cases:
+            key = case_key(backend, position, mix, reset_mask, reset_pos, mask, pad, variant)
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
-            model, groups = cp_model(world, cp_config, position)
+            model, groups = cp_model(world, cp_config, position, variant)
             try:
                 sharded = shard_batch(_full_batch(mix, reset_mask, reset_pos, mask), config=cp_config, groups=groups,
                                       pad_documents=document_padding(cp_config, world) if pad else None)
-                with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
+                with _cpu_shims() if position == "yarn" or variant == "moe" else contextlib.nullcontext():
                     loss, grads = loss_and_grads(model, sharded, cp_group, packed_seq_params=packed_seq_params(sharded))
             except ValueError as e:
                 out[key] = {"error": str(e)}
                 continue
-            out[key] = {**relative_errors(loss, grads, *want[position, mix, reset_mask, reset_pos]),
+            out[key] = {**relative_errors(loss, grads, *want[position, mix, reset_mask, reset_pos, variant]),
                         "packed": sharded["cu_seqlens"] is not None, "local_tokens": sharded["tokens"].shape[1],
                         "cu_seqlens": None if sharded["cu_seqlens"] is None else sharded["cu_seqlens"].tolist(),
                         "cu_seqlens_padded": None if sharded["cu_seqlens_padded"] is None
@@ -102,6 +103,6 @@ def reset_step(rank: int, world: int, payload: dict) -> dict:
     return out
 
 
-def case_key(backend, position, mix, reset_mask, reset_pos, mask, pad) -> str:
+def case_key(backend, position, mix, reset_mask, reset_pos, mask, pad, variant="base") -> str:
     flags = "+".join(f for f, on in (("mask", reset_mask), ("pos", reset_pos), ("pad", pad)) if on)
-    return f"{backend}-{position}-{mix}-{flags}-{mask}"
+    return f"{backend}-{position}-{mix}-{flags}-{mask}" + ("" if variant == "base" else f"-{variant}")

@@ -205,7 +205,13 @@ BAD = [
      "--no-create-attention-mask-in-dataloader: Megatron's dataloader then builds no document mask"),
     (["--reset-attention-mask", "--pipeline-model-parallel-size", "2"], ValueError,
      "--pipeline-model-parallel-size 2: Megatron-LM's get_batch gives middle pipeline stages no batch"),
-    (["--reset-attention-mask", "--num-experts", "4"], ValueError, "--num-experts: MoE layers would see the packed"),
+    (["--reset-attention-mask", "--num-experts", "4", "--moe-router-load-balancing-type", "seq_aux_loss"], ValueError,
+     "--num-experts with --moe-router-load-balancing-type seq_aux_loss: megatron-core's router sees the packed batch "
+     "as one sequence, so its per-sequence load-balancing loss would pool the samples; use aux_loss or "
+     "global_aux_loss"),
+    (["--reset-attention-mask", "--num-experts", "4", "--cp-pad-documents"], ValueError,
+     "--num-experts with --cp-pad-documents: the padding tokens would be routed to experts and counted by the "
+     "load-balancing loss"),
     (["--reset-attention-mask", "--mtp-num-layers", "1"], ValueError, "--mtp-num-layers: on a packed batch"),
     (["--cp-pad-documents"], ValueError, "--cp-pad-documents pads the documents ctx_plugin reads from "
      "--reset-attention-mask's dataloader mask: drop it"),

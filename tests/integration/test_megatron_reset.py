@@ -8,7 +8,7 @@ own model at CP 1 fed the same batch with its mask (its local attention applies 
 restarted position ids (THD RoPE restarts them; scores depend only on distances inside a document), YaRN (its
 frequencies and attention factor, applied per document by megatron-core's THD RoPE, padded and not), learned
 absolute embeddings (which read the position ids as the dataset made them), zigzag, allgather, ring, ulysses and
-striped; ``--reset-position-ids`` alone (causal attention); documents padded to the layout's unit
+striped, mixture-of-experts layers with their auxiliary losses; ``--reset-position-ids`` alone (causal attention); documents padded to the layout's unit
 (``--cp-pad-documents``). Refusals: documents the layout cannot split, RoPE or YaRN on a
 layout megatron-core's THD RoPE cannot follow, masks that are not the documents' causal mask; every rank raises the
 same message. The entry point carries the flags through Megatron's parser to a CPU stand-in of pretrain_gpt.py
@@ -43,7 +43,12 @@ PARITY = [("zigzag", "rope", "fit", True, True, "dataset", False),
           ("allgather", "rope", "uneven", True, False, "dataset", True),
           ("striped", "learned_absolute", "uneven", True, False, "dataset", True),      # ... to 2
           ("zigzag", "yarn", "fit", True, True, "dataset", False),                      # YaRN: attention factor too
-          ("allgather", "yarn", "uneven", True, False, "dataset", True)]
+          ("allgather", "yarn", "uneven", True, False, "dataset", True),
+          # mixture of experts (tests/integration/megatron_ranks.py's "moe": the load-balancing and z losses): the
+          # router sees the packed sequence, its losses over all tokens of the micro batch as in Megatron's own run
+          ("zigzag", "rope", "fit", True, True, "dataset", False, "moe"),
+          ("ring", "learned_absolute", "uneven", True, False, "dataset", False, "moe"),
+          ("striped", "learned_absolute", "fit", True, True, "dataset", False, "moe")]
 PADDED = {"zigzag": [0, 12, 24, 36, 44, 72], "allgather": [0, 12, 24, 36, 44, 72], "striped": [0, 10, 22, 34, 40, 68]}
 REFUSED = [(("zigzag", "learned_absolute", "uneven", True, True, "dataset", False),
             "--reset-attention-mask: the document at token 0 of sample 0 holds 10 tokens, not a multiple of 4"),
@@ -138,9 +143,13 @@ def test_launcher_checks_the_reset_flags_as_the_job_does():
         return check_megatron([*BASE, *flags], world=2, device="cpu", megatron_lm=str(CHECKOUT))
 
     check("--reset-attention-mask", "--reset-position-ids", "--cp-pad-documents", "--position-embedding-type", "rope")
+    check("--reset-attention-mask", "--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss")
     for flags, message in ((["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"],
                             "--no-create-attention-mask-in-dataloader: Megatron's dataloader then builds no"),
-                           (["--reset-attention-mask", "--num-experts", "4"], "--num-experts: MoE layers"),
+                           (["--reset-attention-mask", "--num-experts", "4", "--moe-router-load-balancing-type",
+                             "aux_loss", "seq_aux_loss"], "seq_aux_loss: megatron-core's router sees the packed"),
+                           (["--reset-attention-mask", "--num-experts", "4", "--cp-pad-documents"],
+                            "--num-experts with --cp-pad-documents: the padding tokens"),
                            (["--cp-pad-documents"], "--cp-pad-documents pads the documents"),
                            (["--reset-attention-mask", "--cp-pad-documents", "--cuda-graph-impl", "local"],
                             "a captured CUDA graph replays"),
