@@ -261,6 +261,12 @@ def _unsupported(model, encoders: set[int]) -> list[str]:
 def _check_model(model) -> None:
     from transformers import PreTrainedModel
 
+    tp = getattr(model, "tp_size", None)
+    if tp not in (None, 1):
+        raise ValueError(f"{type(model).__name__} is split by transformers' tensor parallelism (tp_size={tp}): "
+                         f"ctx_plugin's attention is checked and split over context-parallel ranks by the config's "
+                         f"whole heads, not a tensor-parallel rank's share; load the model without tp_plan (DeepSpeed's "
+                         f"ZeRO shards its parameters instead), or train tensor × context parallel with Megatron")
     encoders = encoder_modules(model)
     problems = _unsupported(model, encoders)
     if problems:

@@ -123,6 +123,19 @@ def test_llama4_temperature_tuning_with_nope_layers_is_refused_at_enable():
         assert cphf.enable(model, *_one_rank()) == model.config._attn_implementation
 
 
+def test_a_model_split_by_transformers_tensor_parallelism_is_refused_at_enable(monkeypatch):
+    """A model loaded with tp_plan (its tp_size set by transformers) is refused before anything changes."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+    monkeypatch.setattr(model, "_tp_size", 2)
+    assert model.tp_size == 2
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM is split by transformers' tensor parallelism \(tp_size=2\)"
+                                         r".*load the model without tp_plan"):
+        cphf.enable(model, *_one_rank())
+    assert model.config._attn_implementation != "ctx_plugin"
+    monkeypatch.setattr(model, "_tp_size", None)
+    assert cphf.enable(model, *_one_rank()) == model.config._attn_implementation
+
+
 # ---- sliding windows the model does not pass -----------------------------------------------------------------
 
 def _phimoe(window):
