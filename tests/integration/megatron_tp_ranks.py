@@ -2,9 +2,9 @@
 
 First Megatron's own model (local spec: DotProductAttention, its RoPE) at TP 2, CP 1 on the whole batch — the
 reference, initialised as the TP 2 model is (megatron-core draws a learnable softmax offset per tensor-parallel
-rank) — then ctx_plugin's model at TP 2 × CP 2 for each case, its batch sharded over the CP ranks. Both report the
-loss and every parameter's whole gradient: summed over the CP group (what DDP over data × context ranks does), the
-tensor-parallel shards gathered along their partition dimension. The tiny model of
+rank) — then ctx_plugin's model at TP 2 × CP (world ÷ 2) for each case, its batch sharded over the CP ranks. Both
+report the loss and every parameter's whole gradient: summed over the CP group (what DDP over data × context ranks
+does), the tensor-parallel shards gathered along their partition dimension. The tiny model of
 :mod:`tests.integration.megatron_ranks` (biases, GQA, init std 0.1, float64): at TP 2 each rank holds 2 heads and
 1 query group, so Ulysses replicates that group's K/V over its 2 ranks.
 """
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tests.integration.megatron_ranks import _batch, _cpu_shims, _model, cp_model, model_parallel
 
-TP, CP = 2, 2
+TP = 2
 
 
 class _GatherVocabulary(torch.autograd.Function):
@@ -86,7 +86,8 @@ def run(rank: int, world: int, payload: dict) -> dict:
     from ctx_plugin.recompute import RecomputeConfig
     from tests.integration import megatron_mla_ranks as mla
 
-    assert world == TP * CP
+    assert world % TP == 0
+    cp = world // TP
     out = {}
     with model_parallel(tensor_model_parallel_size=TP) as parallel_state, _cpu_shims():
         tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -98,13 +99,13 @@ def run(rank: int, world: int, payload: dict) -> dict:
             model = mla._model(1, rope, lambda spec: mla._with_core(spec, mla._reference_core_attention()), tp=TP)
             loss, grads = loss_and_grads(model, _batch(with_mask=True), None, tp_group)
             out[f"mla-reference-{rope}"] = {"loss": loss, **_whole(model, grads, tp_group)}
-    with model_parallel(tensor_model_parallel_size=TP, context_parallel_size=CP) as parallel_state:
+    with model_parallel(tensor_model_parallel_size=TP, context_parallel_size=cp) as parallel_state:
         tp_group, cp_group = (parallel_state.get_tensor_model_parallel_group(),
                               parallel_state.get_context_parallel_group())
         for backend, u, position, variant, with_mask in payload["cases"]:
             cp_config = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
-            model, groups = cp_model(CP, cp_config, position, variant, tp=TP)
-            assert groups.size == CP
+            model, groups = cp_model(cp, cp_config, position, variant, tp=TP)
+            assert groups.size == cp
             batch = shard_batch(_batch(with_mask), config=cp_config, groups=groups)
             with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
                 loss, grads = loss_and_grads(model, batch, cp_group, tp_group)
@@ -112,7 +113,7 @@ def run(rank: int, world: int, payload: dict) -> dict:
         for backend, rope in payload.get("mla", []):
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
             provider = GroupsProvider(cp_config)
-            model = mla._model(CP, rope, lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider),
+            model = mla._model(cp, rope, lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider),
                                tp=TP)
             groups = prepare_model(model, MegatronCPSettings(cp_config=cp_config, recompute=RecomputeConfig.parse(
                 "none"), megatron_recompute=None), provider)

@@ -1,9 +1,10 @@
-"""Tensor × context parallelism under Megatron (megatron-core, CPU, gloo, 4 ranks): ctx_plugin's model at TP 2 ×
-CP 2 gives the loss and every parameter's whole gradient (TP shards gathered, CP ranks summed) of Megatron's own
-model at TP 2 on the whole batch, within 1e-9, for every backend but the hybrid (which needs CP ≥ 4) — each TP rank
-attends over its 2 heads and 1 query group (Ulysses replicating that group's K/V over its CP ranks), with RoPE,
-YaRN and learned positions, the honoured options (output gate, QK layernorm, partial interleaved RoPE, ...), and
-sliding windows with learnable (TP-sharded) and off-by-one softmax offsets (tests/integration/megatron_tp_ranks.py)."""
+"""Tensor × context parallelism under Megatron (megatron-core, CPU, gloo): ctx_plugin's model at TP 2 × CP 2 (4
+ranks; the Ulysses × ring hybrid at TP 2 × CP 4, 8 ranks) gives the loss and every parameter's whole gradient (TP
+shards gathered, CP ranks summed) of Megatron's own model at TP 2 on the whole batch, within 1e-9, for every
+backend — each TP rank attends over its 2 heads and 1 query group (Ulysses replicating that group's K/V over its
+ranks), with RoPE, YaRN and learned positions, the honoured options (output gate, QK layernorm, partial interleaved
+RoPE, ...), and sliding windows with learnable (TP-sharded) and off-by-one softmax offsets
+(tests/integration/megatron_tp_ranks.py)."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'c
 import torch  # noqa: E402
 
 from tests.distributed.harness import run_spawned  # noqa: E402
-from tests.integration.megatron_tp_ranks import CP, TP, case_key  # noqa: E402
+from tests.integration.megatron_tp_ranks import TP, case_key  # noqa: E402
 
 # (backend, ulysses size, position embedding, variant, dataloader mask)
 CASES = [(b, 1, "rope", "base", True) for b in ("ring", "zigzag", "striped", "ulysses", "allgather")]
@@ -22,14 +23,15 @@ CASES += [("striped", 1, "learned_absolute", "base", False), ("zigzag", 1, "yarn
           ("ulysses", 1, "rope", "window", False), ("ring", 1, "rope", "window", True),
           ("allgather", 1, "rope", "offbyone", False)]
 MLA = [("zigzag", "rope"), ("ulysses", "yarn"), ("allgather", "rope")]   # (backend, MLA's rope type)
-_results: list = []
+HYBRID = [("ulysses_ring", 2, "rope", "base", True), ("ulysses_ring", 2, "rope", "window", False)]   # CP 4
+_results: dict[int, list] = {}
 
 
-def results() -> list:
-    if not _results:
-        _results.extend(run_spawned("tests.integration.megatron_tp_ranks:run", TP * CP, {"cases": CASES, "mla": MLA},
-                                    timeout_s=600))
-    return _results
+def results(cp: int = 2) -> list:
+    if cp not in _results:
+        payload = {"cases": CASES, "mla": MLA} if cp == 2 else {"cases": HYBRID}
+        _results[cp] = run_spawned("tests.integration.megatron_tp_ranks:run", TP * cp, payload, timeout_s=600)
+    return _results[cp]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_key(*c) for c in CASES])
@@ -40,6 +42,14 @@ def test_tensor_and_context_parallel_model_matches_megatron(case):
     _check(f"reference-{position}-{variant}", case_key(*case))
 
 
+@pytest.mark.parametrize("case", HYBRID, ids=[case_key(*c) for c in HYBRID])
+def test_the_hybrid_under_tensor_parallelism(case):
+    """Ulysses inside groups of 2, the ring across 2 of them, at TP 2 × CP 4: one head and its query group per
+    Ulysses rank."""
+    backend, u, position, variant, mask = case
+    _check(f"reference-{position}-{variant}", case_key(*case), cp=4)
+
+
 @pytest.mark.parametrize("backend,rope", MLA, ids=[f"{b}-{r}" for b, r in MLA])
 def test_multi_latent_attention_under_tensor_and_context_parallelism(backend, rope):
     """MLA (tests/integration/megatron_mla_ranks.py's model: low-rank projections, queries and keys 24 wide, values
@@ -48,8 +58,8 @@ def test_multi_latent_attention_under_tensor_and_context_parallelism(backend, ro
     _check(f"mla-reference-{rope}", f"mla-{backend}-{rope}")
 
 
-def _check(reference: str, key: str) -> None:
-    ranks = results()
+def _check(reference: str, key: str, cp: int = 2) -> None:
+    ranks = results(cp)
     want, got = ranks[0][reference], ranks[0][key]
     assert got["weights"] == want["weights"], "the two models were not initialised alike"
     for rank in ranks:
