@@ -37,33 +37,30 @@ def _undescribed(args: argparse.Namespace) -> list[str]:
 def budget_recompute(args: argparse.Namespace, recompute: RecomputeConfig, resolve_budget: bool) -> RecomputeConfig:
     """Checks a ``budget:<GiB>`` preset against Megatron's flags and, with ``resolve_budget``, resolves it (the
     launcher checks unresolved when the vocabulary is not known yet, so it refuses what the job would)."""
+    refused = []      # (the flags, why the memory model cannot resolve budget:<GiB> with them, more of the fix)
     if getattr(args, "num_experts", None):
-        raise ValueError(f"--cp-recompute {recompute} with --num-experts {args.num_experts}: the memory model that "
-                         f"resolves budget:<GiB> covers dense decoders only (no expert parameters, gradients, "
-                         f"optimizer state or routing); give a concrete preset instead, e.g. --cp-recompute full")
+        refused.append((f"--num-experts {args.num_experts}", "covers dense decoders only (no expert parameters, "
+                        "gradients, optimizer state or routing)", ""))
     if getattr(args, "multi_latent_attention", False):
-        raise ValueError(f"--cp-recompute {recompute} with --multi-latent-attention: the memory model that resolves "
-                         f"budget:<GiB> sizes standard attention (q/k/v projections and heads --hidden-size wide), "
-                         f"not latent attention's compressed projections and wider queries; give a concrete preset "
-                         f"instead, e.g. --cp-recompute full")
+        refused.append(("--multi-latent-attention", "sizes standard attention (q/k/v projections and heads "
+                        "--hidden-size wide), not latent attention's compressed projections and wider queries", ""))
     kv_channels = getattr(args, "kv_channels", None)
     if kv_channels and kv_channels * args.num_attention_heads != args.hidden_size:
-        raise ValueError(f"--cp-recompute {recompute} with --kv-channels {kv_channels}: {args.num_attention_heads} "
-                         f"heads × {kv_channels} is not --hidden-size {args.hidden_size}, and the memory model that "
-                         f"resolves budget:<GiB> sizes the attention --hidden-size wide; give a concrete preset "
-                         f"instead, e.g. --cp-recompute full (`ctx-plugin memory` to choose it)")
+        refused.append((f"--kv-channels {kv_channels}", f"sizes the attention --hidden-size wide "
+                        f"({args.num_attention_heads} heads × {kv_channels} is not --hidden-size {args.hidden_size})",
+                        " (`ctx-plugin memory` to choose it)"))
     undescribed = _undescribed(args)
     if undescribed:
-        raise ValueError(f"--cp-recompute {recompute} with {', '.join(undescribed)}: the memory model that resolves "
-                         f"budget:<GiB> does not describe {'this' if len(undescribed) == 1 else 'these'}, so it would "
-                         f"under-count what each layer keeps; give a concrete preset instead, e.g. --cp-recompute "
-                         f"full")
+        refused.append((", ".join(undescribed), f"does not describe {'this' if len(undescribed) == 1 else 'these'}, "
+                        f"so it would under-count what each layer keeps", ""))
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     if pp > 1:
-        raise ValueError(f"--cp-recompute {recompute} with --pipeline-model-parallel-size {pp}: the memory model that "
-                         f"resolves budget:<GiB> covers one whole-model stack (every layer's parameters, one micro "
-                         f"batch in flight), not a pipeline stage's share under its schedule; give a concrete preset "
-                         f"instead, e.g. --cp-recompute full")
+        refused.append((f"--pipeline-model-parallel-size {pp}", "covers one whole-model stack (every layer's "
+                        "parameters, one micro batch in flight), not a pipeline stage's share under its schedule", ""))
+    if refused:
+        flags, why, more = refused[0]
+        raise ValueError(f"--cp-recompute {recompute} with {flags}: the memory model that resolves budget:<GiB> "
+                         f"{why}; give a concrete preset instead, e.g. --cp-recompute full{more}")
     if not resolve_budget:
         return recompute
     missing = [name for name in ("padded_vocab_size", "data_parallel_size") if not getattr(args, name, None)]

@@ -155,13 +155,42 @@ def cp_model(world: int, cp_config, position: str, variant: str = "base", preset
     return model, prepare_model(model, settings, provider)
 
 
-def loss_and_grads(model, batch, group, **forward) -> tuple[float, dict]:
-    """Global loss (float64, from the logits) and gradients summed over ``group`` (what DDP over data×context
-    ranks does); the loss on each rank is its tokens' sum over the global token count. ``forward``: more keywords
-    of the model's forward (e.g. packed_seq_params)."""
-    logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **forward)
-    per_token = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
-    mask = batch["loss_mask"]
+class _GatherVocabulary(torch.autograd.Function):
+    """The tensor-parallel ranks' logits (each its vocabulary shard, the last dimension) side by side; backward: this
+    rank's shard of the gradient (megatron-core's gather_from_tensor_model_parallel_region allocates on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        ctx.group = group
+        parts = [torch.empty_like(logits) for _ in range(group.size())]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.group.size(), dim=-1)[ctx.group.rank()].contiguous(), None
+
+
+def whole_parameters(model, tensors: dict, tp_group) -> dict:
+    """``tensors`` (one per parameter name, shaped like this rank's parameter) with every tensor-parallel shard
+    gathered along its ``partition_dim``: the sharded linear layers' (``tensor_model_parallel``) and the learnable
+    softmax offsets, sharded over heads (megatron-core marks those with no attribute)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = tensors[name]
+        if tp_group is not None and tp_group.size() > 1 and (getattr(p, "tensor_model_parallel", False)
+                                                              or name.endswith("softmax_offset")):
+            parts = [torch.empty_like(t) for _ in range(tp_group.size())]
+            dist.all_gather(parts, t.contiguous(), group=tp_group)
+            t = torch.cat(parts, dim=getattr(p, "partition_dim", 0))
+        out[name] = t
+    return out
+
+
+def masked_mean_backward(model, per_token: torch.Tensor, mask: torch.Tensor, group) -> tuple[float, dict]:
+    """Back-propagates the masked token mean of ``per_token`` over ``group``'s ranks (each rank's tokens' sum over
+    the global token count); returns that mean and every parameter's gradient summed over ``group`` (what DDP over
+    data×context ranks does)."""
     stats = torch.stack([(per_token * mask).sum().detach(), mask.sum()])
     if group is not None:
         dist.all_reduce(stats, group=group)
@@ -173,6 +202,17 @@ def loss_and_grads(model, batch, group, **forward) -> tuple[float, dict]:
             dist.all_reduce(g, group=group)
         grads[name] = g
     return (stats[0] / stats[1]).item(), grads
+
+
+def loss_and_grads(model, batch, group, *, tp_group=None, **forward) -> tuple[float, dict]:
+    """Global loss (float64, from the logits) and gradients summed over ``group`` (:func:`masked_mean_backward`).
+    ``tp_group``: the model's tensor-parallel group, whose ranks' vocabulary shards of the logits are gathered first.
+    ``forward``: more keywords of the model's forward (e.g. packed_seq_params)."""
+    logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **forward)
+    if tp_group is not None:
+        logits = _GatherVocabulary.apply(logits, tp_group)
+    per_token = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+    return masked_mean_backward(model, per_token, batch["loss_mask"], group)
 
 
 def _step(model, batch, group, **forward) -> dict:

@@ -13,64 +13,17 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-import torch
-import torch.distributed as dist
-
-from tests.integration.megatron_ranks import _batch, _cpu_shims, _model, cp_model, model_parallel
+from tests.integration.megatron_ranks import (_batch, _cpu_shims, _model, cp_model, loss_and_grads, model_parallel,
+                                              whole_parameters)
 
 TP = 2
 
 
-class _GatherVocabulary(torch.autograd.Function):
-    """The TP ranks' logits (each its vocabulary shard, the last dimension) side by side; backward: this rank's
-    shard of the gradient (megatron-core's gather_from_tensor_model_parallel_region allocates on CUDA)."""
-
-    @staticmethod
-    def forward(ctx, logits, group):
-        ctx.group = group
-        parts = [torch.empty_like(logits) for _ in range(group.size())]
-        dist.all_gather(parts, logits.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(ctx.group.size(), dim=-1)[ctx.group.rank()].contiguous(), None
-
-
-def loss_and_grads(model, batch, cp_group, tp_group) -> tuple[float, dict]:
-    """tests.integration.megatron_ranks.loss_and_grads on the whole vocabulary (the TP ranks' logits gathered)."""
-    logits = _GatherVocabulary.apply(model(batch["tokens"], batch["position_ids"], batch.get("attention_mask")),
-                                     tp_group)
-    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
-    mask = batch["loss_mask"]
-    stats = torch.stack([(per_token * mask).sum().detach(), mask.sum()])
-    if cp_group is not None:
-        dist.all_reduce(stats, group=cp_group)
-    ((per_token * mask).sum() / stats[1]).backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        if cp_group is not None:
-            dist.all_reduce(g, group=cp_group)
-        grads[name] = g
-    return (stats[0] / stats[1]).item(), grads
-
-
 def _whole(model, grads: dict, tp_group) -> dict:
-    """Every parameter's whole gradient from this rank's TP shard (as lists), and the weights' sum over the
-    whole parameters."""
-    out, weights = {}, 0.0
-    for name, p in model.named_parameters():
-        g, w = grads[name], p.detach()
-        if getattr(p, "tensor_model_parallel", False) or name.endswith("softmax_offset"):
-            dim = getattr(p, "partition_dim", 0)
-            gathered = [[torch.empty_like(t) for _ in range(tp_group.size())] for t in (g, w)]
-            dist.all_gather(gathered[0], g.contiguous(), group=tp_group)
-            dist.all_gather(gathered[1], w.contiguous(), group=tp_group)
-            g, w = torch.cat(gathered[0], dim=dim), torch.cat(gathered[1], dim=dim)
-        out[name] = g.flatten().tolist()
-        weights += w.double().sum().item()
-    return {"grads": out, "weights": weights}
+    """Every parameter's whole gradient (as lists) and the weights' sum over the whole parameters."""
+    weights = whole_parameters(model, {name: p.detach() for name, p in model.named_parameters()}, tp_group)
+    return {"grads": {name: g.flatten().tolist() for name, g in whole_parameters(model, grads, tp_group).items()},
+            "weights": sum(w.double().sum().item() for w in weights.values())}
 
 
 def run(rank: int, world: int, payload: dict) -> dict:
@@ -93,11 +46,11 @@ def run(rank: int, world: int, payload: dict) -> dict:
         tp_group = parallel_state.get_tensor_model_parallel_group()
         for position, variant in sorted({(c[2], c[3]) for c in payload["cases"]}):
             model = _model(1, position, variant, lambda spec: spec, tp=TP)
-            loss, grads = loss_and_grads(model, _batch(with_mask=True), None, tp_group)
+            loss, grads = loss_and_grads(model, _batch(with_mask=True), None, tp_group=tp_group)
             out[f"reference-{position}-{variant}"] = {"loss": loss, **_whole(model, grads, tp_group)}
         for rope in sorted({rope for _, rope in payload.get("mla", [])}):
             model = mla._model(1, rope, lambda spec: mla._with_core(spec, mla._reference_core_attention()), tp=TP)
-            loss, grads = loss_and_grads(model, _batch(with_mask=True), None, tp_group)
+            loss, grads = loss_and_grads(model, _batch(with_mask=True), None, tp_group=tp_group)
             out[f"mla-reference-{rope}"] = {"loss": loss, **_whole(model, grads, tp_group)}
     with model_parallel(tensor_model_parallel_size=TP, context_parallel_size=cp) as parallel_state:
         tp_group, cp_group = (parallel_state.get_tensor_model_parallel_group(),
@@ -108,7 +61,7 @@ def run(rank: int, world: int, payload: dict) -> dict:
             assert groups.size == cp
             batch = shard_batch(_batch(with_mask), config=cp_config, groups=groups)
             with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
-                loss, grads = loss_and_grads(model, batch, cp_group, tp_group)
+                loss, grads = loss_and_grads(model, batch, cp_group, tp_group=tp_group)
             out[case_key(backend, u, position, variant, with_mask)] = {"loss": loss, **_whole(model, grads, tp_group)}
         for backend, rope in payload.get("mla", []):
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
@@ -119,7 +72,7 @@ def run(rank: int, world: int, payload: dict) -> dict:
                 "none"), megatron_recompute=None), provider)
             batch = shard_batch(_batch(with_mask=True), config=cp_config, groups=groups)
             with _cpu_shims():      # MLA's rotary embeddings: on torch.cuda.current_device()
-                loss, grads = loss_and_grads(model, batch, cp_group, tp_group)
+                loss, grads = loss_and_grads(model, batch, cp_group, tp_group=tp_group)
             out[f"mla-{backend}-{rope}"] = {"loss": loss, **_whole(model, grads, tp_group)}
     return {k: {**v, "grads": v["grads"] if rank == 0 else None} for k, v in out.items()}
 

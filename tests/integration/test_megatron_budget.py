@@ -56,8 +56,10 @@ def test_budget_with_kv_channels_of_their_own_is_refused(monkeypatch):
     from ctx_plugin.megatron.args import settings_from_args
 
     args = _args(monkeypatch, "--cp-recompute", "budget:80", "--kv-channels", "64")
-    with pytest.raises(ValueError, match=r"--cp-recompute budget:80 with --kv-channels 64: 8 heads × 64 is not "
-                                         r"--hidden-size 256.*--cp-recompute full"):
+    with pytest.raises(ValueError, match=r"--cp-recompute budget:80 with --kv-channels 64: the memory model that "
+                                         r"resolves budget:<GiB> sizes the attention --hidden-size wide \(8 heads × "
+                                         r"64 is not --hidden-size 256\); give a concrete preset instead, e\.g\. "
+                                         r"--cp-recompute full \(`ctx-plugin memory` to choose it\)$"):
         settings_from_args(args)
     same = settings_from_args(_args(monkeypatch, "--cp-recompute", "budget:80", "--kv-channels", "32"))
     assert same.recompute.preset != Recompute.BUDGET

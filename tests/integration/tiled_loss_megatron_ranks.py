@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from tests.integration.megatron_ranks import SEQ, VOCAB, _batch, _cpu_shims
+from tests.integration.megatron_ranks import SEQ, VOCAB, _batch, _cpu_shims, masked_mean_backward, whole_parameters
 
 
 def _model(core_spec, *, cp: int, tp: int, share: bool, sp: bool = False):
@@ -43,35 +43,21 @@ def _step(model, batch, cp_group) -> dict:
     handle = model.output_layer.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
     per_token = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     handle.remove()
-    mask = batch["loss_mask"]
-    stats = torch.stack([(per_token.double() * mask).sum().detach(), mask.sum()])
-    if cp_group is not None:
-        dist.all_reduce(stats, group=cp_group)
-    ((per_token.double() * mask).sum() / stats[1]).backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        if cp_group is not None:
-            dist.all_reduce(g, group=cp_group)
-        grads[name] = g
-    return {"loss": (stats[0] / stats[1]).item(), "grads": grads, "calls": calls,
-            "shape": list(per_token.shape)}
+    loss, grads = masked_mean_backward(model, per_token.double(), batch["loss_mask"], cp_group)
+    return {"loss": loss, "grads": grads, "calls": calls, "shape": list(per_token.shape)}
 
 
 def _gather_tp(grads: dict, model, tp_group) -> dict:
-    """Full parameters' gradients from TP shards (partitioned along ``partition_dim``), as lists."""
-    out = {}
+    """Full parameters' gradients from TP shards (:func:`whole_parameters`), as lists; the sequence-parallel
+    parameters' summed over the TP ranks first, as finalize_model_grads sums them."""
+    summed = {}
     for name, p in model.named_parameters():
         g = grads[name]
-        if getattr(p, "sequence_parallel", False) and tp_group.size() > 1:   # what finalize_model_grads sums
+        if getattr(p, "sequence_parallel", False) and tp_group.size() > 1:
             g = g.clone()
             dist.all_reduce(g, group=tp_group)
-        if getattr(p, "tensor_model_parallel", False) and tp_group is not None and tp_group.size() > 1:
-            parts = [torch.empty_like(g) for _ in range(tp_group.size())]
-            dist.all_gather(parts, g.contiguous(), group=tp_group)
-            g = torch.cat(parts, dim=p.partition_dim)
-        out[name] = g.flatten().tolist()
-    return out
+        summed[name] = g
+    return {name: g.flatten().tolist() for name, g in whole_parameters(model, summed, tp_group).items()}
 
 
 def run(rank: int, world: int, payload: dict) -> dict:
