@@ -75,15 +75,14 @@ def _megatron_layer(presets: list[str]) -> dict:
     """Relative gradient errors of one megatron-core TransformerLayer (local spec: Megatron's own attention and MLP,
     biases, GQA, init std 0.1, float64) under each preset against the same layer without one, at CP 1 with
     tensor parallelism 1 and 2, and 2 with sequence parallelism (each rank holds half the sequence; its MLP
-    gathers the same chunk of both halves and scatters it back; torch's LayerNorm refuses sequence parallelism,
-    so the norms are identities there). Keys: ``tp{N}-sp{bool}-{preset}``."""
+    gathers the same chunk of both halves and scatters it back; the norms built by
+    :func:`tests.integration.megatron_ranks.sequence_parallel_norms`). Keys: ``tp{N}-sp{bool}-{preset}``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from tests.integration.megatron_ranks import _cpu_shims     # DotProductAttention's buffer on "the" CUDA device
+    from tests.integration.megatron_ranks import _cpu_shims, sequence_parallel_norms   # (_cpu_shims: CUDA buffers)
 
     warnings.filterwarnings("ignore")
     seq = 24
@@ -96,16 +95,13 @@ def _megatron_layer(presets: list[str]) -> dict:
                                        ffn_hidden_size=80, use_cpu_initialization=True, attention_dropout=0.0,
                                        hidden_dropout=0.0, add_bias_linear=True, add_qkv_bias=True,
                                        init_method_std=0.1, tensor_model_parallel_size=tp, sequence_parallel=sp)
-            groups = ctx_plugin.build_cp_groups(ctx_plugin.CPConfig(kernel="torch"),
-                                                group=parallel_state.get_context_parallel_group())
             spec = get_gpt_layer_local_spec()
-            if sp:
-                spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = IdentityOp
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
             def grads(preset):
                 torch.manual_seed(0)
-                layer = build_module(spec, config=config, layer_number=1).double()
+                with sequence_parallel_norms():
+                    layer = build_module(spec, config=config, layer_number=1).double()
                 if preset is not None:
                     recompute.apply([layer], preset, sequence_dim=0)
                 x = torch.randn(seq, BATCH, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

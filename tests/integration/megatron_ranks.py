@@ -97,6 +97,33 @@ def _cpu_shims():
 
 
 @contextlib.contextmanager
+def sequence_parallel_norms():
+    """megatron-core's torch norms (``WrappedTorchNorm``, the local spec's) refuse sequence parallelism, which its
+    fused norms (apex's FusedLayerNorm, Transformer Engine's) take: inside the block they are built as usual and
+    their parameters marked ``sequence_parallel`` as those mark theirs (each TP rank's gradient is then its share of
+    the sequence, which finalize_model_grads sums over the TP ranks: :func:`whole_gradients`)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build = WrappedTorchNorm.__new__
+
+    def build_marked(cls, config, *args, **kwargs):
+        sequence_parallel, config.sequence_parallel = config.sequence_parallel, False
+        try:
+            norm = build(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for p in norm.parameters():
+            p.sequence_parallel = sequence_parallel
+        return norm
+
+    WrappedTorchNorm.__new__ = build_marked
+    try:
+        yield
+    finally:
+        WrappedTorchNorm.__new__ = build
+
+
+@contextlib.contextmanager
 def model_parallel(**sizes):
     """Megatron's model-parallel state for the block (``initialize_model_parallel(**sizes)``), destroyed after it."""
     from megatron.core import parallel_state
@@ -116,7 +143,7 @@ def relative_errors(loss: float, grads: dict, ref_loss: float, ref_grads: dict) 
     return {"loss_err": abs(loss - ref_loss) / abs(ref_loss), "grad_err": grad_err}
 
 
-def _model(world: int, position: str, variant: str, core_spec, tp: int = 1, **refused):
+def _model(world: int, position: str, variant: str, core_spec, tp: int = 1, sp: bool = False, **refused):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -125,21 +152,22 @@ def _model(world: int, position: str, variant: str, core_spec, tp: int = 1, **re
     config = TransformerConfig(**{**dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                          ffn_hidden_size=128, use_cpu_initialization=True,
                                          context_parallel_size=world, tensor_model_parallel_size=tp,
-                                         attention_dropout=0.0, hidden_dropout=0.0, add_bias_linear=True,
-                                         add_qkv_bias=True, init_method_std=0.1), **fields})
+                                         sequence_parallel=sp, attention_dropout=0.0, hidden_dropout=0.0,
+                                         add_bias_linear=True, add_qkv_bias=True, init_method_std=0.1), **fields})
     for name, value in refused.items():     # after construction: Megatron's own checks of some need CUDA
         setattr(config, name, value)
     for name, value in (YARN.items() if position == "yarn" else ()):
         setattr(config, name, value)            # what Megatron-LM's arguments set for --position-embedding-type yarn
     spec = core_spec(get_gpt_layer_local_spec(num_experts=fields.get("num_moe_experts"), qk_layernorm=qk_layernorm))
     torch.manual_seed(1234)
-    with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
+    with _cpu_shims() if position == "yarn" else contextlib.nullcontext(), sequence_parallel_norms():
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                          position_embedding_type=position, **model_args)
     return model.double()
 
 
-def cp_model(world: int, cp_config, position: str, variant: str = "base", preset: str = "none", tp: int = 1):
+def cp_model(world: int, cp_config, position: str, variant: str = "base", preset: str = "none", tp: int = 1,
+             sp: bool = False):
     """``(model, groups)``: the tiny GPT of :func:`_model` (``world``: the CP size) with ctx_plugin's core attention for
     ``cp_config``, prepared as the entry point prepares it (layout-aware RoPE, the recompute ``preset``)."""
     from ctx_plugin.megatron.args import MegatronCPSettings
@@ -151,7 +179,7 @@ def cp_model(world: int, cp_config, position: str, variant: str = "base", preset
                                   megatron_recompute=None)
     provider = GroupsProvider(cp_config)
     model = _model(world, position, variant,
-                   lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider), tp=tp)
+                   lambda spec: gpt_layer_spec(cp_config, base=spec, groups_provider=provider), tp=tp, sp=sp)
     return model, prepare_model(model, settings, provider)
 
 
@@ -185,6 +213,27 @@ def whole_parameters(model, tensors: dict, tp_group) -> dict:
             t = torch.cat(parts, dim=getattr(p, "partition_dim", 0))
         out[name] = t
     return out
+
+
+def whole_gradients(model, grads: dict, tp_group) -> dict:
+    """Every parameter's whole gradient from this rank's (:func:`whole_parameters`), the TP-replicated parameters'
+    first reduced over the TP ranks as megatron-core's finalize_model_grads reduces them
+    (``_allreduce_non_tensor_model_parallel_grads``): summed under sequence parallelism (norms, row-parallel biases,
+    the router: each rank's share of the tokens) and for QK layernorms (each rank's share of the heads), averaged
+    where a module asks for it."""
+    config = model.config
+    out = {}
+    for name, p in model.named_parameters():
+        g = grads[name]
+        if tp_group is not None and tp_group.size() > 1:
+            average = getattr(p, "average_gradients_across_tp_domain", False)
+            if average or (config.sequence_parallel and getattr(p, "sequence_parallel", False)) or (
+                    config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
+                g = g.clone()
+                dist.all_reduce(g, group=tp_group)            # (gloo has no ReduceOp.AVG)
+                g = g / tp_group.size() if average else g
+        out[name] = g
+    return whole_parameters(model, out, tp_group)
 
 
 def masked_mean_backward(model, per_token: torch.Tensor, mask: torch.Tensor, group) -> tuple[float, dict]:

@@ -16,12 +16,13 @@ import warnings
 import torch
 
 from tests.integration.megatron_ranks import (BATCH, SEQ, VOCAB, _cpu_shims, _model, cp_model, loss_and_grads,
-                                              model_parallel, relative_errors)
+                                              model_parallel, relative_errors, whole_gradients)
 
 EOD = VOCAB - 1
 MIXES = {   # name: end-of-document positions of each sample (BATCH = 2 samples of SEQ = 32 tokens)
     "fit": ((11, 19), (3, 27)),          # documents 12, 8, 12 and 4, 24, 4: multiples of 2·CP (zigzag at CP 2)
     "uneven": ((9, 20), (4,)),           # documents 10, 11, 11 and 5, 27
+    "odd": ((4, 15), (9,)),              # documents 5, 11, 16 and 10, 22
 }
 
 
@@ -64,38 +65,46 @@ def _full_batch(mix: str, reset_mask: bool, reset_pos: bool, mask: str) -> dict:
 
 def reset_step(rank: int, world: int, payload: dict) -> dict:
     """For each (backend, position embedding, mix, reset_mask, reset_pos, mask, pad[, model variant]): the relative
-    errors of ctx_plugin's loss and gradients at CP = world against Megatron's own model at CP 1 on the same batch, or
-    the error raised; ``pad``: the sharder pads the documents (``--cp-pad-documents``); the variant (default
-    ``base``) is one of tests/integration/megatron_ranks.py's VARIANTS."""
+    errors of ctx_plugin's loss and gradients at CP = world ÷ TP against Megatron's own model at CP 1 on the same
+    batch, or the error raised; ``pad``: the sharder pads the documents (``--cp-pad-documents``); the variant
+    (default ``base``) is one of tests/integration/megatron_ranks.py's VARIANTS. ``payload["tp"]`` (default 1):
+    both models at that tensor-parallel size with Megatron's sequence parallelism (whole gradients compared)."""
     warnings.filterwarnings("ignore")
     import ctx_plugin
     from ctx_plugin.megatron.mask_documents import document_padding
     from ctx_plugin.megatron.spec import shard_batch
 
+    tp = payload.get("tp", 1)
+    sp, cp = tp > 1, world // tp
     cases = [(*c, "base") if len(c) == 7 else tuple(c) for c in payload["cases"]]
     want = {}
-    with model_parallel(), _cpu_shims():
+    with model_parallel(tensor_model_parallel_size=tp) as parallel_state, _cpu_shims():
+        tp_group = parallel_state.get_tensor_model_parallel_group() if sp else None
         for _, position, mix, reset_mask, reset_pos, mask, _, variant in cases:
             if mask == "dataset" and (position, mix, reset_mask, reset_pos, variant) not in want:
-                model = _model(1, position, variant, lambda spec: spec)
-                want[position, mix, reset_mask, reset_pos, variant] = loss_and_grads(
-                    model, batch(mix, reset_mask, reset_pos), None)
+                model = _model(1, position, variant, lambda spec: spec, tp=tp, sp=sp)
+                loss, grads = loss_and_grads(model, batch(mix, reset_mask, reset_pos), None, tp_group=tp_group)
+                want[position, mix, reset_mask, reset_pos, variant] = loss, whole_gradients(model, grads, tp_group)
     out = {}
-    with model_parallel(context_parallel_size=world) as parallel_state:
+    with model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp) as parallel_state:
         cp_group = parallel_state.get_context_parallel_group()
+        tp_group = parallel_state.get_tensor_model_parallel_group() if sp else None
         for backend, position, mix, reset_mask, reset_pos, mask, pad, variant in cases:
             key = case_key(backend, position, mix, reset_mask, reset_pos, mask, pad, variant)
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
-            model, groups = cp_model(world, cp_config, position, variant)
+            model, groups = cp_model(cp, cp_config, position, variant, tp=tp, sp=sp)
             try:
                 sharded = shard_batch(_full_batch(mix, reset_mask, reset_pos, mask), config=cp_config, groups=groups,
-                                      pad_documents=document_padding(cp_config, world) if pad else None)
-                with _cpu_shims() if position == "yarn" or variant == "moe" else contextlib.nullcontext():
-                    loss, grads = loss_and_grads(model, sharded, cp_group, packed_seq_params=packed_seq_params(sharded))
+                                      pad_documents=document_padding(cp_config, cp, tp=tp, sequence_parallel=sp)
+                                      if pad else None)
+                with _cpu_shims() if position == "yarn" or variant == "moe" or sp else contextlib.nullcontext():
+                    loss, grads = loss_and_grads(model, sharded, cp_group, tp_group=tp_group,
+                                                 packed_seq_params=packed_seq_params(sharded))
             except ValueError as e:
                 out[key] = {"error": str(e)}
                 continue
-            out[key] = {**relative_errors(loss, grads, *want[position, mix, reset_mask, reset_pos, variant]),
+            out[key] = {**relative_errors(loss, whole_gradients(model, grads, tp_group),
+                                          *want[position, mix, reset_mask, reset_pos, variant]),
                         "packed": sharded["cu_seqlens"] is not None, "local_tokens": sharded["tokens"].shape[1],
                         "cu_seqlens": None if sharded["cu_seqlens"] is None else sharded["cu_seqlens"].tolist(),
                         "cu_seqlens_padded": None if sharded["cu_seqlens_padded"] is None

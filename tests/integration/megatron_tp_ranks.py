@@ -14,7 +14,7 @@ import contextlib
 import warnings
 
 from tests.integration.megatron_ranks import (_batch, _cpu_shims, _model, cp_model, loss_and_grads, model_parallel,
-                                              whole_parameters)
+                                              whole_gradients, whole_parameters)
 
 TP = 2
 
@@ -22,14 +22,19 @@ TP = 2
 def _whole(model, grads: dict, tp_group) -> dict:
     """Every parameter's whole gradient (as lists) and the weights' sum over the whole parameters."""
     weights = whole_parameters(model, {name: p.detach() for name, p in model.named_parameters()}, tp_group)
-    return {"grads": {name: g.flatten().tolist() for name, g in whole_parameters(model, grads, tp_group).items()},
+    return {"grads": {name: g.flatten().tolist() for name, g in whole_gradients(model, grads, tp_group).items()},
             "weights": sum(w.double().sum().item() for w in weights.values())}
 
 
 def run(rank: int, world: int, payload: dict) -> dict:
-    """payload: {"cases": [(backend, ulysses size, position embedding, variant, dataloader mask)], "mla": [(backend,
-    rope type)]}; returns {"reference-<position>-<variant>": ..., "<case key>": ..., "mla-reference-<rope>": ...,
-    "mla-<backend>-<rope>": ...} with loss, whole gradients (rank 0) and weights. The multi-latent attention model is
+    """payload: {"cases": [(backend, ulysses size, position embedding, variant, dataloader mask)], "sp": [(backend,
+    ulysses size, position embedding, variant, recompute preset)], "mla": [(backend, rope type)]}; returns
+    {"reference-<position>-<variant>": ..., "<case key>": ..., "sp-<case key>-<preset>": ..., "mla-reference-<rope>":
+    ..., "mla-<backend>-<rope>": ...} with loss, whole gradients (rank 0) and weights. "sp": Megatron's sequence
+    parallelism on (each TP rank holds half of its CP rank's tokens between the attention and MLP blocks), the
+    norms built by :func:`~tests.integration.megatron_ranks.sequence_parallel_norms`; their references are
+    Megatron's TP 2 model with it ("reference-sp-...") and, but for MoE (which megatron-core refuses to train at TP
+    > 1 without it), without it. The multi-latent attention model is
     tests/integration/megatron_mla_ranks.py's, its reference core attention a float64 softmax at TP 2."""
     warnings.filterwarnings("ignore")
     import ctx_plugin
@@ -44,10 +49,12 @@ def run(rank: int, world: int, payload: dict) -> dict:
     out = {}
     with model_parallel(tensor_model_parallel_size=TP) as parallel_state, _cpu_shims():
         tp_group = parallel_state.get_tensor_model_parallel_group()
-        for position, variant in sorted({(c[2], c[3]) for c in payload["cases"]}):
-            model = _model(1, position, variant, lambda spec: spec, tp=TP)
+        references = {(c[2], c[3], False) for c in payload["cases"]} | {
+            (c[2], c[3], sp) for c in payload.get("sp", []) for sp in ((True,) if c[3] == "moe" else (False, True))}
+        for position, variant, sp in sorted(references):
+            model = _model(1, position, variant, lambda spec: spec, tp=TP, sp=sp)
             loss, grads = loss_and_grads(model, _batch(with_mask=True), None, tp_group=tp_group)
-            out[f"reference-{position}-{variant}"] = {"loss": loss, **_whole(model, grads, tp_group)}
+            out[reference_key(position, variant, sp)] = {"loss": loss, **_whole(model, grads, tp_group)}
         for rope in sorted({rope for _, rope in payload.get("mla", [])}):
             model = mla._model(1, rope, lambda spec: mla._with_core(spec, mla._reference_core_attention()), tp=TP)
             loss, grads = loss_and_grads(model, _batch(with_mask=True), None, tp_group=tp_group)
@@ -63,6 +70,13 @@ def run(rank: int, world: int, payload: dict) -> dict:
             with _cpu_shims() if position == "yarn" else contextlib.nullcontext():
                 loss, grads = loss_and_grads(model, batch, cp_group, tp_group=tp_group)
             out[case_key(backend, u, position, variant, with_mask)] = {"loss": loss, **_whole(model, grads, tp_group)}
+        for backend, u, position, variant, preset in payload.get("sp", []):
+            cp_config = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
+            model, groups = cp_model(cp, cp_config, position, variant, preset, tp=TP, sp=True)
+            batch = shard_batch(_batch(False), config=cp_config, groups=groups)
+            with _cpu_shims():                  # the sequence-parallel transformer block forks the CUDA RNG tracker
+                loss, grads = loss_and_grads(model, batch, cp_group, tp_group=tp_group)
+            out[sp_key(backend, u, position, variant, preset)] = {"loss": loss, **_whole(model, grads, tp_group)}
         for backend, rope in payload.get("mla", []):
             cp_config = ctx_plugin.CPConfig(backend=backend, kernel="torch")
             provider = GroupsProvider(cp_config)
@@ -77,5 +91,13 @@ def run(rank: int, world: int, payload: dict) -> dict:
     return {k: {**v, "grads": v["grads"] if rank == 0 else None} for k, v in out.items()}
 
 
+def reference_key(position, variant, sp: bool = False) -> str:
+    return f"reference-{'sp-' if sp else ''}{position}-{variant}"
+
+
 def case_key(backend, u, position, variant, with_mask) -> str:
     return f"{backend}-u{u}-{position}-{variant}-{'mask' if with_mask else 'nomask'}"
+
+
+def sp_key(backend, u, position, variant, preset) -> str:
+    return f"sp-{backend}-u{u}-{position}-{variant}-{preset}"

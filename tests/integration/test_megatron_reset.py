@@ -8,12 +8,13 @@ own model at CP 1 fed the same batch with its mask (its local attention applies 
 restarted position ids (THD RoPE restarts them; scores depend only on distances inside a document), YaRN (its
 frequencies and attention factor, applied per document by megatron-core's THD RoPE, padded and not), learned
 absolute embeddings (which read the position ids as the dataset made them), zigzag, allgather, ring, ulysses and
-striped, mixture-of-experts layers with their auxiliary losses; ``--reset-position-ids`` alone (causal attention); documents padded to the layout's unit
-(``--cp-pad-documents``). Refusals: documents the layout cannot split, RoPE or YaRN on a
-layout megatron-core's THD RoPE cannot follow, masks that are not the documents' causal mask; every rank raises the
-same message. The entry point carries the flags through Megatron's parser to a CPU stand-in of pretrain_gpt.py
-(fake_megatron_lm/) and trains with the losses of that script run without ctx_plugin; a script that drops
-``cu_seqlens`` is stopped."""
+striped, mixture-of-experts layers with their auxiliary losses; ``--reset-position-ids`` alone (causal
+attention); documents padded to the layout's unit (``--cp-pad-documents``); at TP 2 × CP 2 with sequence
+parallelism (the packed sequence padded to CP × TP) against Megatron's TP 2 model. Refusals: documents the layout
+cannot split, RoPE or YaRN on a layout megatron-core's THD RoPE cannot follow, masks that are not the documents'
+causal mask; every rank raises the same message. The entry point carries the flags through Megatron's parser to a
+CPU stand-in of pretrain_gpt.py (fake_megatron_lm/) and trains with the losses of that script run without
+ctx_plugin; a script that drops ``cu_seqlens`` is stopped."""
 from __future__ import annotations
 
 import json
@@ -49,6 +50,15 @@ PARITY = [("zigzag", "rope", "fit", True, True, "dataset", False),
           ("zigzag", "rope", "fit", True, True, "dataset", False, "moe"),
           ("ring", "learned_absolute", "uneven", True, False, "dataset", False, "moe"),
           ("striped", "learned_absolute", "fit", True, True, "dataset", False, "moe")]
+# TP 2 × CP 2 (4 ranks) with Megatron's sequence parallelism, against Megatron's own TP 2 model with it (norms by
+# tests/integration/megatron_ranks.py:sequence_parallel_norms): each TP rank holds half of its CP rank's packed tokens
+SEQUENCE_PARALLEL = [("zigzag", "rope", "fit", True, True, "dataset", False),
+                     ("zigzag", "rope", "uneven", True, True, "dataset", True),
+                     # documents 5, 11, 16, 10, 22 padded to 2 (the layout's unit): 66 tokens, then to 68 (CP × TP)
+                     ("striped", "learned_absolute", "odd", True, False, "dataset", True),
+                     ("ulysses", "learned_absolute", "uneven", True, False, "dataset", False),
+                     ("allgather", "yarn", "uneven", True, False, "dataset", True),
+                     ("zigzag", "rope", "fit", True, True, "dataset", False, "moe")]
 PADDED = {"zigzag": [0, 12, 24, 36, 44, 72], "allgather": [0, 12, 24, 36, 44, 72], "striped": [0, 10, 22, 34, 40, 68]}
 REFUSED = [(("zigzag", "learned_absolute", "uneven", True, True, "dataset", False),
             "--reset-attention-mask: the document at token 0 of sample 0 holds 10 tokens, not a multiple of 4"),
@@ -56,15 +66,15 @@ REFUSED = [(("zigzag", "learned_absolute", "uneven", True, True, "dataset", Fals
            (("ring", "yarn", "uneven", True, False, "dataset", False), "need --cp-backend zigzag or allgather"),
            (("ring", "learned_absolute", "uneven", True, True, "padding", False),
             "attention_mask row 1 is neither Megatron's causal mask nor its block-diagonal causal mask")]
-_results: list = []
+_results: dict[int, list] = {}
 
 
-def results() -> list:
-    if not _results:
-        cases = PARITY + [c for c, _ in REFUSED]
-        _results.extend(run_spawned("tests.integration.megatron_reset_ranks:reset_step", 2, {"cases": cases},
-                                    timeout_s=300))
-    return _results
+def results(tp: int = 1) -> list:
+    if tp not in _results:
+        payload = {"cases": PARITY + [c for c, _ in REFUSED]} if tp == 1 else {"cases": SEQUENCE_PARALLEL, "tp": tp}
+        _results[tp] = run_spawned("tests.integration.megatron_reset_ranks:reset_step", 2 * tp, payload,
+                                   timeout_s=300)
+    return _results[tp]
 
 
 @pytest.mark.parametrize("case", PARITY, ids=[case_key(*c) for c in PARITY])
@@ -77,10 +87,28 @@ def test_reset_batches_match_megatron_with_its_document_mask(case):
         assert got["local_tokens"] == PADDED[case[0]][-1] // 2
     else:
         assert got["cu_seqlens_padded"] is None and got["local_tokens"] == (32 if case[3] else 16)   # [1, 64], [2, 32]
+    _check_errors(case, got)
+
+
+def _check_errors(case, got) -> None:
     # megatron-core computes RoPE/YaRN frequencies in float32: THD RoPE restarts positions in each document, the
     # reference's counts them over the sample, so their cos/sin round differently (the same scores)
     tol = 1e-6 if case[1] in ("rope", "yarn") else 1e-9
     assert got["loss_err"] <= tol / 10 and got["grad_err"] <= tol, got
+
+
+@pytest.mark.parametrize("case", SEQUENCE_PARALLEL, ids=[case_key(*c) for c in SEQUENCE_PARALLEL])
+def test_reset_batches_under_sequence_parallelism(case):
+    """The packed sequence (THD) split over TP 2 × CP 2: with --cp-pad-documents also padded to a multiple of CP × TP
+    (the "odd" mix: 66 tokens after the documents' padding, 68 then); loss and whole gradients as Megatron's."""
+    got = results(tp=2)[0][case_key(*case)]
+    assert "error" not in got, got.get("error")
+    assert got["packed"]
+    if case[2] == "odd":
+        assert got["cu_seqlens_padded"] == [[0, 6, 18, 34, 44, 68]] and got["local_tokens"] == 34
+    elif case[6]:
+        assert got["cu_seqlens_padded"] == [PADDED[case[0]]]
+    _check_errors(case, got)
 
 
 @pytest.mark.parametrize("case,message", REFUSED, ids=[case_key(*c) for c, _ in REFUSED])

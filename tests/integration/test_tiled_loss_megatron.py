@@ -1,9 +1,9 @@
 """``+tile_loss`` on Megatron (megatron-core, CPU, gloo; tests/integration/tiled_loss_megatron_ranks.py): a GPTModel
 built through ctx_plugin's spec with ``<preset>+tile_loss`` returns the per-token losses of Megatron's own untiled
 output layer + vocab-parallel cross-entropy, and the same gradients, at CP 1, CP 2 and TP 2 (against Megatron's
-untiled loss on the same TP ranks), own and shared embedding weights; under sequence parallelism (TP 2) the
-output layer + loss give Megatron's own untiled ``_postprocess`` results; its output layer runs on the predicted
-chunks; settings the chunking cannot reproduce are refused; the flags map the layer part of the preset."""
+untiled loss on the same TP ranks), own and shared embedding weights, also under sequence parallelism (TP 2:
+chunks of each rank's positions, gathered over its TP ranks); its output layer runs on the predicted chunks;
+settings the chunking cannot reproduce are refused; the flags map the layer part of the preset."""
 from __future__ import annotations
 
 import sys
@@ -24,8 +24,11 @@ TILED = [(1, False, 1, "none+tile_loss:7", False), (1, False, 1, "full+tile_loss
          (1, False, 2, "full+tile_loss:1", False), (2, False, 1, "none+tile_loss:6", False),
          # selective under TP without sequence parallelism: RowParallelLinear all-reduces its saved matmul output in
          # place (its gradients were off by 30-70%: the recomputation reduced it again)
-         (2, False, 1, "selective+tile_loss:6", True)]
-SP_TOKENS = 12             # logits rows per chunk under sequence parallelism: 3 positions × batch 2 × TP 2
+         (2, False, 1, "selective+tile_loss:6", True),
+         # sequence parallelism: each TP rank's output layer gets its 16 positions, chunks gather the same positions
+         # of both ranks (12 logits rows: 3 positions × batch 2 × TP 2)
+         (2, True, 1, "none+tile_loss:12", False), (2, True, 1, "selective+tile_loss:12", True),
+         (2, True, 1, "full+tile_loss:20", False)]
 REFUSED = [({"mtp_num_layers": 1}, "multi-token prediction (--mtp-num-layers)"),
            ({"defer_embedding_wgrad_compute": True}, "--defer-embedding-wgrad-compute")]
 _results: list = []
@@ -34,13 +37,13 @@ _results: list = []
 def results() -> dict:
     if not _results:     # one launch of 2 ranks: TP 1 × CP 1 (× DP 2), TP 1 × CP 2, TP 2 × CP 1 without and with SP
         runs = []
-        for tp, sp, cp in ((1, False, 1), (1, False, 2), (2, False, 1)):
+        for tp, sp, cp in ((1, False, 1), (1, False, 2), (2, False, 1), (2, True, 1)):
             cases = [("ctx_plugin", preset, share) for t, s, c, preset, share in TILED if (t, s, c) == (tp, sp, cp)]
             if cp == 1:
                 cases += [("megatron", "-", share) for share in sorted({h for t, s, _, _, h in TILED
                                                                        if (t, s) == (tp, sp)})]
-            runs.append({"tp": tp, "sp": sp, "cp": cp, "cases": cases, "sequence_parallel_loss": SP_TOKENS if tp == 2
-                         else None, "refused": [fields for fields, _ in REFUSED] if cp == 2 else []})
+            runs.append({"tp": tp, "sp": sp, "cp": cp, "cases": cases,
+                         "refused": [fields for fields, _ in REFUSED] if cp == 2 else []})
         _results.append(run_spawned("tests.integration.tiled_loss_megatron_ranks:run", 2, {"runs": runs},
                                     timeout_s=600))
     return _results[0]
@@ -75,21 +78,12 @@ def test_tiled_loss_matches_megatrons_untiled_loss(tp, sp, cp, preset, share):
     assert want["calls"] == [SEQ // (tp if sp else 1)]          # the reference ran untiled
 
 
-def test_tp2_untiled_matches_tp1():
-    """The TP 2 reference is Megatron's model: its loss is TP 1's."""
+@pytest.mark.parametrize("tag", ["tp2", "tp2-sp"])
+def test_tp2_untiled_matches_tp1(tag):
+    """The TP 2 references are Megatron's model (with sequence parallelism: its norms built by
+    tests.integration.megatron_ranks.sequence_parallel_norms): their loss is TP 1's."""
     r = results()[0]
-    assert abs(r["tp2-cp1-megatron---own"]["loss"] - r["tp1-cp1-megatron---own"]["loss"]) <= 1e-6
-
-
-def test_sequence_parallel_output_layer_and_loss():
-    """Each TP rank holds 16 of the 32 positions; chunks of 3 of them (12 logits rows with both ranks' rows gathered)
-    give Megatron's untiled per-token losses [batch, seq] and gradients (its cross-entropy is fp32)."""
-    for rank in range(2):
-        r = results()[rank]["tp2-sequence-parallel-loss"]
-        assert r["shape"] == [BATCH, SEQ] and r["untiled_calls"] == [SEQ // 2]
-        chunks = [3, 3, 3, 3, 3, 1]          # one output-layer call per chunk of this rank's positions, then backward's
-        assert r["calls"][:6] == chunks and sorted(r["calls"][6:]) == sorted(chunks)
-        assert max(r["errors"]) <= 1e-6, r["errors"]
+    assert abs(r[f"{tag}-cp1-megatron---own"]["loss"] - r["tp1-cp1-megatron---own"]["loss"]) <= 1e-6
 
 
 @pytest.mark.parametrize("fields,message", REFUSED, ids=[next(iter(f)) for f, _ in REFUSED])

@@ -3,7 +3,9 @@
 The reference is Megatron's own model — local spec (its DotProductAttention), its output layer and its
 vocab-parallel cross-entropy over the whole logits — called with labels on one rank (and, for tensor parallelism,
 Megatron's own untiled loss on the same TP ranks). The tiled models are built through ctx_plugin's spec with
-:func:`ctx_plugin.megatron.spec.prepare_model` and a ``<preset>+tile_loss`` preset, at CP 1 and 2 and TP 2.
+:func:`ctx_plugin.megatron.spec.prepare_model` and a ``<preset>+tile_loss`` preset, at CP 1 and 2 and TP 2 (with
+and without sequence parallelism: its torch norms built by :func:`~tests.integration.megatron_ranks.
+sequence_parallel_norms`).
 The model has biases, GQA, init std 0.1, float64; the loss is Megatron-LM's masked token mean of the per-token
 losses the model returns.
 """
@@ -13,9 +15,9 @@ import contextlib
 import warnings
 
 import torch
-import torch.distributed as dist
 
-from tests.integration.megatron_ranks import SEQ, VOCAB, _batch, _cpu_shims, masked_mean_backward, whole_parameters
+from tests.integration.megatron_ranks import (SEQ, VOCAB, _batch, _cpu_shims, masked_mean_backward,
+                                              sequence_parallel_norms, whole_gradients)
 
 
 def _model(core_spec, *, cp: int, tp: int, share: bool, sp: bool = False):
@@ -30,9 +32,10 @@ def _model(core_spec, *, cp: int, tp: int, share: bool, sp: bool = False):
                                add_bias_linear=True, add_qkv_bias=True, init_method_std=0.1,
                                use_mup=True, mup_base_hidden_size=32)      # MuP: the output layer scales its logits
     torch.manual_seed(1234)
-    model = GPTModel(config=config, transformer_layer_spec=core_spec(get_gpt_layer_local_spec()), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=share)
+    with sequence_parallel_norms():
+        model = GPTModel(config=config, transformer_layer_spec=core_spec(get_gpt_layer_local_spec()), vocab_size=VOCAB,
+                         max_sequence_length=SEQ, position_embedding_type="rope",
+                         share_embeddings_and_output_weights=share)
     return model.double()
 
 
@@ -45,19 +48,6 @@ def _step(model, batch, cp_group) -> dict:
     handle.remove()
     loss, grads = masked_mean_backward(model, per_token.double(), batch["loss_mask"], cp_group)
     return {"loss": loss, "grads": grads, "calls": calls, "shape": list(per_token.shape)}
-
-
-def _gather_tp(grads: dict, model, tp_group) -> dict:
-    """Full parameters' gradients from TP shards (:func:`whole_parameters`), as lists; the sequence-parallel
-    parameters' summed over the TP ranks first, as finalize_model_grads sums them."""
-    summed = {}
-    for name, p in model.named_parameters():
-        g = grads[name]
-        if getattr(p, "sequence_parallel", False) and tp_group.size() > 1:
-            g = g.clone()
-            dist.all_reduce(g, group=tp_group)
-        summed[name] = g
-    return {name: g.flatten().tolist() for name, g in whole_parameters(model, summed, tp_group).items()}
 
 
 def run(rank: int, world: int, payload: dict) -> dict:
@@ -76,8 +66,6 @@ def run(rank: int, world: int, payload: dict) -> dict:
             for kind, preset, share in spec["cases"]:
                 key = f"tp{tp}{'-sp' if sp else ''}-cp{cp}-{kind}-{preset}-{'shared' if share else 'own'}"
                 out[key] = _case(rank, kind, preset, share, tp, cp, sp)
-            if spec.get("sequence_parallel_loss"):
-                out[f"tp{tp}-sequence-parallel-loss"] = _sequence_parallel_loss(spec["sequence_parallel_loss"])
             for fields in spec.get("refused", []):
                 out[repr(sorted(fields.items()))] = _refused(fields, tp, cp)
         finally:
@@ -111,7 +99,7 @@ def _case(rank: int, kind: str, preset: str, share: bool, tp: int, cp: int, sp: 
         batch = shard_batch(_batch(with_mask=False), config=cp_config, groups=groups)
         with _cpu_shims() if tp > 1 else contextlib.nullcontext():
             result = _step(model, batch, cp_group if cp > 1 else None)
-    grads = _gather_tp(result["grads"], model, tp_group)
+    grads = {name: g.flatten().tolist() for name, g in whole_gradients(model, result["grads"], tp_group).items()}
     result["grads"] = grads if rank == 0 else None
     return result
 
@@ -136,44 +124,3 @@ def _refused(fields: dict, tp: int, cp: int) -> str:
     except ValueError as e:
         return str(e)
     return "accepted"
-
-
-def _sequence_parallel_loss(tokens: int) -> dict:
-    """The output layer and loss under sequence parallelism (megatron-core's local spec refuses sequence parallelism
-    with torch's LayerNorm, so not a whole model on CPU): this TP rank's slice of a seeded [seq, batch, hidden] input,
-    through Megatron's own ``_postprocess`` with ``output_layer.sequence_parallel`` on (it gathers the sequence, then
-    its vocab-parallel cross-entropy), untiled and then tiled; the largest relative differences of the per-token
-    losses and of the gradients (this rank's hidden slice, its output-layer shard) and the output layer's calls."""
-    from megatron.core import parallel_state
-
-    from ctx_plugin.megatron.loss import use_tiled_loss
-
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp, r = tp_group.size(), tp_group.rank()
-    with _cpu_shims():
-        model = _model(lambda spec: spec, cp=1, tp=tp, share=False)
-    model.output_layer.sequence_parallel = True          # what ColumnParallelLinear sets from config.sequence_parallel
-    model.output_layer.allreduce_dgrad = False
-    g = torch.Generator().manual_seed(17)
-    hidden = torch.randn(SEQ, 2, model.config.hidden_size, generator=g, dtype=torch.float64)
-    labels = torch.randint(0, VOCAB, (2, SEQ), generator=g)
-    weights = torch.rand(2, SEQ, generator=g, dtype=torch.float64)
-    local = SEQ // tp
-
-    def run():
-        x = hidden[r * local:(r + 1) * local].clone().requires_grad_(True)
-        model.zero_grad(set_to_none=True)
-        calls = []
-        handle = model.output_layer.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
-        with _cpu_shims():
-            losses = model._postprocess(hidden_states=x, input_ids=None, position_ids=None, labels=labels,
-                                        rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None)
-            (losses.double() * weights).sum().backward()
-        handle.remove()
-        return losses.detach(), x.grad, model.output_layer.weight.grad.clone(), calls
-
-    want = run()
-    use_tiled_loss(model, tokens)
-    got = run()
-    errors = [((a.double() - b.double()).abs().max() / b.double().abs().max()).item() for a, b in zip(got[:3], want[:3])]
-    return {"errors": errors, "calls": got[3], "untiled_calls": want[3], "shape": list(got[0].shape)}
