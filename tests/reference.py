@@ -81,7 +81,7 @@ def documents_with_grads(q, k, v, dout, docs, *, causal: bool, sinks=None, **var
         a, real = docs.bounds[d], docs.real(d)
         parts.append(dense_attention(q[:, a:a + real], k[:, a:a + real], v[:, a:a + real], causal=causal, sinks=s,
                                      **variants))
-        parts.append(torch.zeros_like(q[:, a + real:docs.bounds[d + 1]]))
+        parts.append(q.new_zeros(q.shape[0], docs.bounds[d + 1] - a - real, q.shape[2], v.shape[3]))
     out = torch.cat(parts, 1)
     out.backward(dout)
     grads = (q.grad, k.grad, v.grad)
