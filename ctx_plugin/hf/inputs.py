@@ -47,6 +47,11 @@ class InputCheck:
         "positions": "position_ids are not this rank's share of the global positions 0..seq_len-1, or with packed "
                      "documents of the positions restarting at 0 in each document (ctx_plugin.shard_sequence of "
                      "the global position_ids, or ctx_plugin.sequence_positions(..., documents=))",
+        "restarts": "position_ids restart at 0 inside the sequence (packed documents, as transformers' "
+                    "DataCollatorWithFlattening packs them) but no documents reach the attention, which would attend "
+                    "across them: pass the global sequence's cumulative lengths as cu_seq_lens_q/cu_seq_lens_k "
+                    "(DataCollatorWithFlattening(return_flash_attn_kwargs=True), before sharding) or "
+                    "ctx_plugin_documents= (ctx_plugin.packing.documents_of_batch of the global batch)",
         "labels": "labels= makes transformers shift labels inside this rank's shard (wrong targets at the shard "
                   "edges); shift labels before sharding and compute the loss from the logits (see the README)",
         "logits_to_keep": "a nonzero logits_to_keep keeps the last tokens (or the indices) of this rank's shard, "
@@ -97,6 +102,7 @@ class InputCheck:
                  "cache": bool(use_cache) or any(where.get(name) is not None for where in (arguments, extra)
                                                  for name in ("cache", "past_key_values")),
                  "documents": bad_documents, "no_positions": positions is None, "positions": False,
+                 "restarts": False,
                  "labels": arguments.get("labels") is not None,
                  "logits_to_keep": keep is not None and (isinstance(keep, torch.Tensor) or keep != 0),
                  "token_ids": _outside_vocabulary(model, arguments.get("input_ids")),
@@ -111,7 +117,12 @@ class InputCheck:
             try:
                 want = sequence_positions(positions.shape[-1] * self.groups.size, config=self.cp_config,
                                           groups=self.groups, device=positions.device, documents=documents)
-                flags["positions"] = (positions != want).any()
+                wrong = positions != want
+                if documents is None and not bad_documents:     # zeros where the sequence goes on: documents
+                    restarts = (wrong & (positions == 0)).any()
+                    flags["restarts"], flags["positions"] = restarts, wrong.any() & ~restarts
+                else:
+                    flags["positions"] = wrong.any()
             except ValueError:
                 flags["positions"] = True
         return [torch.as_tensor(flags[k], device=device) for k in self.PROBLEMS]
@@ -137,8 +148,11 @@ class InputCheck:
         flags[:, groups.rank] = mine
         if groups.size > 1:
             dist.all_reduce(flags, group=group)
-        found = [f"{text} (CP ranks {[r for r, f in enumerate(row) if f]})"
-                 for text, row in zip(self.PROBLEMS.values(), flags.tolist()) if any(row)]
+        rows = dict(zip(self.PROBLEMS, flags.tolist()))
+        if any(rows["restarts"]):       # the other ranks' positions are off for the same reason: one message
+            rows["positions"] = [0] * groups.size
+        found = [f"{self.PROBLEMS[name]} (CP ranks {[r for r, f in enumerate(row) if f]})"
+                 for name, row in rows.items() if any(row)]
         if found:
             raise ValueError("ctx_plugin: " + "; ".join(found))
         self.running.start(model, documents)

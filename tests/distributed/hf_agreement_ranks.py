@@ -27,6 +27,10 @@ def one_rank_refused(rank: int, world: int, payload) -> dict:
     pos = torch.arange(16)[None]
     local = ctx_plugin.shard_sequence(ids, config=cfg, groups=groups, dim=1)
     local_pos = ctx_plugin.shard_sequence(pos, config=cfg, groups=groups, dim=1)
+    if payload.get("packed"):       # DataCollatorWithFlattening's restarting positions, no documents given
+        packed = torch.cat((torch.arange(6), torch.arange(10)))[None]
+        local_pos = ctx_plugin.shard_sequence(packed, config=cfg, groups=groups, dim=1)
+        return outcome(lambda: model(input_ids=local, position_ids=local_pos))
     if payload.get("bad_token"):                    # a token beyond the vocabulary on one rank's shard only
         local = local.clone()
         local[0, 2] = 64 if rank == payload["odd"] else local[0, 2]

@@ -31,3 +31,17 @@ def test_a_token_outside_the_vocabulary_on_one_rank_is_one_error_on_every_rank()
                                                                 "model's vocabulary"), (rank, r)
         assert r["error"].rstrip().endswith("(CP ranks [0])") and r["seconds"] < 10, (rank, r)
     assert len({r["error"] for r in results}) == 1, results
+
+
+def test_packed_positions_without_documents_are_one_error_on_every_rank():
+    """Documents of 6 and 10 tokens in the position_ids (restarting at 0), none passed to the attention: rank 1's
+    shard holds the restart (zigzag: tokens 4-7 and 8-11), rank 0's positions are merely off; every rank raises the
+    one message that names the documents, with the rank that saw the restart."""
+    pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
+    results = run_spawned("tests.distributed.hf_agreement_ranks:one_rank_refused", 2, {"packed": True},
+                          timeout_s=180)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and r["error"].startswith("ValueError: ctx_plugin: position_ids restart at 0 "
+                                                                "inside the sequence"), (rank, r)
+        assert r["error"].rstrip().endswith("(CP ranks [1])") and "not this rank's share" not in r["error"], (rank, r)
+    assert len({r["error"] for r in results}) == 1, results

@@ -312,6 +312,20 @@ def test_position_ids_off_by_one_are_refused():
             model(input_ids=ids, position_ids=wrong)
 
 
+def test_restarting_position_ids_without_documents_name_the_documents():
+    """position_ids restarting at 0 (DataCollatorWithFlattening's packing) without cu_seq_lens_q/k or
+    ctx_plugin_documents: the attention would cross the documents; the error says how to pass them (and not that
+    the positions are off). With the documents given, the same positions run."""
+    model = _llama()
+    ids, _ = _tokens(8)
+    packed = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]).expand(2, 8)
+    with pytest.raises(ValueError, match=r"position_ids restart at 0 inside the sequence .* cu_seq_lens_q") as e:
+        model(input_ids=ids, position_ids=packed)
+    assert "not this rank's share" not in str(e.value)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    assert model(input_ids=ids, position_ids=packed, cu_seq_lens_q=cu, cu_seq_lens_k=cu).logits.shape == (2, 8, 64)
+
+
 def test_generate_is_refused_before_any_forward():
     """generate() would run the model on a growing sequence with a KV cache: refused at the call, with its own
     message (not the cache's or logits_to_keep's, which the forwards it makes would otherwise raise)."""
