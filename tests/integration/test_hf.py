@@ -94,7 +94,7 @@ def test_packed_documents_match_hf_per_document(world, kind, backend, u, mix):
 
 
 REFUSAL_TEXT = {"padding": "cannot apply a padding/custom attention_mask", "cache": "use_cache=False",
-                "no_positions": "position_ids were not given", "packed": "restarting at 0 in each document",
+                "no_positions": "position_ids were not given", "packed": "position_ids restart at 0 inside the sequence",
                 "labels": "labels= makes transformers shift labels",
                 "logits_to_keep": "call the model with logits_to_keep=0",
                 "cache_object": "a KV cache built from context-parallel shards",
