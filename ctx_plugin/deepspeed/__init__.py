@@ -34,7 +34,7 @@ from ..hf import loss as hf_loss
 from ..names import Recompute
 from ..recompute import RecomputeConfig, apply
 from ..recompute.apply import refuse_hf_checkpointing
-from .config import (SECTION, ContextParallelSection, _load_config, _refuse_curriculum,
+from .config import (SECTION, ContextParallelSection, _load_config, _refuse_curriculum, _refuse_deepcompile,
                      _refuse_ds_checkpointing, _refuse_model_parallel, _refuse_patched_linear, _zero_config,
                      batch_sizes, check_data_parallel_size, parse_section)
 from .data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, step_tokens, tiled_causal_lm_loss
@@ -218,6 +218,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                     collate_fn=collate_fn, config=config)
     section = parse_section(config.pop(SECTION))
     _refuse_curriculum(config)
+    _refuse_deepcompile(config)
     _refuse_model_parallel(config, model)
     if mpu is not None:
         raise ValueError(f'"{SECTION}" builds the process groups itself; do not pass mpu=')

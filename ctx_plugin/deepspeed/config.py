@@ -231,6 +231,24 @@ def _refuse_curriculum(config: dict) -> None:
                              f'false (or drop it), or train without "{SECTION}"')
 
 
+def _refuse_deepcompile(config: dict) -> None:
+    """DeepCompile (``"compile": {"deepcompile": true}``) rewrites the compiled forward and backward graphs: its
+    passes gather and release ZeRO's parameters inside them, ``"autosp"`` splits the sequence itself and ``"autotp"``
+    the layers. ctx_plugin's attention runs outside the compiled graphs (``torch.compiler.disable``) and was not
+    checked under those rewrites, and autosp/autotp would split the ranks the section's groups take: a ValueError.
+    ``engine.compile()`` without DeepCompile is plain ``torch.compile`` (tested)."""
+    compile_config = config.get("compile")
+    if isinstance(compile_config, dict) and compile_config.get("deepcompile", False):
+        passes = [p for p in compile_config.get("passes") or [] if p in ("autosp", "autotp")]
+        why = (f'its {" and ".join(passes)} pass{"es" if len(passes) > 1 else ""} would split the sequence or the '
+               f'layers over the ranks the section\'s context-parallel groups take' if passes else
+               "it rewrites the compiled graphs (ZeRO's parameter gathers inside them), which ctx_plugin's attention, "
+               "run outside them, was not checked under")
+        raise ValueError(f'"compile.deepcompile" cannot be combined with "{SECTION}": {why}; set "deepcompile" to '
+                         f"false (engine.compile() without DeepCompile compiles the model around ctx_plugin's "
+                         f'attention), or train without "{SECTION}"')
+
+
 def _refuse_model_parallel(config: dict, model) -> None:
     """DeepSpeed's automatic tensor parallelism (``"tensor_parallel": {"autotp_size": N}``, N > 1) and pipeline
     models (``deepspeed.pipe.PipelineModule``) split the ranks in ways the section's groups do not know: it gives

@@ -95,6 +95,7 @@ class _Attention:
         """The modules of the models :func:`enable` switched to this attention, each with its model's
         :class:`ctx_plugin.hf.checks.Running` (what the forward under way checked)."""
 
+    @torch.compiler.disable
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         try:
             documents = self._documents(module, query, key, attention_mask, dropout, kwargs)

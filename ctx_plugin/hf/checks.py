@@ -156,6 +156,7 @@ class Running:
     def start(self, module, documents) -> None:
         self.module, self.documents, self.calls = module, documents, 0
 
+    @torch.compiler.disable
     def __call__(self, module, args, output):
         if self.module is module:
             calls, self.module = self.calls, None

@@ -120,6 +120,7 @@ class CPCoreAttention(MegatronModule):
             if config.perform_initialization:
                 self.softmax_offset = config.init_method(self.softmax_offset)
 
+    @torch.compiler.disable
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                 attn_mask_type: AttnMaskType | None = None, attention_bias=None, packed_seq_params=None):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type

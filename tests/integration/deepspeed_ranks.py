@@ -231,8 +231,9 @@ def _two_steps(engine, loader, zero: int, rank: int, *, packed: bool = False) ->
 
 
 def ds_train(rank: int, world: int, payload: dict) -> dict:
-    """Each case (backend, ulysses_size, CP size, ZeRO stage, micro batch): two steps of :func:`qwen2` through
-    ``ctx_plugin.deepspeed.initialize`` at DP world/size × CP size, no recompute (see :func:`_two_steps`)."""
+    """Each case (backend, ulysses_size, CP size, ZeRO stage, micro batch[, torch.compile backend for
+    ``engine.compile``]): two steps of :func:`qwen2` through ``ctx_plugin.deepspeed.initialize`` at DP world/size × CP
+    size, no recompute (see :func:`_two_steps`)."""
     _start(rank, world)
     from deepspeed.accelerator import get_accelerator
 
@@ -243,12 +244,15 @@ def ds_train(rank: int, world: int, payload: dict) -> dict:
     cpds.build_cp_groups = lambda *a, **k: events.append("groups") or build(*a, **k)
     out = {}
     try:
-        for backend, u, size, zero, micro in payload["cases"]:
+        for backend, u, size, zero, micro, *compiler in payload["cases"]:
             model = qwen2()
             section = {"backend": backend, "size": size, "ulysses_size": u}
             engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(),
                                                    training_data=_dataset(), config=_config(micro, zero, section, {}))
-            out[f"{backend}-u{u}-cp{size}-z{zero}-mb{micro}"] = _two_steps(engine, loader, zero, rank)
+            if compiler:                     # DeepSpeed's engine.compile(): torch.compile of the module
+                engine.compile(backend=compiler[0])
+            key = f"{backend}-u{u}-cp{size}-z{zero}-mb{micro}" + (f"-{compiler[0]}" if compiler else "")
+            out[key] = _two_steps(engine, loader, zero, rank)
             engine.destroy()
             _restore_linear()
     finally:

@@ -27,9 +27,15 @@ CASES = ([(2, b, 1, 2, 2, (1, 3)[i % 2]) for i, b in enumerate(PLAIN)]
          + [(4, "ulysses_ring", 2, 4, 2, zero) for zero in (1, 3)])    # recompute presets: test_deepspeed_presets.py
 
 
+# (world, backend, cp size, ZeRO stage, torch.compile backend): DeepSpeed's engine.compile() (torch.compile of the
+# module; ctx_plugin's attention runs outside the compiled graphs), micro batch 2 per rank
+COMPILED = [(2, "zigzag", 2, 3, "aot_eager"), (2, "ulysses", 2, 1, "inductor")]
+
+
 def payload(world: int) -> dict:
     """deepspeed_ranks.ds_train's, run in the launch shared with test_deepspeed_presets.py (deepspeed_ranks.launch)."""
-    return {"cases": [(b, u, cp, z, mb) for w, b, u, cp, mb, z in CASES if w == world]}
+    return {"cases": [(b, u, cp, z, mb) for w, b, u, cp, mb, z in CASES if w == world]
+            + [(b, 1, cp, z, 2, c) for w, b, cp, z, c in COMPILED if w == world]}
 
 
 def results(world: int) -> list:
@@ -40,6 +46,14 @@ def results(world: int) -> list:
                          ids=[f"W{w}-{b}-u{u}-cp{cp}-zero{z}" for w, b, u, cp, mb, z in CASES])
 def test_two_steps_match_plain_pytorch(world, backend, u, cp, micro, zero):
     check_against_plain(results(world), f"{backend}-u{u}-cp{cp}-z{zero}-mb{micro}", plain_train(micro * world // cp))
+
+
+@pytest.mark.parametrize("world,backend,cp,zero,compiler", COMPILED,
+                         ids=[f"W{w}-{b}-cp{cp}-zero{z}-{c}" for w, b, cp, z, c in COMPILED])
+def test_two_compiled_steps_match_plain_pytorch(world, backend, cp, zero, compiler):
+    """engine.compile() before training: the same two steps as plain PyTorch's (inductor's own float64 arithmetic
+    is not in play: the model is fp32 here, as the uncompiled cases)."""
+    check_against_plain(results(world), f"{backend}-u1-cp{cp}-z{zero}-mb2-{compiler}", plain_train(2 * world // cp))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -123,6 +123,23 @@ def test_data_efficiency_that_changes_a_ranks_tokens_is_refused_with_the_section
         initialize(model=model, config={**base, **config}, mpu=object())
 
 
+@pytest.mark.parametrize("passes,why", [(None, "it rewrites the compiled graphs"),
+                                        (["z3", "autosp"], "its autosp pass would split the sequence"),
+                                        (["autosp", "autotp"], "its autosp and autotp passes would split")])
+def test_deepcompile_is_refused_with_the_section(passes, why):
+    pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed import initialize
+
+    base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
+    compile_config = {"deepcompile": True, **({"passes": passes} if passes else {})}
+    with pytest.raises(ValueError, match=rf'"compile.deepcompile" cannot be combined with "context_parallel": {why}'
+                                         r'.*set "deepcompile" to false'):
+        initialize(model=torch.nn.Linear(2, 2), config={**base, "compile": compile_config})
+    compile_config["deepcompile"] = False
+    with pytest.raises(ValueError, match="do not pass mpu="):         # off: initialize goes on to the next check
+        initialize(model=torch.nn.Linear(2, 2), config={**base, "compile": compile_config}, mpu=object())
+
+
 def test_deepspeed_tensor_and_pipeline_parallelism_are_refused_with_the_section():
     pytest.importorskip("deepspeed")
     from deepspeed.pipe import PipelineModule
