@@ -17,6 +17,7 @@ from ..recompute import pinning
 from . import agreement
 from .attention import run_backend
 from .comm import Observers, active_observers, all_gather, reduce_scatter, restored
+from .compiler import opaque
 from .config import CPConfig
 from .documents import Documents, check_documents
 from .groups import CPGroups
@@ -105,7 +106,7 @@ def _check_sinks(sinks, q: torch.Tensor) -> None:
         raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
 
 
-@torch.compiler.disable
+@opaque
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CPConfig, groups: CPGroups,
                  causal: bool = True, softmax_scale: float | None = None, window=None,
                  softcap: float | None = None, sinks: torch.Tensor | None = None, documents=None) -> torch.Tensor:
@@ -202,7 +203,7 @@ def _seq_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-@torch.compiler.disable
+@opaque
 def sequence_positions(seq_len: int, *, config: CPConfig, groups: CPGroups,
                        device: torch.device | str | None = None, documents=None) -> torch.Tensor:
     """Position ids (int64) of the tokens this rank holds, in local order, for RoPE: their global positions, or with
@@ -217,7 +218,7 @@ def sequence_positions(seq_len: int, *, config: CPConfig, groups: CPGroups,
     return (index if docs is None else docs.positions()[index]).to(device)
 
 
-@torch.compiler.disable
+@opaque
 def shard_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1,
                    documents=None) -> torch.Tensor:
     """This rank's tokens of ``x`` (the full sequence along ``dim``), in the backend's layout (with packed
@@ -268,7 +269,7 @@ class _SumOwnRows(torch.autograd.Function):
         return _GatherSequence.apply(grad, *ctx.args), None, None, None, None, None
 
 
-@torch.compiler.disable
+@opaque
 def gather_sequence(x: torch.Tensor, *, config: CPConfig, groups: CPGroups, dim: int = 1,
                     documents=None) -> torch.Tensor:
     """The full sequence on every rank, in original order, from each rank's shard ``x`` (sharded with the same packed

@@ -234,7 +234,7 @@ def _refuse_curriculum(config: dict) -> None:
 def _refuse_deepcompile(config: dict) -> None:
     """DeepCompile (``"compile": {"deepcompile": true}``) rewrites the compiled forward and backward graphs: its
     passes gather and release ZeRO's parameters inside them, ``"autosp"`` splits the sequence itself and ``"autotp"``
-    the layers. ctx_plugin's attention runs outside the compiled graphs (``torch.compiler.disable``) and was not
+    the layers. ctx_plugin's attention runs outside the compiled graphs (:mod:`ctx_plugin.core.compiler`) and was not
     checked under those rewrites, and autosp/autotp would split the ranks the section's groups take: a ValueError.
     ``engine.compile()`` without DeepCompile is plain ``torch.compile`` (tested)."""
     compile_config = config.get("compile")

@@ -30,6 +30,7 @@ import torch
 
 from ..core import agreement
 from ..core.api import cp_attention
+from ..core.compiler import opaque
 from ..core.config import CPConfig
 from ..core.groups import CPGroups
 from ..core.rules import SettingNames, check_heads
@@ -95,7 +96,7 @@ class _Attention:
         """The modules of the models :func:`enable` switched to this attention, each with its model's
         :class:`ctx_plugin.hf.checks.Running` (what the forward under way checked)."""
 
-    @torch.compiler.disable
+    @opaque
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         try:
             documents = self._documents(module, query, key, attention_mask, dropout, kwargs)

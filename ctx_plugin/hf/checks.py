@@ -17,6 +17,8 @@ import inspect
 
 import torch
 
+from ..core.compiler import opaque
+
 
 def _rope_types(params) -> list[tuple[str, str]]:
     """(where, rope type) of a ``rope_parameters`` / ``rope_scaling`` value: one dict with ``rope_type`` (or the
@@ -156,7 +158,7 @@ class Running:
     def start(self, module, documents) -> None:
         self.module, self.documents, self.calls = module, documents, 0
 
-    @torch.compiler.disable
+    @opaque
     def __call__(self, module, args, output):
         if self.module is module:
             calls, self.module = self.calls, None

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.api import sequence_positions
+from ..core.compiler import opaque
 from ..core.config import CPConfig
 from ..core.groups import CPGroups
 from ..core.rules import check_documents_fit
@@ -127,7 +128,7 @@ class InputCheck:
                 flags["positions"] = True
         return [torch.as_tensor(flags[k], device=device) for k in self.PROBLEMS]
 
-    @torch.compiler.disable
+    @opaque
     def __call__(self, model, args, kwargs):
         if self.running.module is not None:     # inside the forward of a model whose check ran (model.model(...))
             return None

@@ -12,6 +12,7 @@ from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group, is
                                              make_sharded_tensors_for_checkpoint)
 
 from ..core.api import cp_attention
+from ..core.compiler import opaque
 from ..core.config import CPConfig
 from ..core.documents import Documents
 from ..core.groups import CPGroups, build_cp_groups
@@ -120,7 +121,7 @@ class CPCoreAttention(MegatronModule):
             if config.perform_initialization:
                 self.softmax_offset = config.init_method(self.softmax_offset)
 
-    @torch.compiler.disable
+    @opaque
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                 attn_mask_type: AttnMaskType | None = None, attention_bias=None, packed_seq_params=None):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
