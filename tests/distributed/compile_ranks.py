@@ -106,6 +106,22 @@ def disagreement(rank: int) -> str | None:
     return None
 
 
+def fullgraph() -> str | None:
+    """``torch.compile(..., fullgraph=True)`` of a function calling ``cp_attention``: torch's error (None: none)."""
+    import ctx_plugin
+
+    cfg = ctx_plugin.CPConfig(backend="zigzag", kernel="torch")
+    groups = ctx_plugin.build_cp_groups(cfg)
+    q = torch.randn(1, SEQ // groups.size, 2, 8, dtype=torch.float64)
+    step = torch.compile(lambda q: ctx_plugin.cp_attention(q * 2.0, q, q, config=cfg, groups=groups),
+                         fullgraph=True, backend="aot_eager")
+    try:
+        step(q)
+    except Exception as e:          # noqa: BLE001 - torch's Unsupported, reported to the test
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def run(rank: int, world: int, payload: dict) -> dict:
     warnings.filterwarnings("ignore")
     import transformers
@@ -113,4 +129,4 @@ def run(rank: int, world: int, payload: dict) -> dict:
     transformers.logging.set_verbosity_error()
     return {"attention": {f"{b}-{c}": attention(b, c) for b, c in payload["attention"]},
             "hf": {f"{b}-{p}-{c}": hf(b, p, c) for b, p, c in payload["hf"]},
-            "disagreement": disagreement(rank)}
+            "disagreement": disagreement(rank), "fullgraph": fullgraph()}
