@@ -48,6 +48,9 @@ class InputCheck:
         "positions": "position_ids are not this rank's share of the global positions 0..seq_len-1, or with packed "
                      "documents of the positions restarting at 0 in each document (ctx_plugin.shard_sequence of "
                      "the global position_ids, or ctx_plugin.sequence_positions(..., documents=))",
+        "unsharded": "position_ids are 0..n-1 and the tokens the same on every rank, as for a whole sequence: was "
+                     "every rank given the whole sequence rather than its shard? shard input_ids, position_ids and "
+                     "the labels with ctx_plugin.shard_sequence (each rank then holds seq_len / CP tokens)",
         "restarts": "position_ids restart at 0 inside the sequence (packed documents, as transformers' "
                     "DataCollatorWithFlattening packs them) but no documents reach the attention, which would attend "
                     "across them: pass the global sequence's cumulative lengths as cu_seq_lens_q/cu_seq_lens_k "
@@ -103,7 +106,7 @@ class InputCheck:
                  "cache": bool(use_cache) or any(where.get(name) is not None for where in (arguments, extra)
                                                  for name in ("cache", "past_key_values")),
                  "documents": bad_documents, "no_positions": positions is None, "positions": False,
-                 "restarts": False,
+                 "unsharded": False, "restarts": False,
                  "labels": arguments.get("labels") is not None,
                  "logits_to_keep": keep is not None and (isinstance(keep, torch.Tensor) or keep != 0),
                  "token_ids": _outside_vocabulary(model, arguments.get("input_ids")),
@@ -119,9 +122,12 @@ class InputCheck:
                 want = sequence_positions(positions.shape[-1] * self.groups.size, config=self.cp_config,
                                           groups=self.groups, device=positions.device, documents=documents)
                 wrong = positions != want
-                if documents is None and not bad_documents:     # zeros where the sequence goes on: documents
-                    restarts = (wrong & (positions == 0)).any()
+                if documents is None and not bad_documents:
+                    restarts = (wrong & (positions == 0)).any()          # zeros where the sequence goes on
                     flags["restarts"], flags["positions"] = restarts, wrong.any() & ~restarts
+                    # a whole sequence's positions 0..n-1: a hint, made a problem in __call__ when every rank has it
+                    flags["unsharded"] = (positions == torch.arange(positions.shape[-1],
+                                                                    device=positions.device)).all()
                 else:
                     flags["positions"] = wrong.any()
             except ValueError:
@@ -145,14 +151,22 @@ class InputCheck:
             if groups.size > 1 and device.type not in groups.device_types:
                 device = torch.device("cpu")
         documents, bad_documents = self._documents(arguments, tokens)
-        mine = torch.stack(self._flags(model, arguments, tokens, device, documents, bad_documents)).to(torch.int32)
-        flags = torch.zeros(len(self.PROBLEMS), groups.size, dtype=torch.int32, device=device)
+        mine = torch.stack([*self._flags(model, arguments, tokens, device, documents, bad_documents),
+                            _fingerprint(tokens, device)]).to(torch.int32)
+        flags = torch.zeros(len(self.PROBLEMS) + 1, groups.size, dtype=torch.int32, device=device)
         flags[:, groups.rank] = mine
         if groups.size > 1:
             dist.all_reduce(flags, group=group)
-        rows = dict(zip(self.PROBLEMS, flags.tolist()))
-        if any(rows["restarts"]):       # the other ranks' positions are off for the same reason: one message
-            rows["positions"] = [0] * groups.size
+        *problems, prints = flags.tolist()
+        rows = dict(zip(self.PROBLEMS, problems))
+        off = [a or b for a, b in zip(rows["restarts"], rows["positions"])]
+        if all(rows["unsharded"]) and any(off) and prints[0] >= 0 and len(set(prints)) == 1:
+            # positions 0..n-1 and the same tokens on every rank: each got the whole sequence
+            rows.update(unsharded=off, restarts=[0] * groups.size, positions=[0] * groups.size)
+        else:
+            rows["unsharded"] = [0] * groups.size
+            if any(rows["restarts"]):   # the other ranks' positions are off for the same reason: one message
+                rows["positions"] = [0] * groups.size
         found = [f"{self.PROBLEMS[name]} (CP ranks {[r for r, f in enumerate(row) if f]})"
                  for name, row in rows.items() if any(row)]
         if found:
@@ -162,6 +176,15 @@ class InputCheck:
             kwargs = {k: v for k, v in kwargs.items() if k not in HF_DOCUMENT_KEYWORDS}
             return args, {**kwargs, DOCUMENTS_KEYWORD: documents}
         return None
+
+
+def _fingerprint(tokens, device: torch.device) -> torch.Tensor:
+    """A position-weighted sum of integer ``input_ids`` modulo 2^31 - 1 (ranks given the same tokens have the same
+    one); -1 for anything else (``inputs_embeds``)."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dim() < 2:
+        return torch.tensor(-1, device=device)
+    weights = torch.arange(1, tokens.shape[1] + 1, device=tokens.device)
+    return ((tokens.long() * weights).sum() % (2 ** 31 - 1)).to(device)
 
 
 def _hidden_states_wrong(model, arguments: dict, extra: dict) -> bool:

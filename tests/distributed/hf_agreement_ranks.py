@@ -27,6 +27,8 @@ def one_rank_refused(rank: int, world: int, payload) -> dict:
     pos = torch.arange(16)[None]
     local = ctx_plugin.shard_sequence(ids, config=cfg, groups=groups, dim=1)
     local_pos = ctx_plugin.shard_sequence(pos, config=cfg, groups=groups, dim=1)
+    if payload.get("unsharded"):    # every rank given the whole sequence, not its shard
+        return outcome(lambda: model(input_ids=ids, position_ids=pos))
     if payload.get("packed"):       # DataCollatorWithFlattening's restarting positions, no documents given
         packed = torch.cat((torch.arange(6), torch.arange(10)))[None]
         local_pos = ctx_plugin.shard_sequence(packed, config=cfg, groups=groups, dim=1)

@@ -45,3 +45,17 @@ def test_packed_positions_without_documents_are_one_error_on_every_rank():
                                                                 "inside the sequence"), (rank, r)
         assert r["error"].rstrip().endswith("(CP ranks [1])") and "not this rank's share" not in r["error"], (rank, r)
     assert len({r["error"] for r in results}) == 1, results
+
+
+def test_unsharded_inputs_are_named_on_every_rank():
+    """Every rank given the whole sequence (16 tokens each, positions 0..15) instead of its shard: one message on
+    every rank that says so and names shard_sequence (not the packed-documents or off-positions ones)."""
+    pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
+    results = run_spawned("tests.distributed.hf_agreement_ranks:one_rank_refused", 2, {"unsharded": True},
+                          timeout_s=180)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and r["error"].startswith("ValueError: ctx_plugin: position_ids are 0..n-1 and "
+                                                                "the tokens the same on every rank"), (rank, r)
+        assert "ctx_plugin.shard_sequence" in r["error"] and r["error"].rstrip().endswith("(CP ranks [0, 1])")
+        assert "restart at 0" not in r["error"] and "not this rank's share" not in r["error"], (rank, r)
+    assert len({r["error"] for r in results}) == 1, results

@@ -312,6 +312,16 @@ def test_position_ids_off_by_one_are_refused():
             model(input_ids=ids, position_ids=wrong)
 
 
+def test_a_whole_sequence_where_a_shard_belongs_is_named():
+    """At CP 1 a whole sequence is the shard: positions 0..n-1 run. Shifted ones are not a whole sequence's."""
+    model = _llama()
+    ids, pos = _tokens(8)
+    assert model(input_ids=ids, position_ids=pos).logits.shape == (2, 8, 64)
+    with pytest.raises(ValueError, match="position_ids are not this rank's share") as e:
+        model(input_ids=ids, position_ids=pos + 2)
+    assert "whole sequence" not in str(e.value)
+
+
 def test_restarting_position_ids_without_documents_name_the_documents():
     """position_ids restarting at 0 (DataCollatorWithFlattening's packing) without cu_seq_lens_q/k or
     ctx_plugin_documents: the attention would cross the documents; the error says how to pass them (and not that
