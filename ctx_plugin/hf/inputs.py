@@ -125,14 +125,15 @@ class InputCheck:
                 if documents is None and not bad_documents:
                     restarts = (wrong & (positions == 0)).any()          # zeros where the sequence goes on
                     flags["restarts"], flags["positions"] = restarts, wrong.any() & ~restarts
-                    # a whole sequence's positions 0..n-1: a hint, made a problem in __call__ when every rank has it
-                    flags["unsharded"] = (positions == torch.arange(positions.shape[-1],
-                                                                    device=positions.device)).all()
+                    # a whole sequence's positions 0..n-1: a hint (1 + the tokens' fingerprint, 0 otherwise), made a
+                    # problem in __call__ when every rank has it with the same tokens
+                    whole = (positions == torch.arange(positions.shape[-1], device=positions.device)).all()
+                    flags["unsharded"] = torch.where(whole, _fingerprint(tokens) + 1, 0)
                 else:
                     flags["positions"] = wrong.any()
             except ValueError:
                 flags["positions"] = True
-        return [torch.as_tensor(flags[k], device=device) for k in self.PROBLEMS]
+        return [torch.as_tensor(flags[k], device=device).to(torch.int32) for k in self.PROBLEMS]
 
     @opaque
     def __call__(self, model, args, kwargs):
@@ -151,16 +152,14 @@ class InputCheck:
             if groups.size > 1 and device.type not in groups.device_types:
                 device = torch.device("cpu")
         documents, bad_documents = self._documents(arguments, tokens)
-        mine = torch.stack([*self._flags(model, arguments, tokens, device, documents, bad_documents),
-                            _fingerprint(tokens, device)]).to(torch.int32)
-        flags = torch.zeros(len(self.PROBLEMS) + 1, groups.size, dtype=torch.int32, device=device)
+        mine = torch.stack(self._flags(model, arguments, tokens, device, documents, bad_documents))
+        flags = torch.zeros(len(self.PROBLEMS), groups.size, dtype=torch.int32, device=device)
         flags[:, groups.rank] = mine
         if groups.size > 1:
             dist.all_reduce(flags, group=group)
-        *problems, prints = flags.tolist()
-        rows = dict(zip(self.PROBLEMS, problems))
+        rows = dict(zip(self.PROBLEMS, flags.tolist()))
         off = [a or b for a, b in zip(rows["restarts"], rows["positions"])]
-        if all(rows["unsharded"]) and any(off) and prints[0] >= 0 and len(set(prints)) == 1:
+        if all(rows["unsharded"]) and len(set(rows["unsharded"])) == 1 and any(off):
             # positions 0..n-1 and the same tokens on every rank: each got the whole sequence
             rows.update(unsharded=off, restarts=[0] * groups.size, positions=[0] * groups.size)
         else:
@@ -178,13 +177,13 @@ class InputCheck:
         return None
 
 
-def _fingerprint(tokens, device: torch.device) -> torch.Tensor:
-    """A position-weighted sum of integer ``input_ids`` modulo 2^31 - 1 (ranks given the same tokens have the same
-    one); -1 for anything else (``inputs_embeds``)."""
+def _fingerprint(tokens) -> torch.Tensor:
+    """A position-weighted sum of integer ``input_ids`` modulo 2^31 - 2 (ranks given the same tokens have the same
+    one); -1 for anything else (``inputs_embeds``), so that the hint it makes is 0."""
     if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dim() < 2:
-        return torch.tensor(-1, device=device)
+        return torch.tensor(-1)
     weights = torch.arange(1, tokens.shape[1] + 1, device=tokens.device)
-    return ((tokens.long() * weights).sum() % (2 ** 31 - 1)).to(device)
+    return (tokens.long() * weights).sum() % (2 ** 31 - 2)
 
 
 def _hidden_states_wrong(model, arguments: dict, extra: dict) -> bool:

@@ -63,7 +63,6 @@ def hf(backend: str, preset: str, compiler: str) -> list:
     import ctx_plugin
     import ctx_plugin.hf
     from ctx_plugin import recompute
-    from ctx_plugin.packing import documents_of_batch, shift_labels
     from tests.integration import hf_ranks as H
 
     cfg = ctx_plugin.CPConfig(backend=backend, kernel="torch")
@@ -75,17 +74,7 @@ def hf(backend: str, preset: str, compiler: str) -> list:
     compiled = torch.compile(model, backend=compiler)
     errors = []
     for lengths in ([8, 16, 4, 12], [12, 4, 16, 8], [8, 16, 4, 12]):
-        ref = H._packed_reference("qwen2", lengths)
-        positions = torch.cat([torch.arange(n) for n in lengths]).expand(H.BATCH, -1)
-        batch = {"input_ids": ref["tokens"], "labels": ref["tokens"].clone(), "position_ids": positions}
-        docs = documents_of_batch(batch)
-        cu = torch.tensor(docs.bounds, dtype=torch.int32)
-        shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1, documents=docs)  # noqa: E731
-        model.zero_grad()
-        logits = compiled(input_ids=shard(batch["input_ids"]), position_ids=shard(positions), use_cache=False,
-                          cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
-                          max_length_k=max(lengths)).logits
-        result = H._backward_errors(model, logits, shard(shift_labels(batch["labels"], docs)), ref)
+        result = H.packed_step(model, compiled, "qwen2", cfg, groups, lengths, padded=False)
         errors.append(max(result["loss_err"], result["grad_err"]))
     return errors
 

@@ -164,20 +164,29 @@ def _packed(kind: str, backend: str, u: int, mix: str) -> dict:
     against :func:`_packed_reference`: loss, logits at the real tokens, CP-summed gradients."""
     import ctx_plugin
     import ctx_plugin.hf
-    from ctx_plugin.core.rules import padding_units
-    from ctx_plugin.packing import documents_of_batch, pad_packed_batch, shift_labels
 
-    lengths = PACKED_LENGTHS[mix]
-    reference = _packed_reference(kind, lengths)
     cfg = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
     groups = ctx_plugin.build_cp_groups(cfg)
     m = model(kind, None)
     ctx_plugin.hf.enable(m, cfg, groups)
+    return packed_step(m, m, kind, cfg, groups, PACKED_LENGTHS[mix], padded=mix == "padded")
+
+
+def packed_step(m, call, kind: str, cfg, groups, lengths: list[int], *, padded: bool) -> dict:
+    """One forward/backward of the enabled model ``m`` through ``call`` (``m`` itself, or a compiled ``m``) on a
+    packed batch of documents ``lengths`` (padded to the layout's units and passed as ctx_plugin_documents, or as
+    they are in cu_seq_lens_q/k), against :func:`_packed_reference`: loss, logits at the real tokens, CP-summed
+    gradients."""
+    import ctx_plugin
+    from ctx_plugin.core.rules import padding_units
+    from ctx_plugin.packing import documents_of_batch, pad_packed_batch, shift_labels
+
+    reference = _packed_reference(kind, lengths)
     positions = torch.cat([torch.arange(n) for n in lengths]).expand(BATCH, -1)
     batch = {"input_ids": reference["tokens"], "labels": reference["tokens"].clone(), "position_ids": positions}
     docs = documents_of_batch(batch)
     real = torch.arange(docs.seq_len)
-    if mix == "padded":
+    if padded:
         batch, docs = pad_packed_batch(batch, docs, *padding_units(cfg, groups.size))
         real = torch.tensor([i for i in range(docs.seq_len) if docs.is_real(i)])
         keywords = {"ctx_plugin_documents": docs}
@@ -186,8 +195,9 @@ def _packed(kind: str, backend: str, u: int, mix: str) -> dict:
         keywords = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
                     "max_length_k": max(lengths)}
     shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1, documents=docs)  # noqa: E731
-    logits = m(input_ids=shard(batch["input_ids"]), position_ids=shard(batch["position_ids"]), use_cache=False,
-               **keywords).logits
+    m.zero_grad()
+    logits = call(input_ids=shard(batch["input_ids"]), position_ids=shard(batch["position_ids"]), use_cache=False,
+                  **keywords).logits
     errors = _backward_errors(m, logits, shard(shift_labels(batch["labels"], docs)), reference)
     full = ctx_plugin.gather_sequence(logits.detach(), config=cfg, groups=groups, dim=1, documents=docs)
     return {**errors, "logits_err": _rel(full[:, real], reference["logits"])}
