@@ -23,6 +23,28 @@ find_python312() {
   return 1
 }
 
+# A venv without torch yet takes ~5.1 GB (torch's CUDA build and its nvidia-* wheels: pip installs these on CPU-only
+# machines too), with the wheels unpacked beside it while pip works: refuse at once, with the numbers, instead of pip
+# failing half way with "No space left on device" and leaving a venv that is neither usable nor removed.
+check_disk_space() {
+  local need_gib=7 dir avail_kib
+  dir=$(dirname "$CTX_VENV")
+  avail_kib=$(df -Pk "$dir" 2>/dev/null | awk 'NR == 2 {print $4}')
+  if [ -n "$avail_kib" ] && [ "$avail_kib" -lt $((need_gib * 1024 * 1024)) ]; then
+    echo "ctx_plugin's venv needs about $need_gib GiB free to install (it takes ~5.1 GB) and $dir has" \
+      "$((avail_kib / 1024)) MiB:" >&2
+    echo "  free some space there, or set CTX_VENV to a path on a larger disk, and run this again." >&2
+    return 1
+  fi
+}
+
+torch_installed() {
+  compgen -G "$CTX_VENV/lib/python3.*/site-packages/torch-*.dist-info" >/dev/null
+}
+
+if ! torch_installed; then
+  check_disk_space || exit 1
+fi
 if [ ! -x "$CTX_VENV/bin/python" ]; then
   py=$(find_python312) || {
     echo "ctx_plugin needs Python 3.12 (megatron-core >= 0.17 requires it) and none was found:" >&2
