@@ -15,9 +15,8 @@ Nothing is dropped silently. :func:`enable` refuses models with attention option
 (dropout, chunked attention, non-attention token mixers, attention outside transformers' interface, settings computed
 from a rank's shard: :mod:`ctx_plugin.hf.checks`); before every forward of the model, or of its base model called
 directly, or of ``model.forward(...)`` called itself (as PEFT calls it), the inputs are checked once (padding masks,
-caches, position ids, labels, logits_to_keep, hidden states under multi-layer recompute regions, inputs of other
-modalities: :mod:`ctx_plugin.hf.inputs`) and the ranks of the context-parallel group share their findings (one
-small all-reduce), so a problem on any rank is the same ``ValueError`` on every rank; and the attention function
+caches, position ids, labels, logits_to_keep, inputs of other modalities: :mod:`ctx_plugin.hf.inputs`) and the ranks
+of the context-parallel group share their findings (one small all-reduce), so a problem on any rank is the same ``ValueError`` on every rank; and the attention function
 refuses every keyword it does not know to be harmless (:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`:
 the README's table).
 """
@@ -62,8 +61,7 @@ MUST_BE_UNSET = {"sinks": "per-token attention sinks",
 """Keywords that change the math or the result: accepted only as ``None`` (or ``False``), refused otherwise."""
 HARMLESS = {"position_ids": "RoPE is applied before attention; the model's input check verifies them",
             "output_router_logits": "MoE router output, not attention",
-            "output_hidden_states": "model output selection, not attention (refused with a multi-layer "
-                                    "recompute region: the model's input check)",
+            "output_hidden_states": "model output selection, not attention",
             "num_items_in_batch": "loss normalisation, not attention"}
 """Keywords that do not affect attention. Any keyword in none of the three tables is refused by name."""
 

@@ -18,7 +18,6 @@ from ..core.config import CPConfig
 from ..core.groups import CPGroups
 from ..core.rules import check_documents_fit
 from ..packing import DOCUMENTS_KEYWORD, HF_DOCUMENT_KEYWORDS, hf_documents
-from ..recompute.apply import in_multi_layer_region
 from .checks import Running
 
 
@@ -67,10 +66,6 @@ class InputCheck:
                       "runs its text model only (its encoders keep their own attention, which would see one rank's "
                       "inputs as a whole, and image tokens' bidirectional blocks come from a mask ctx_plugin's "
                       "attention does not take); train on text alone (input_ids, position_ids)",
-        "hidden_states": "output_hidden_states with a multi-layer recompute region (full:uniform:N with N > 1, or "
-                         "sqrt): every layer of a region hands on the region's output, so the hidden states of its "
-                         "inner layers would be wrong; use a preset with one layer per region (full, full:block:N, "
-                         "selective) or leave output_hidden_states off",
     }
 
     def __init__(self, cp_config: CPConfig, groups: CPGroups, signature: inspect.Signature, running: Running,
@@ -112,8 +107,7 @@ class InputCheck:
                  "token_ids": _outside_vocabulary(model, arguments.get("input_ids")),
                  "modalities": self.multimodal and any(value is not None and value is not False
                                                        for name, value in arguments.items()
-                                                       if name not in TEXT_ARGUMENTS and name != self.var_keyword),
-                 "hidden_states": _hidden_states_wrong(model, arguments, extra)}
+                                                       if name not in TEXT_ARGUMENTS and name != self.var_keyword)}
         if isinstance(positions, torch.Tensor) and isinstance(tokens, torch.Tensor) \
                 and positions.shape[-1] != tokens.shape[1]:
             flags["positions"] = True
@@ -184,15 +178,6 @@ def _fingerprint(tokens) -> torch.Tensor:
         return torch.tensor(-1)
     weights = torch.arange(1, tokens.shape[1] + 1, device=tokens.device)
     return (tokens.long() * weights).sum() % (2 ** 31 - 2)
-
-
-def _hidden_states_wrong(model, arguments: dict, extra: dict) -> bool:
-    """Whether this forward asks for the hidden states (keyword, else the model's config; transformers 5.x records
-    them from every decoder layer's output) while some layer sits inside a multi-layer recompute region."""
-    asked = next((where["output_hidden_states"] for where in (arguments, extra)
-                  if where.get("output_hidden_states") is not None), None)
-    asked = getattr(model.config, "output_hidden_states", False) if asked is None else asked
-    return bool(asked) and any(in_multi_layer_region(m) for m in model.modules())
 
 
 def _outside_vocabulary(model, ids) -> bool | torch.Tensor:

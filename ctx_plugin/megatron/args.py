@@ -154,6 +154,14 @@ def _check_chunks(layers: RecomputeConfig, args: argparse.Namespace) -> None:
         chunk = f"pipeline rank {pp}" + (f", virtual stage {vp}," if any(v for _, v in chunks) else "")
         raise ValueError(f"--cp-recompute {layers}: {e}; {chunk} builds {smallest} of the --num-layers "
                          f"{args.num_layers} (model chunks: {sorted(set(chunks.values()))} layers)") from None
+    offloading = getattr(args, "cpu_offloading", False) or (getattr(args, "cpu_offloading_num_layers", 0) or 0) > 0
+    if offloading and any(stop - start > 1 for n in chunks.values() for start, stop in regions(layers, n)):
+        raise ValueError(f"--cp-recompute {layers} with --cpu-offloading-num-layers: Megatron enters its CPU-offload "
+                         "hooks (autograd saved-tensor hooks) around each layer's call, and a multi-layer recompute "
+                         "region's checkpoint spans several layers' calls, so their hooks would be left out of order; "
+                         "drop --cpu-offloading-num-layers and offload with ctx_plugin's +offload:<GiB> modifier "
+                         "(region inputs in host memory), or use a preset with one layer per region (full, "
+                         "full:block:N)")
 
 
 def _own_equivalent(args: argparse.Namespace) -> str:

@@ -31,7 +31,6 @@ from .checkpointing import Region, tiled_selective_policy
 from .tiling import TilingState, check_mlp, tiled_forward
 
 _ORIGINAL = "_ctx_plugin_original_forward"
-_REGION = "_ctx_plugin_region_layers"     # on each layer of a multi-layer region: how many layers it holds
 
 
 def _hf_checkpointing(layer: nn.Module) -> bool:
@@ -153,24 +152,13 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
         attach(layers[start:stop], offload)
         patch(layers[start], region.run, index=start)
         for position in range(1, stop - start):
-            patch(layers[start + position], partial(region.pass_through, position), index=start + position)
-        if stop - start > 1:
-            for layer in layers[start:stop]:
-                setattr(layer, _REGION, stop - start)
-
-
-def in_multi_layer_region(module: nn.Module) -> bool:
-    """Whether :func:`apply` put ``module`` (a layer) into a region of several layers, whose inner layers hand on
-    the region's output instead of their own (module hooks on them see that)."""
-    return getattr(module, _REGION, 1) > 1
+            patch(layers[start + position], partial(region.later, position), index=start + position)
 
 
 def remove(layers: Sequence[nn.Module]) -> None:
     """Undoes :func:`apply` on ``layers`` (no-op for layers without a preset)."""
     for layer in layers:
         detach(layer)
-        if hasattr(layer, _REGION):
-            delattr(layer, _REGION)
         for module in (layer, getattr(layer, "mlp", None)):
             if module is not None and hasattr(module, _ORIGINAL):
                 del module.forward           # the instance attribute; the class's forward shows again

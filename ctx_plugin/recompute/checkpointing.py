@@ -1,11 +1,10 @@
 """Recompute regions (layers checkpointed together, storing only the region's input plus the pinned attention) and
 what "selective" saves. :func:`ctx_plugin.recompute.apply` builds them.
 
-A region of several layers runs them all when the model calls its first one, with that layer's arguments (the
-hidden states passed on from layer to layer); the later layers hand on the region's output. A later layer called with
-other arguments is a ValueError (the region ran it with the first one's). The checkpoint always gets the hidden
-states positionally: ``torch.utils.checkpoint`` saves and restores the device RNG state (dropout masks in the
-recomputation) of its positional tensor arguments' devices only.
+A region of one layer checkpoints that layer's call; a region of several layers is one checkpoint spanning their
+calls (:mod:`ctx_plugin.recompute.span`), each layer run with the arguments the model gives it. The checkpoint always
+gets the hidden states positionally: ``torch.utils.checkpoint`` saves and restores the device RNG state (dropout
+masks in the recomputation) of its positional tensor arguments' devices only.
 """
 from __future__ import annotations
 
@@ -16,10 +15,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..core.compiler import opaque
 from . import pinning
 from .inplace import SavedOutputs
 from .offload import HostOffload, hidden_first
 from .pinning import Recording, Reusable
+from .span import Span
 from .tiling import TilingState
 
 _aten = torch.ops.aten
@@ -83,7 +84,12 @@ class Region:
     """Layers ``forwards`` checkpointed as one region: only the region's input is stored (plus the pinned
     attention); in backward the region's forward runs again with attention replayed. ``pinned=False``
     (``+recompute_attn``): the attention is part of the region, re-run (communication included) with it.
-    ``policy``: the selective policy (``selective`` regions only)."""
+    ``policy``: the selective policy (``selective`` regions only).
+
+    A region of one layer is ``torch.utils.checkpoint`` of that layer's call (:meth:`run`). A region of several
+    layers is a checkpoint *span* (:mod:`ctx_plugin.recompute.span`): :meth:`run` (the first layer's forward) opens
+    it, :meth:`later` (each later layer's) runs that layer with its own arguments inside it, and the last layer
+    closes it; the recomputation replays each layer with the arguments it got, the hidden states chained."""
 
     def __init__(self, layers: list[nn.Module], selective: bool, *, pinned: bool = True,
                  policy=None, offload: HostOffload | None = None) -> None:
@@ -91,8 +97,9 @@ class Region:
         self.selective, self.pinned = selective, pinned
         self.offload = offload          # +offload/+offload_attn: the region's input (and attention) in host memory
         self.policy = policy if policy is not None else selective_policy
-        self.last = None
-        self.others = None          # (args, kwargs) the region's first layer got, hidden states left out
+        self.span: Span | None = None   # the span of a multi-layer region's forward under way
+        self.calls: list[tuple[tuple, dict]] = []   # its layers' arguments so far, hidden states left out
+        self.last = None                # the output of its latest layer
 
     def _contexts(self, hooks=None):
         if not self.pinned:
@@ -107,50 +114,90 @@ class Region:
         sac_fwd, sac_recompute = create_selective_checkpoint_contexts(saved.policy)
         return _entered(sac_fwd, saved, record), Reusable(lambda: _entered(pinning.replaying(run), sac_recompute))
 
-    def _body(self, *args, **kwargs):
-        out = None
-        for layer, fwd in zip(self.layers, self.forwards):
-            with _restored_if_cut_short(layer):
-                out = fwd(*args, **kwargs)
-            args, kwargs = _with_input(_hidden(out), args, kwargs)
-        return out
+    def _call(self, position: int, args: tuple, kwargs: dict):
+        with _restored_if_cut_short(self.layers[position]):
+            return self.forwards[position](*args, **kwargs)
 
     def run(self, *args, **kwargs):
-        if torch.is_grad_enabled() and self.offload is not None:
-            out = self.offload.checkpoint(self, self._body, self._contexts, args, kwargs)
-        elif torch.is_grad_enabled():
-            fn, fn_args, fn_kwargs = hidden_first(self._body, args, kwargs)     # device RNG saved for dropout
-            out = checkpoint(fn, *fn_args, use_reentrant=False, context_fn=self._contexts, **fn_kwargs)
+        """The first layer's forward."""
+        if len(self.forwards) > 1:
+            return self._open(args, kwargs)
+        if not torch.is_grad_enabled():
+            return self._call(0, args, kwargs)
+        body = partial(self._call_with, 0)
+        if self.offload is not None:
+            return self.offload.checkpoint(self, body, self._contexts, args, kwargs)
+        fn, fn_args, fn_kwargs = hidden_first(body, args, kwargs)     # device RNG saved for dropout
+        return checkpoint(fn, *fn_args, use_reentrant=False, context_fn=self._contexts, **fn_kwargs)
+
+    def _call_with(self, position: int, *args, **kwargs):
+        return self._call(position, args, kwargs)
+
+    @opaque         # a span of calls is no graph: Dynamo runs the region's layers eagerly (graph breaks around)
+    def _open(self, args: tuple, kwargs: dict):
+        if self.span is not None:          # the last forward stopped inside the region (an exception between layers)
+            self._abandon()
+        hidden = _input(args, kwargs)
+        if not torch.is_grad_enabled():
+            return self._call(0, args, kwargs)
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"a multi-layer recompute region checkpoints its first layer's hidden states (its first "
+                            f"argument or hidden_states=), which must be a tensor, got {type(hidden).__name__}")
+        calls: list[tuple[tuple, dict]] = []
+
+        def replay(hidden):
+            out = None
+            for position, (a, k) in enumerate(calls):
+                out = self._call(position, *_with_input(hidden, a, k))
+                hidden = _hidden(out)
+            return out
+        if self.offload is not None:
+            outer, hooks = self.offload.hooks(self, hidden)
+            self.span = Span(replay, hidden, lambda: self._contexts(hooks), outer)
         else:
-            out = self._body(*args, **kwargs)
-        multi = len(self.forwards) > 1
-        self.last = out if multi else None
-        self.others = _with_input(None, args, kwargs) if multi else None
+            self.span = Span(replay, hidden, self._contexts)
+        self.calls = calls
+        return self._step(0, args, kwargs)
+
+    def _step(self, position: int, args: tuple, kwargs: dict):
+        self.calls.append(_with_input(None, args, kwargs))
+        try:
+            out = self._call(position, args, kwargs)
+        except BaseException:
+            self._abandon()
+            raise
+        if position == len(self.forwards) - 1:
+            span, self.span, self.calls, self.last = self.span, None, [], None
+            span.close()
+        else:
+            self.last = _hidden(out)
         return out
 
-    def pass_through(self, position: int, *args, **kwargs):
-        """A later layer of the region: its work is already done; hand on the region's output, as the tensor this
-        layer was called with. That is the output itself, or an alias of it made by module hooks: ZeRO-3 passes
-        every module's inputs and outputs through autograd functions (to fetch and release parameters in
-        backward), and handing on what the layer got keeps those functions in the gradient's path. The region ran
-        this layer with the first layer's other arguments: a layer the model calls with others (Gemma-3's
-        position_embeddings per layer type) is a ValueError."""
-        out, hidden = self.last, _input(args, kwargs)
-        if out is None or not _aliases(_hidden(out), hidden):
+    def _abandon(self) -> None:
+        span, self.span, self.calls, self.last = self.span, None, [], None
+        span.abandon()
+
+    @opaque
+    def later(self, position: int, *args, **kwargs):
+        """A later layer's forward (``position`` ≥ 1 in the region)."""
+        if self.span is None:
+            if not torch.is_grad_enabled():         # the region's forward runs without autograd
+                return self._call(position, args, kwargs)
+            raise RuntimeError(f"layer {position} of a multi-layer recompute region was called with autograd on but "
+                               "not after the region's first layer; apply full:uniform:N / sqrt only to layers the "
+                               "model calls one after another, passing each layer's output to the next")
+        if position != len(self.calls):
+            expected = len(self.calls)
+            self._abandon()
+            raise RuntimeError(f"layer {position} of a multi-layer recompute region was called while layer "
+                               f"{expected} was due; apply full:uniform:N / sqrt only to layers the model calls one "
+                               "after another")
+        if not _aliases(self.last, _input(args, kwargs)):
+            self._abandon()
             raise RuntimeError("a layer inside a multi-layer recompute region was called with something other than "
                                "the previous layer's output; apply full:uniform:N / sqrt only to layers the model "
-                               "calls one after another")
-        differs = _differing(self.others, _with_input(None, args, kwargs))
-        if differs:
-            self.last = self.others = None
-            raise ValueError(f"layer {position} of a multi-layer recompute region (full:uniform:N with N > 1, or "
-                             f"sqrt) is called with another {differs} than the region's first layer, but a region "
-                             "runs all its layers with the first one's arguments (e.g. Gemma-3 gives its sliding-"
-                             "window and full-attention layers different position_embeddings); use a preset with "
-                             "one layer per region: full, full:block:N, selective")
-        if position == len(self.forwards) - 1:
-            self.last = self.others = None
-        return hidden if isinstance(out, torch.Tensor) else (hidden, *out[1:])
+                               "calls one after another, passing each layer's output to the next")
+        return self._step(position, args, kwargs)
 
 
 @contextmanager
@@ -175,43 +222,6 @@ def _restored_if_cut_short(layer: nn.Module):
             del state[name]
         state.update(before)
         raise
-
-
-def _same(a, b) -> bool:
-    """Whether a later layer's argument ``b`` equals the region's first layer's ``a``: tensors the same memory viewed
-    the same way (:func:`_aliases`: what models pass on, no device synchronisation) or else equal in shape, dtype,
-    device and every value, containers element by element, anything else identical or equal."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor):
-        return _aliases(a, b) or (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
-                                  and a.device == b.device and torch.equal(a, b))
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    try:
-        return bool(a == b)
-    except (RuntimeError, TypeError, ValueError):       # e.g. a dataclass of tensors: only identity counts
-        return False
-
-
-def _differing(first: tuple[tuple, dict], later: tuple[tuple, dict]) -> str | None:
-    """The first argument (besides the hidden states) in which a later layer's call differs from the region's first
-    one, named for the error (``None``: the same)."""
-    (args_a, kwargs_a), (args_b, kwargs_b) = first, later
-    if len(args_a) != len(args_b):
-        return "number of positional arguments"
-    for i, (a, b) in enumerate(zip(args_a[1:], args_b[1:]), start=1):
-        if not _same(a, b):
-            return f"positional argument {i}"
-    for key in sorted(kwargs_a.keys() | kwargs_b.keys()):
-        if key != "hidden_states" and (key not in kwargs_a or key not in kwargs_b or not _same(kwargs_a[key],
-                                                                                              kwargs_b[key])):
-            return f"{key}="
-    return None
 
 
 def _aliases(out: torch.Tensor, x) -> bool:

@@ -122,7 +122,14 @@ class HostOffload:
         positional argument, else ``hidden_states=``) offloaded; ``contexts(hooks)`` builds the checkpoint's
         context managers, ``hooks`` being the saved-tensor hooks for the pinned attention (``None``: kept)."""
         run, args, kwargs = hidden_first(body, args, kwargs)
-        hidden = args[0] if args else None
+        outer, hooks = self.hooks(region, args[0] if args else None)
+        with outer:
+            return checkpoint(run, *args, use_reentrant=False, context_fn=lambda: contexts(hooks), **kwargs)
+
+    def hooks(self, region, hidden) -> tuple[torch.autograd.graph.saved_tensors_hooks, tuple | None]:
+        """For one forward run of ``region`` with input ``hidden``: the saved-tensor hooks to enter around its
+        checkpoint (they move ``hidden`` to host memory when the checkpoint saves it) and those for its pinned
+        attention (``None`` without ``offload_attn``). A new group of this forward pass."""
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(f"{self.flag} offloads a region's hidden states: the layer's first argument (or "
                             f"hidden_states=) must be a tensor, got {type(hidden).__name__}")
@@ -132,9 +139,7 @@ class HostOffload:
 
         def pack_input(t: torch.Tensor):
             return self.pack(group, t) if t is target() else t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack_input, self.unpack):
-            return checkpoint(run, *args, use_reentrant=False, context_fn=lambda: contexts(hooks), **kwargs)
+        return torch.autograd.graph.saved_tensors_hooks(pack_input, self.unpack), hooks
 
     def _open(self, region) -> _Group:
         if id(region) in self._chain:            # this region ran already: a new forward pass begins

@@ -116,3 +116,27 @@ def test_budget_with_pipeline_parallelism_is_refused(monkeypatch, resolve_budget
     with pytest.raises(ValueError, match=r"--cp-recompute budget:40 with --pipeline-model-parallel-size 2: the memory "
                                          r"model .* give a concrete preset instead, e\.g\. --cp-recompute full$"):
         settings_from_args(args, resolve_budget=resolve_budget)
+
+
+@pytest.mark.parametrize("preset,refused", [
+    ("sqrt", True), ("full:uniform:2", True), ("full:uniform:4+offload:1", True),
+    ("full", False), ("full:block:3", False), ("selective", False)])
+def test_cpu_offloading_is_refused_with_multi_layer_regions(monkeypatch, preset, refused):
+    """Megatron's CPU offloading (--cpu-offloading-num-layers) enters saved-tensor hooks around each layer's call; a
+    multi-layer region's checkpoint spans several calls (ctx_plugin.recompute.span): the hooks would be left out of
+    order. validate_args sets ``cpu_offloading`` from the layer count; either counts."""
+    from ctx_plugin.megatron.args import settings_from_args
+
+    args = _args(monkeypatch, "--cp-recompute", preset, "--cpu-offloading-num-layers", "2")
+    assert not getattr(args, "cpu_offloading", False)
+    if refused:
+        with pytest.raises(ValueError, match=rf"^--cp-recompute {preset.replace('+', r'\+')} with --cpu-offloading-"
+                                             r"num-layers: .*drop --cpu-offloading-num-layers and offload with "
+                                             r"ctx_plugin's \+offload:<GiB>"):
+            settings_from_args(args)
+        args = _args(monkeypatch, "--cp-recompute", preset)
+        args.cpu_offloading = True
+        with pytest.raises(ValueError, match="with --cpu-offloading-num-layers"):
+            settings_from_args(args)
+    else:
+        assert str(settings_from_args(args).recompute) == preset

@@ -173,8 +173,11 @@ def test_apply_errors_and_remove():
     for layer in layers:
         y = layer(y)
     y.sum().backward()
-    with pytest.raises(RuntimeError, match="called with something other than the previous layer's output"):
+    with pytest.raises(RuntimeError, match="layer 1 of a multi-layer recompute region was called with autograd on "
+                                           "but not after the region's first layer"):
         layers[1](torch.randn(2, 4))
+    with torch.no_grad():
+        assert torch.equal(layers[1](y), layers[1].lin(y))        # without autograd: the layer alone
     recompute.remove(layers)
     assert all("forward" not in vars(layer) for layer in layers)
     assert list(layers.state_dict()) == [f"{i}.lin.{p}" for i in range(3) for p in ("weight", "bias")]
