@@ -140,3 +140,23 @@ def test_a_failure_inside_or_between_layers_leaves_no_hooks():
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None, "the region's span is open"
     assert all(torch.equal(g, w) for g, w in zip(_run(layers, _gains()), want)), "the next forward closes it"
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.mark.parametrize("preset", ["full:uniform:2", "sqrt", "full:uniform:4+offload:1"])
+def test_dropout_inside_a_region_draws_the_same_masks_in_the_replay(preset):
+    """The span saves the RNG state at its first layer and restores it for the replay: every layer's dropout mask
+    in backward is the one its forward drew (here on the CPU; the GPU's: tests/gpu/test_recompute_gpu.py)."""
+    def grads(preset):
+        torch.manual_seed(0)
+        layers = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), nn.Tanh()) for _ in range(4)).double()
+        if preset is not None:
+            recompute.apply(layers, preset)
+        x = torch.randn(2, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        torch.manual_seed(2)
+        h = x
+        for layer in layers:
+            h = layer(h)
+        (h * torch.linspace(-1, 1, 6, dtype=torch.float64)).sum().backward()
+        return [x.grad, *(p.grad for p in layers.parameters())]
+    want = grads(None)
+    assert all(torch.equal(g, w) for g, w in zip(grads(preset), want))
