@@ -19,7 +19,7 @@ SEQ, BATCH, VOCAB = 32, 2, 128
 # for the model (Gemma-2's softcap: eager's softmax runs in fp32; gpt-oss's sinks: eager in the model's dtype)
 REFERENCE = {"llama": "sdpa", "llama_bidir": "sdpa", "qwen2": "sdpa", "mistral_swa": "sdpa", "mistral_bidir": "sdpa",
              "qwen2_mixed": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "deepseek_v3": "sdpa", "mimo_v2": "eager",
-             "qwen2_vl": "sdpa"}
+             "qwen2_vl": "sdpa", "gemma3": "sdpa"}
 
 
 def model(kind: str, attn_implementation: str | None):
@@ -29,7 +29,8 @@ def model(kind: str, attn_implementation: str | None):
     (attn_logit_softcapping 1, sliding and full layers), ``gpt_oss`` (sinks, sliding and full layers, two
     experts), ``deepseek_v3`` (multi-head latent attention, K/V per query head as DeepSeek's: values of 16 next to
     queries and keys of 24), ``mimo_v2`` (MiMo-V2-Flash: values of 16 next to 24, sliding layers with twice the KV
-    heads and sinks; both with dense layers only, as their routers run in fp32) and ``qwen2_vl`` (Qwen2-VL with its
+    heads and sinks; both with dense layers only, as their routers run in fp32), ``gemma3`` (a sliding layer, window
+    6, then a full one, each with its own RoPE base: per-layer-type position_embeddings) and ``qwen2_vl`` (Qwen2-VL with its
     vision tower, on text alone: 3-D multimodal-RoPE positions, the rows alike, as its processor makes them for
     text); the same weights for every attention implementation."""
     import transformers
@@ -54,6 +55,9 @@ def model(kind: str, attn_implementation: str | None):
                                                                    first_k_dense_replace=2),
               "mimo_v2": lambda: transformers.MiMoV2FlashConfig(**wide, head_dim=24, v_head_dim=16, sliding_window=6,
                                                                 mlp_layer_types=["dense", "dense"]),
+              "gemma3": lambda: transformers.Gemma3TextConfig(**wide, head_dim=16, sliding_window=6,
+                                                              query_pre_attn_scalar=16, rope_local_base_freq=100.0,
+                                                              layer_types=["sliding_attention", "full_attention"]),
               "qwen2_vl": lambda: transformers.Qwen2VLConfig(
                   text_config={**wide, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
                                                            "rope_theta": 10000.0}},
@@ -115,16 +119,22 @@ def _backward_errors(m, logits, local_labels, reference: dict) -> dict:
             "n_ref_grads": len(reference["grads"]), "targets": int(stats[1].item())}
 
 
-def _parity(kind: str, backend: str, u: int, reference: dict) -> dict:
-    """Errors of one CP forward/backward against the reference: loss, gathered logits, CP-summed gradients."""
+def _parity(kind: str, backend: str, u: int, *rest) -> dict:
+    """Errors of one CP forward/backward against the reference: loss, gathered logits, CP-summed gradients.
+    ``rest``: a recompute preset applied to the decoder layers (optional), then the reference."""
     import ctx_plugin
     import ctx_plugin.hf
+    from ctx_plugin import recompute
+
+    *preset, reference = rest
 
     input_ids, labels, positions = data()
     cfg = ctx_plugin.CPConfig(backend=backend, ulysses_size=u, kernel="torch")
     groups = ctx_plugin.build_cp_groups(cfg)
     m = model(kind, None)
     ctx_plugin.hf.enable(m, cfg, groups)
+    if preset:
+        recompute.apply(m.model.layers, preset[0])
     shard = lambda t: ctx_plugin.shard_sequence(t, config=cfg, groups=groups, dim=1)  # noqa: E731
     local_positions = ctx_plugin.shard_sequence(positions_of(kind, positions), config=cfg, groups=groups, dim=-1)
     logits = m(input_ids=shard(input_ids), position_ids=local_positions, use_cache=False).logits

@@ -9,7 +9,8 @@ models with other groups in one process keep their own.
 
 The attention variants (sliding windows, also per layer and bidirectional, Gemma-2's softcap, gpt-oss's sinks)
 match HF's own attention at CP 2 and 4 with their gradients (the sinks' summed over the ranks, as every parameter's),
-and at CP 1 (one rank in this process: test_variant_models_match_hf_at_one_rank).
+also under multi-layer recompute regions whose layers the model calls with different position_embeddings (Gemma-3,
+MiMo-V2: REGIONS), and at CP 1 (one rank in this process: test_variant_models_match_hf_at_one_rank).
 
 In this process (one CP rank): options a model's config or attention modules carry that ctx_plugin does not
 implement are errors at enable (dropout, non-attention layers, ...); every keyword of transformers' attention
@@ -47,10 +48,16 @@ PARITY += [(2, "deepseek_v3", "zigzag", 1), (2, "deepseek_v3", "ulysses", 1), (2
            (4, "mimo_v2", "ulysses_ring", 2)]
 # a multimodal model on text alone: its text model switched, multimodal RoPE from 3-D position_ids
 PARITY += [(2, "qwen2_vl", "striped", 1), (4, "qwen2_vl", "zigzag", 1)]
-# fp32 / float64 against sdpa / float64 against Gemma-2's eager attention, whose softmax runs in fp32
+# multi-layer recompute regions over layers the model calls with different arguments (Gemma-3's and MiMo-V2's
+# position_embeddings per layer type) or whose hidden states differ in kind (gpt-oss's sliding and full layers)
+REGIONS = [(2, "gemma3", "zigzag", 1, "full:uniform:2"), (2, "mimo_v2", "ring", 1, "sqrt"),
+           (4, "gemma3", "ulysses_ring", 2, "sqrt+offload:1"), (4, "gpt_oss", "striped", 1, "full:uniform:2"),
+           (2, "gemma3", "allgather", 1, "full")]
+# fp32 / float64 against sdpa / float64 against Gemma-2's eager attention, whose softmax runs in fp32 / Gemma-3's
+# RMSNorm computes in fp32 (its weights' gradients sum each rank's tokens in fp32: ~2e-7 apart; forward exact)
 TOLERANCE = {"llama": 1e-5, "llama_bidir": 1e-5, "qwen2": 1e-10, "mistral_swa": 1e-10, "mistral_bidir": 1e-10,
              "qwen2_mixed": 1e-10, "gemma2": 1e-5, "gpt_oss": 1e-10, "deepseek_v3": 1e-10, "mimo_v2": 1e-10,
-             "qwen2_vl": 1e-10}
+             "qwen2_vl": 1e-10, "gemma3": 1e-6}
 # packed documents (hf_ranks._packed): kind, backend, ulysses size, document mix (fit: cu_seq_lens; padded)
 PACKED = [(2, "qwen2", "zigzag", 1, "fit"), (2, "qwen2", "allgather", 1, "padded"), (2, "qwen2", "ulysses", 1, "fit"),
           (4, "qwen2", "striped", 1, "padded"), (4, "qwen2", "ring", 1, "fit"), (4, "qwen2", "ulysses_ring", 2, "padded"),
@@ -61,18 +68,20 @@ _results: dict[int, list] = {}
 
 def suite(world: int) -> list:
     if world not in _results:
-        payload = {"parity": [c[1:] for c in PARITY if c[0] == world], "refused": REFUSED[world],
+        payload = {"parity": [c[1:] for c in PARITY + REGIONS if c[0] == world], "refused": REFUSED[world],
                    "packed": [c[1:] for c in PACKED if c[0] == world],
                    "two_models": world == 2}
         _results[world] = run_spawned("tests.integration.hf_ranks:suite", world, payload, timeout_s=600)
     return _results[world]
 
 
-@pytest.mark.parametrize("world,kind,backend,u", PARITY, ids=[f"P{w}-{k}-{b}-u{u}" for w, k, b, u in PARITY])
-def test_matches_hf_attention_on_one_rank(world, kind, backend, u):
+@pytest.mark.parametrize("world,kind,backend,u,preset", [(*c, None) for c in PARITY] + REGIONS,
+                         ids=[f"P{w}-{k}-{b}-u{u}" for w, k, b, u in PARITY]
+                         + [f"P{w}-{k}-{b}-u{u}-{p}" for w, k, b, u, p in REGIONS])
+def test_matches_hf_attention_on_one_rank(world, kind, backend, u, preset):
     tol = TOLERANCE[kind]
     for rank, res in enumerate(suite(world)):
-        r = res["parity"][f"{kind}-{backend}-{u}"]
+        r = res["parity"]["-".join(map(str, (kind, backend, u) + ((preset,) if preset else ())))]
         assert r["n_grads"] == r["n_ref_grads"] > 0
         assert r["loss_err"] <= tol, f"rank {rank}: loss error {r['loss_err']:.2e}"
         assert r["logits_err"] <= tol, f"rank {rank}: logits error {r['logits_err']:.2e}"
