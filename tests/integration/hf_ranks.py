@@ -19,7 +19,8 @@ SEQ, BATCH, VOCAB = 32, 2, 128
 # for the model (Gemma-2's softcap: eager's softmax runs in fp32; gpt-oss's sinks: eager in the model's dtype)
 REFERENCE = {"llama": "sdpa", "llama_bidir": "sdpa", "qwen2": "sdpa", "mistral_swa": "sdpa", "mistral_bidir": "sdpa",
              "qwen2_mixed": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "deepseek_v3": "sdpa", "mimo_v2": "eager",
-             "qwen2_vl": "sdpa", "gemma3": "sdpa"}
+             "qwen2_vl": "sdpa", "gemma3": "sdpa", "cohere2": "sdpa", "smollm3": "sdpa", "olmo2": "sdpa", "phi3": "sdpa",
+             "exaone4": "sdpa", "glm4": "sdpa", "stablelm": "sdpa", "starcoder2": "sdpa"}
 
 
 def model(kind: str, attn_implementation: str | None):
@@ -30,7 +31,11 @@ def model(kind: str, attn_implementation: str | None):
     experts), ``deepseek_v3`` (multi-head latent attention, K/V per query head as DeepSeek's: values of 16 next to
     queries and keys of 24), ``mimo_v2`` (MiMo-V2-Flash: values of 16 next to 24, sliding layers with twice the KV
     heads and sinks; both with dense layers only, as their routers run in fp32), ``gemma3`` (a sliding layer, window
-    6, then a full one, each with its own RoPE base: per-layer-type position_embeddings) and ``qwen2_vl`` (Qwen2-VL with its
+    6, then a full one, each with its own RoPE base: per-layer-type position_embeddings), RoPE and norms placed
+    otherwise: ``cohere2`` (a sliding layer with RoPE, a full one without), ``smollm3`` (a layer without RoPE),
+    ``olmo2`` (q/k norms over the whole projections), ``phi3`` (fused qkv and gate/up projections), ``exaone4`` (q/k
+    norms, sliding then full), ``glm4`` (half the head rotated, interleaved), ``stablelm`` (a quarter rotated,
+    per-head q/k LayerNorms, qkv biases), ``starcoder2`` (LayerNorms with biases, window 6) and ``qwen2_vl`` (Qwen2-VL with its
     vision tower, on text alone: 3-D multimodal-RoPE positions, the rows alike, as its processor makes them for
     text); the same weights for every attention implementation."""
     import transformers
@@ -38,6 +43,7 @@ def model(kind: str, attn_implementation: str | None):
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=SEQ, attention_dropout=0.0, use_cache=False)
     wide = dict(common, initializer_range=0.1)
+    padded = dict(wide, pad_token_id=0)          # defaults past the tiny vocabulary otherwise
     config = {"llama": lambda: transformers.LlamaConfig(**common),
               "llama_bidir": lambda: transformers.LlamaConfig(**common, is_causal=False),
               "qwen2": lambda: transformers.Qwen2Config(**wide, use_sliding_window=False),
@@ -58,6 +64,18 @@ def model(kind: str, attn_implementation: str | None):
               "gemma3": lambda: transformers.Gemma3TextConfig(**wide, head_dim=16, sliding_window=6,
                                                               query_pre_attn_scalar=16, rope_local_base_freq=100.0,
                                                               layer_types=["sliding_attention", "full_attention"]),
+              "cohere2": lambda: transformers.Cohere2Config(**padded, sliding_window=6,
+                                                            layer_types=["sliding_attention", "full_attention"]),
+              "smollm3": lambda: transformers.SmolLM3Config(**padded, no_rope_layers=[1, 0]),
+              "olmo2": lambda: transformers.Olmo2Config(**padded),
+              "phi3": lambda: transformers.Phi3Config(**padded),
+              "exaone4": lambda: transformers.Exaone4Config(**padded, sliding_window=6,
+                                                            layer_types=["sliding_attention", "full_attention"]),
+              "glm4": lambda: transformers.Glm4Config(**padded, partial_rotary_factor=0.5),
+              "stablelm": lambda: transformers.StableLmConfig(**padded, partial_rotary_factor=0.25, use_qkv_bias=True,
+                                                              qk_layernorm=True),
+              "starcoder2": lambda: transformers.Starcoder2Config(**padded, sliding_window=6, residual_dropout=0.0,
+                                                                  embedding_dropout=0.0),
               "qwen2_vl": lambda: transformers.Qwen2VLConfig(
                   text_config={**wide, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
                                                            "rope_theta": 10000.0}},

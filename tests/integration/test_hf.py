@@ -53,11 +53,20 @@ PARITY += [(2, "qwen2_vl", "striped", 1), (4, "qwen2_vl", "zigzag", 1)]
 REGIONS = [(2, "gemma3", "zigzag", 1, "full:uniform:2"), (2, "mimo_v2", "ring", 1, "sqrt"),
            (4, "gemma3", "ulysses_ring", 2, "sqrt+offload:1"), (4, "gpt_oss", "striped", 1, "full:uniform:2"),
            (2, "gemma3", "allgather", 1, "full")]
+# RoPE and norms placed otherwise (partial and interleaved rotation, layers without RoPE, q/k norms, fused
+# projections), each with a backend and, for some, a recompute preset
+REGIONS += [(2, "cohere2", "zigzag", 1, "sqrt"), (2, "smollm3", "ring", 1, None), (2, "olmo2", "striped", 1, None),
+            (2, "phi3", "ulysses", 1, "selective"), (2, "exaone4", "allgather", 1, "full:uniform:2"),
+            (2, "glm4", "zigzag", 1, None), (2, "stablelm", "ring", 1, "full"), (2, "starcoder2", "zigzag", 1, None),
+            (4, "cohere2", "ulysses_ring", 2, None), (4, "smollm3", "zigzag", 1, "sqrt+offload:1")]
 # fp32 / float64 against sdpa / float64 against Gemma-2's eager attention, whose softmax runs in fp32 / Gemma-3's
-# RMSNorm computes in fp32 (its weights' gradients sum each rank's tokens in fp32: ~2e-7 apart; forward exact)
+# RMSNorm and Cohere's LayerNorm apply their weights in fp32 (the weights' gradients sum each rank's tokens in fp32:
+# ~2e-7 apart; the forward exact)
 TOLERANCE = {"llama": 1e-5, "llama_bidir": 1e-5, "qwen2": 1e-10, "mistral_swa": 1e-10, "mistral_bidir": 1e-10,
              "qwen2_mixed": 1e-10, "gemma2": 1e-5, "gpt_oss": 1e-10, "deepseek_v3": 1e-10, "mimo_v2": 1e-10,
-             "qwen2_vl": 1e-10, "gemma3": 1e-6}
+             "qwen2_vl": 1e-10, "gemma3": 1e-6, "cohere2": 1e-6,
+             "smollm3": 1e-10, "olmo2": 1e-10, "phi3": 1e-10, "exaone4": 1e-10, "glm4": 1e-10, "stablelm": 1e-10,
+             "starcoder2": 1e-10}
 # packed documents (hf_ranks._packed): kind, backend, ulysses size, document mix (fit: cu_seq_lens; padded)
 PACKED = [(2, "qwen2", "zigzag", 1, "fit"), (2, "qwen2", "allgather", 1, "padded"), (2, "qwen2", "ulysses", 1, "fit"),
           (4, "qwen2", "striped", 1, "padded"), (4, "qwen2", "ring", 1, "fit"), (4, "qwen2", "ulysses_ring", 2, "padded"),
@@ -68,7 +77,8 @@ _results: dict[int, list] = {}
 
 def suite(world: int) -> list:
     if world not in _results:
-        payload = {"parity": [c[1:] for c in PARITY + REGIONS if c[0] == world], "refused": REFUSED[world],
+        payload = {"parity": [[x for x in c[1:] if x is not None] for c in PARITY + REGIONS if c[0] == world],
+                   "refused": REFUSED[world],
                    "packed": [c[1:] for c in PACKED if c[0] == world],
                    "two_models": world == 2}
         _results[world] = run_spawned("tests.integration.hf_ranks:suite", world, payload, timeout_s=600)
