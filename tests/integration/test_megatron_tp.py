@@ -30,7 +30,8 @@ SEQUENCE_PARALLEL = [("zigzag", 1, "rope", "base", "none"), ("ring", 1, "rope", 
                      ("ulysses", 1, "rope", "moe", "none"), ("zigzag", 1, "rope", "moe", "selective"),
                      ("zigzag", 1, "rope", "base", "full+tile_mlp:3"),
                      ("ring", 1, "rope", "knobs", "full+tile_mlp+recompute_attn+offload:1"),
-                     ("striped", 1, "rope", "window", "selective+tile_mlp")]
+                     ("striped", 1, "rope", "window", "selective+tile_mlp"),
+                     ("zigzag", 1, "rope", "knobs", "sqrt"), ("allgather", 1, "yarn", "base", "full:uniform:2+offload:1")]
 HYBRID = [("ulysses_ring", 2, "rope", "base", True), ("ulysses_ring", 2, "rope", "window", False)]   # CP 4
 _results: dict[int, list] = {}
 
