@@ -28,7 +28,12 @@ import torch
 
 def _generator(fn: Callable, context_fn: Callable, hidden: torch.Tensor):
     from torch.utils import checkpoint as ckpt
-    gen = ckpt._checkpoint_without_reentrant_generator
+    gen = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+    if gen is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.utils.checkpoint."
+                           "_checkpoint_without_reentrant_generator, which ctx_plugin's multi-layer recompute regions "
+                           "use; use a preset with one layer per region (full, full:block:N, selective) or the torch "
+                           "version in constraints.txt")
     values = {"fn": fn, "preserve_rng_state": True, "context_fn": context_fn,
               "determinism_check": getattr(ckpt, "_DEFAULT_DETERMINISM_MODE", "default"), "debug": False,
               "early_stop": True}

@@ -160,3 +160,26 @@ def test_dropout_inside_a_region_draws_the_same_masks_in_the_replay(preset):
         return [x.grad, *(p.grad for p in layers.parameters())]
     want = grads(None)
     assert all(torch.equal(g, w) for g, w in zip(grads(preset), want))
+
+
+def test_a_torch_without_the_checkpoint_generator_is_a_clear_error(monkeypatch):
+    from torch.utils import checkpoint as ckpt
+
+    layers = _stack("sqrt")
+    monkeypatch.delattr(ckpt, "_checkpoint_without_reentrant_generator")
+    with pytest.raises(RuntimeError, match=r"multi-layer recompute regions use; use a preset with one layer per "
+                                           r"region \(full, full:block:N, selective\)"):
+        _run(layers, _gains())
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_a_checkpoint_generator_taking_unknown_arguments_is_a_clear_error(monkeypatch):
+    from torch.utils import checkpoint as ckpt
+
+    def generator(fn, preserve_rng_state, context_fn, new_option, *args):
+        yield
+    layers = _stack("full:uniform:2")
+    monkeypatch.setattr(ckpt, "_checkpoint_without_reentrant_generator", generator)
+    with pytest.raises(RuntimeError, match=r"takes \['new_option'\], which ctx_plugin's multi-layer recompute "
+                                           r"regions do not know"):
+        _run(layers, _gains())
