@@ -16,9 +16,9 @@ Nothing is dropped silently. :func:`enable` refuses models with attention option
 from a rank's shard: :mod:`ctx_plugin.hf.checks`); before every forward of the model, or of its base model called
 directly, or of ``model.forward(...)`` called itself (as PEFT calls it), the inputs are checked once (padding masks,
 caches, position ids, labels, logits_to_keep, inputs of other modalities: :mod:`ctx_plugin.hf.inputs`) and the ranks
-of the context-parallel group share their findings (one small all-reduce), so a problem on any rank is the same ``ValueError`` on every rank; and the attention function
-refuses every keyword it does not know to be harmless (:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`:
-the README's table).
+of the context-parallel group share their findings (one small all-reduce), so a problem on any rank is the same
+``ValueError`` on every rank; and the attention function refuses every keyword it does not know to be harmless
+(:data:`HONOURED`, :data:`MUST_BE_UNSET`, :data:`HARMLESS`: the README's table).
 """
 from __future__ import annotations
 

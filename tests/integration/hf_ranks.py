@@ -19,8 +19,8 @@ SEQ, BATCH, VOCAB = 32, 2, 128
 # for the model (Gemma-2's softcap: eager's softmax runs in fp32; gpt-oss's sinks: eager in the model's dtype)
 REFERENCE = {"llama": "sdpa", "llama_bidir": "sdpa", "qwen2": "sdpa", "mistral_swa": "sdpa", "mistral_bidir": "sdpa",
              "qwen2_mixed": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "deepseek_v3": "sdpa", "mimo_v2": "eager",
-             "qwen2_vl": "sdpa", "gemma3": "sdpa", "cohere2": "sdpa", "smollm3": "sdpa", "olmo2": "sdpa", "phi3": "sdpa",
-             "exaone4": "sdpa", "glm4": "sdpa", "stablelm": "sdpa", "starcoder2": "sdpa"}
+             "qwen2_vl": "sdpa", "gemma3": "sdpa", "cohere2": "sdpa", "smollm3": "sdpa", "olmo2": "sdpa",
+             "phi3": "sdpa", "exaone4": "sdpa", "glm4": "sdpa", "stablelm": "sdpa", "starcoder2": "sdpa"}
 
 
 def model(kind: str, attn_implementation: str | None):
@@ -35,9 +35,9 @@ def model(kind: str, attn_implementation: str | None):
     otherwise: ``cohere2`` (a sliding layer with RoPE, a full one without), ``smollm3`` (a layer without RoPE),
     ``olmo2`` (q/k norms over the whole projections), ``phi3`` (fused qkv and gate/up projections), ``exaone4`` (q/k
     norms, sliding then full), ``glm4`` (half the head rotated, interleaved), ``stablelm`` (a quarter rotated,
-    per-head q/k LayerNorms, qkv biases), ``starcoder2`` (LayerNorms with biases, window 6) and ``qwen2_vl`` (Qwen2-VL with its
-    vision tower, on text alone: 3-D multimodal-RoPE positions, the rows alike, as its processor makes them for
-    text); the same weights for every attention implementation."""
+    per-head q/k LayerNorms, qkv biases), ``starcoder2`` (LayerNorms with biases, window 6) and ``qwen2_vl``
+    (Qwen2-VL with its vision tower, on text alone: 3-D multimodal-RoPE positions, the rows alike, as its processor
+    makes them for text); the same weights for every attention implementation."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
