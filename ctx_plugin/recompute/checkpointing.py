@@ -9,6 +9,7 @@ masks in the recomputation) of its positional tensor arguments' devices only.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -20,7 +21,7 @@ from . import pinning
 from .inplace import SavedOutputs
 from .offload import HostOffload, hidden_first
 from .pinning import Recording, Reusable
-from .span import Span
+from . import span
 from .tiling import TilingState
 
 _aten = torch.ops.aten
@@ -97,9 +98,8 @@ class Region:
         self.selective, self.pinned = selective, pinned
         self.offload = offload          # +offload/+offload_attn: the region's input (and attention) in host memory
         self.policy = policy if policy is not None else selective_policy
-        self.span: Span | None = None   # the span of a multi-layer region's forward under way
-        self.calls: list[tuple[tuple, dict]] = []   # its layers' arguments so far, hidden states left out
-        self.last = None                # the output of its latest layer
+        self.start = span.opener() if len(layers) > 1 else None     # torch's checkpoint generator, bound
+        self.under_way: _Forward | None = None      # a multi-layer region's forward under way
 
     def _contexts(self, hooks=None):
         if not self.pinned:
@@ -114,7 +114,7 @@ class Region:
         sac_fwd, sac_recompute = create_selective_checkpoint_contexts(saved.policy)
         return _entered(sac_fwd, saved, record), Reusable(lambda: _entered(pinning.replaying(run), sac_recompute))
 
-    def _call(self, position: int, args: tuple, kwargs: dict):
+    def _call(self, position: int, *args, **kwargs):
         with _restored_if_cut_short(self.layers[position]):
             return self.forwards[position](*args, **kwargs)
 
@@ -123,81 +123,87 @@ class Region:
         if len(self.forwards) > 1:
             return self._open(args, kwargs)
         if not torch.is_grad_enabled():
-            return self._call(0, args, kwargs)
-        body = partial(self._call_with, 0)
+            return self._call(0, *args, **kwargs)
+        body = partial(self._call, 0)
         if self.offload is not None:
             return self.offload.checkpoint(self, body, self._contexts, args, kwargs)
         fn, fn_args, fn_kwargs = hidden_first(body, args, kwargs)     # device RNG saved for dropout
         return checkpoint(fn, *fn_args, use_reentrant=False, context_fn=self._contexts, **fn_kwargs)
 
-    def _call_with(self, position: int, *args, **kwargs):
-        return self._call(position, args, kwargs)
-
     @opaque         # a span of calls is no graph: Dynamo runs the region's layers eagerly (graph breaks around)
     def _open(self, args: tuple, kwargs: dict):
-        if self.span is not None:          # the last forward stopped inside the region (an exception between layers)
+        if self.under_way is not None:     # the last forward stopped inside the region (an exception between layers)
             self._abandon()
-        hidden = _input(args, kwargs)
         if not torch.is_grad_enabled():
-            return self._call(0, args, kwargs)
+            return self._call(0, *args, **kwargs)
+        hidden = _input(args, kwargs)
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(f"a multi-layer recompute region checkpoints its first layer's hidden states (its first "
                             f"argument or hidden_states=), which must be a tensor, got {type(hidden).__name__}")
+
         calls: list[tuple[tuple, dict]] = []
 
-        def replay(hidden):
+        def replay(hidden):     # kept by the checkpoint until backward: holds the calls' arguments only
             out = None
             for position, (a, k) in enumerate(calls):
-                out = self._call(position, *_with_input(hidden, a, k))
+                a, k = _with_input(hidden, a, k)
+                out = self._call(position, *a, **k)
                 hidden = _hidden(out)
             return out
-        if self.offload is not None:
-            outer, hooks = self.offload.hooks(self, hidden)
-            self.span = Span(replay, hidden, lambda: self._contexts(hooks), outer)
-        else:
-            self.span = Span(replay, hidden, self._contexts)
-        self.calls = calls
+        outer, hooks = self.offload.hooks(self, hidden) if self.offload is not None else (None, None)
+        self.under_way = _Forward(span.Span(self.start, replay, hidden, lambda: self._contexts(hooks), outer), calls)
         return self._step(0, args, kwargs)
 
     def _step(self, position: int, args: tuple, kwargs: dict):
-        self.calls.append(_with_input(None, args, kwargs))
+        opened = self.under_way
+        opened.calls.append(_with_input(None, args, kwargs))
         try:
-            out = self._call(position, args, kwargs)
+            out = self._call(position, *args, **kwargs)
         except BaseException:
             self._abandon()
             raise
         if position == len(self.forwards) - 1:
-            span, self.span, self.calls, self.last = self.span, None, [], None
-            span.close()
+            self.under_way = None
+            opened.span.close()
         else:
-            self.last = _hidden(out)
+            opened.last = _hidden(out)
         return out
 
     def _abandon(self) -> None:
-        span, self.span, self.calls, self.last = self.span, None, [], None
-        span.abandon()
+        opened, self.under_way = self.under_way, None
+        opened.span.abandon()
 
     @opaque
     def later(self, position: int, *args, **kwargs):
         """A later layer's forward (``position`` ≥ 1 in the region)."""
-        if self.span is None:
+        opened = self.under_way
+        if opened is None:
             if not torch.is_grad_enabled():         # the region's forward runs without autograd
-                return self._call(position, args, kwargs)
+                return self._call(position, *args, **kwargs)
             raise RuntimeError(f"layer {position} of a multi-layer recompute region was called with autograd on but "
                                "not after the region's first layer; apply full:uniform:N / sqrt only to layers the "
                                "model calls one after another, passing each layer's output to the next")
-        if position != len(self.calls):
-            expected = len(self.calls)
+        if position != len(opened.calls):
             self._abandon()
             raise RuntimeError(f"layer {position} of a multi-layer recompute region was called while layer "
-                               f"{expected} was due; apply full:uniform:N / sqrt only to layers the model calls one "
-                               "after another")
-        if not _aliases(self.last, _input(args, kwargs)):
+                               f"{len(opened.calls)} was due; apply full:uniform:N / sqrt only to layers the model "
+                               "calls one after another")
+        if not _aliases(opened.last, _input(args, kwargs)):
             self._abandon()
             raise RuntimeError("a layer inside a multi-layer recompute region was called with something other than "
                                "the previous layer's output; apply full:uniform:N / sqrt only to layers the model "
                                "calls one after another, passing each layer's output to the next")
         return self._step(position, args, kwargs)
+
+
+@dataclass
+class _Forward:
+    """A multi-layer region's forward under way: its checkpoint span, the arguments its layers got so far (hidden
+    states left out; the replay reads them) and the latest layer's output (the next layer must be given it)."""
+
+    span: span.Span
+    calls: list[tuple[tuple, dict]]
+    last: torch.Tensor | None = None
 
 
 @contextmanager

@@ -26,7 +26,10 @@ from contextlib import AbstractContextManager, ExitStack
 import torch
 
 
-def _generator(fn: Callable, context_fn: Callable, hidden: torch.Tensor):
+def opener() -> Callable:
+    """``start(fn, context_fn, hidden)``: torch's non-reentrant checkpoint generator with its other arguments bound,
+    resolved once per region (at :func:`ctx_plugin.recompute.apply`, not on every forward). A RuntimeError when this
+    torch has no such generator, or one taking arguments ctx_plugin does not know."""
     from torch.utils import checkpoint as ckpt
     gen = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
     if gen is None:
@@ -34,32 +37,36 @@ def _generator(fn: Callable, context_fn: Callable, hidden: torch.Tensor):
                            "_checkpoint_without_reentrant_generator, which ctx_plugin's multi-layer recompute regions "
                            "use; use a preset with one layer per region (full, full:block:N, selective) or the torch "
                            "version in constraints.txt")
-    values = {"fn": fn, "preserve_rng_state": True, "context_fn": context_fn,
-              "determinism_check": getattr(ckpt, "_DEFAULT_DETERMINISM_MODE", "default"), "debug": False,
-              "early_stop": True}
+    fixed = {"preserve_rng_state": True, "determinism_check": getattr(ckpt, "_DEFAULT_DETERMINISM_MODE", "default"),
+             "debug": False, "early_stop": True}
     names = list(inspect.signature(gen).parameters)
     head = names[:names.index("args")] if "args" in names else names
-    unknown = [n for n in head if n not in values]
+    unknown = [n for n in head if n not in fixed and n not in ("fn", "context_fn")]
     if unknown:
         raise RuntimeError(f"torch {torch.__version__}'s non-reentrant checkpoint generator takes {unknown}, which "
                            "ctx_plugin's multi-layer recompute regions do not know; use a preset with one layer per "
                            "region (full, full:block:N, selective) or the torch version in constraints.txt")
-    return gen(*(values[n] for n in head), hidden)
+
+    def start(fn: Callable, context_fn: Callable, hidden: torch.Tensor):
+        values = {**fixed, "fn": fn, "context_fn": context_fn}
+        return gen(*(values[n] for n in head), hidden)
+    return start
 
 
 class Span:
     """One forward run of a multi-layer region under checkpoint: opened with the region's input, closed after its
     last layer (:meth:`close`), or abandoned when a layer fails (:meth:`abandon`, which leaves the checkpoint's
-    contexts without completing it). ``replay(hidden)`` re-runs the region in backward; ``outer`` is entered
-    first and left last (``+offload``'s hooks that move the saved input to host memory)."""
+    contexts without completing it). ``start``: what :func:`opener` returned; ``replay(hidden)`` re-runs the region
+    in backward (the checkpoint keeps it until then: it must not hold the span); ``outer`` is entered first and left
+    last (``+offload``'s hooks that move the saved input to host memory)."""
 
-    def __init__(self, replay: Callable, hidden: torch.Tensor, context_fn: Callable,
+    def __init__(self, start: Callable, replay: Callable, hidden: torch.Tensor, context_fn: Callable,
                  outer: AbstractContextManager | None = None) -> None:
         self._stack = ExitStack()
         if outer is not None:
             self._stack.enter_context(outer)
         try:
-            self._gen = _generator(replay, context_fn, hidden)
+            self._gen = start(replay, context_fn, hidden)
             next(self._gen)
         except BaseException:
             self._stack.close()

@@ -78,17 +78,21 @@ class _nothing:
 
 def test_keyword_hidden_states_reach_the_checkpoint_positionally(monkeypatch):
     seen = []
-    original, original_span = checkpointing_module.checkpoint, span_module._generator
+    original, original_opener = checkpointing_module.checkpoint, span_module.opener
 
     def spy(fn, *args, **kwargs):
         seen.append(args)
         return original(fn, *args, **kwargs)
 
-    def spy_span(fn, context_fn, *args):
-        seen.append(args)
-        return original_span(fn, context_fn, *args)
+    def spy_opener():
+        start = original_opener()
+
+        def spy_start(fn, context_fn, *args):
+            seen.append(args)
+            return start(fn, context_fn, *args)
+        return spy_start
     monkeypatch.setattr(checkpointing_module, "checkpoint", spy)
-    monkeypatch.setattr(span_module, "_generator", spy_span)
+    monkeypatch.setattr(span_module, "opener", spy_opener)
     want = _run(_stack(None), _gains())
     for preset, calls in (("full", 4), ("full:uniform:2", 2), ("selective", 4)):
         seen.clear()
@@ -162,15 +166,15 @@ def test_dropout_inside_a_region_draws_the_same_masks_in_the_replay(preset):
     assert all(torch.equal(g, w) for g, w in zip(grads(preset), want))
 
 
-def test_a_torch_without_the_checkpoint_generator_is_a_clear_error(monkeypatch):
+def test_a_torch_without_the_checkpoint_generator_is_a_clear_error_at_apply(monkeypatch):
+    """Refused when the preset is applied, before any forward; one-layer presets do not need the generator."""
     from torch.utils import checkpoint as ckpt
 
-    layers = _stack("sqrt")
     monkeypatch.delattr(ckpt, "_checkpoint_without_reentrant_generator")
     with pytest.raises(RuntimeError, match=r"multi-layer recompute regions use; use a preset with one layer per "
                                            r"region \(full, full:block:N, selective\)"):
-        _run(layers, _gains())
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        _stack("sqrt")
+    _stack("full:block:2")
 
 
 def test_a_checkpoint_generator_taking_unknown_arguments_is_a_clear_error(monkeypatch):
@@ -178,8 +182,7 @@ def test_a_checkpoint_generator_taking_unknown_arguments_is_a_clear_error(monkey
 
     def generator(fn, preserve_rng_state, context_fn, new_option, *args):
         yield
-    layers = _stack("full:uniform:2")
     monkeypatch.setattr(ckpt, "_checkpoint_without_reentrant_generator", generator)
     with pytest.raises(RuntimeError, match=r"takes \['new_option'\], which ctx_plugin's multi-layer recompute "
                                            r"regions do not know"):
-        _run(layers, _gains())
+        _stack("full:uniform:2")
