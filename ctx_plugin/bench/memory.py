@@ -104,9 +104,10 @@ def _quiet_kineto() -> Iterator[None]:
                 sys.stderr.write("".join(kept))
 
 
-def _allocations(prof, device: torch.device) -> list[tuple[int, int]]:
+def _allocations(prof, device: torch.device, gpu_like: bool = False) -> list[tuple[int, int]]:
     """(address, bytes: + allocated, − freed) of every allocation event on ``device``'s type, in time order
-    (at equal times allocations first, so a peak is never missed)."""
+    (at equal times allocations first, so a peak is never missed). ``gpu_like``: without the operand copies an
+    in-place op with a dtype promotion makes on the CPU (``fp32 += bf16``; CUDA casts inside the kernel)."""
     from torch._C._profiler import _EventType
 
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -115,24 +116,49 @@ def _allocations(prof, device: torch.device) -> list[tuple[int, int]]:
         stack.extend(node.children)
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == device.type:
             fields = node.extra_fields
-            events.append((node.start_time_ns, fields.alloc_size < 0, fields.ptr, fields.alloc_size))
-    return [(ptr, size) for _, _, ptr, size in sorted(events)]
+            events.append((node.start_time_ns, fields.alloc_size < 0, fields.ptr, fields.alloc_size, node))
+    promoted = {id(node) for *_, node in events if gpu_like and _promotion(node, _EventType.TorchOp)}
+    kept, live = [], set()
+    for _, _, ptr, size, node in sorted(events, key=lambda ev: ev[:4]):
+        if id(node) in promoted:
+            live.add(ptr)
+        elif size < 0 and ptr in live:
+            live.discard(ptr)
+        else:
+            kept.append((ptr, size))
+    return kept
 
 
-def call_bytes(fn: Callable[[], object], device: torch.device) -> CallBytes:
-    """Runs ``fn()`` once and returns what it allocated, copied and held at its peak (see the module docstring).
-    Whatever ``fn`` returns is dropped before the profile ends, so a returned tensor counts as freed."""
+def _promotion(node, torch_op) -> bool:
+    """Whether an allocation is TensorIterator's CPU copy of an operand into an in-place op's dtype: made by
+    ``aten::to`` → ``aten::_to_copy`` under an in-place operator (a name ending in ``_``)."""
+    ops, parent = [], node.parent
+    while parent is not None and len(ops) < 4:
+        if parent.tag == torch_op:
+            ops.append(parent.name)
+        parent = parent.parent
+    return len(ops) == 4 and ops[1:3] == ["aten::_to_copy", "aten::to"] and ops[3].endswith("_")
+
+
+def _profiled(fn: Callable[[], object], device: torch.device, counter: TorchDispatchMode | None = None):
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    counter = _CopyCounter()
     with _quiet_kineto(), profile(activities=activities, profile_memory=True) as prof:
-        with counter:
+        with counter if counter is not None else contextlib.nullcontext():
             fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    return prof
+
+
+def call_bytes(fn: Callable[[], object], device: torch.device) -> CallBytes:
+    """Runs ``fn()`` once and returns what it allocated, copied and held at its peak (see the module docstring).
+    Whatever ``fn`` returns is dropped before the profile ends, so a returned tensor counts as freed."""
+    counter = _CopyCounter()
+    prof = _profiled(fn, device, counter)
     live = peak = allocated = 0
     mine: dict[int, int] = {}           # address → bytes of the blocks this call allocated and holds
     for ptr, size in _allocations(prof, device):
@@ -144,6 +170,31 @@ def call_bytes(fn: Callable[[], object], device: torch.device) -> CallBytes:
         elif mine.pop(ptr, None) is not None:    # a block from before the call: its release is not counted
             live += size
     return CallBytes(allocated=allocated, copied=counter.bytes, peak=peak)
+
+
+def transient_peak(fn: Callable[[], object], device: torch.device) -> int:
+    """The most bytes alive at once among the blocks ``fn()`` allocates and frees before it returns (what it leaves
+    alive, such as the gradients a backward returns, is left out from its allocation on), as a GPU holds them: on
+    the CPU without the operand copies of in-place ops with a dtype promotion. What the memory model's
+    ``cp_buffers`` counts for one attention backward (:mod:`ctx_plugin.memory.buffers`)."""
+    events = _allocations(_profiled(fn, device), device, gpu_like=True)
+    left: dict[int, int] = {}          # address → index of its allocation still alive at the end
+    for i, (ptr, size) in enumerate(events):
+        if size > 0:
+            left[ptr] = i
+        else:
+            left.pop(ptr, None)
+    stays = set(left.values())
+    live = peak = 0
+    mine: dict[int, int] = {}
+    for i, (ptr, size) in enumerate(events):
+        if size > 0 and i not in stays:
+            mine[ptr] = size
+            live += size
+            peak = max(peak, live)
+        elif size < 0 and mine.pop(ptr, None) is not None:
+            live += size
+    return peak
 
 
 def kv_block_bytes(batch: int, local_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -10,8 +10,10 @@ causal mask a prefix ending at the chunk; with a sliding window the window's ran
 block's bottom-right convention: :func:`ctx_plugin.core.blocks.band_block`) in one kernel call, so there are no
 partial merges. With packed documents every document is split zigzag-wise (chunks r and 2P−1−r of each one) and
 each chunk meets only its own document's keys (:func:`ctx_plugin.core.blocks.document_blocks`); padding rows stay 0. Attention sinks are applied once to the concatenated result (:mod:`ctx_plugin.core.sinks`). Backward
-re-gathers K/V, accumulates the full dK/dV in fp32, reorders them to sharded order in one copy (sequence-major,
-so the reduce-scatter's input is that copy itself) and reduce-scatters them to their owners.
+re-gathers K/V, accumulates the full dK/dV in fp32 (each chunk's kernel gradients freed before the next chunk's
+call), frees the gathered K/V, reorders dK/dV to sharded order in one copy (sequence-major, so the reduce-scatter's
+input is that copy itself; the sum in sequence order is freed before the reduce-scatter) and reduce-scatters them to
+their owners.
 Forward saves only q, k, v, out and lse.
 """
 from __future__ import annotations
@@ -98,30 +100,41 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         kernel, group, counter, mask, scale = ctx.args
         dout = dout.contiguous()
-        kv = _gather_kv(k, v, group, counter, mask.documents)
-        acc = accum_dtype(q.dtype)
-        dq = (torch.empty if mask.documents is None else torch.zeros)(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-        chunks = _query_chunks(group.rank, group.size, q.shape[1], mask)
-        if mask.documents is None:      # the chunks cover every row once: their dq is written, not added
-            for blk in chunks:
-                with span(Part.KERNEL):
-                    dq_c, dk_c, dv_c = kernel.backward(
-                        dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], out[:, blk.q],
-                        lse[:, :, blk.q], causal=blk.causal, scale=scale, window=blk.window, softcap=mask.softcap)
-                dq[:, blk.q] = dq_c
-                with span(Part.MERGE):
-                    dkv[0, :, blk.k] += dk_c
-                    dkv[1, :, blk.k] += dv_c
-        else:
-            backward_blocks(kernel, dout, q, kv[0], kv[1], out, lse, chunks, mask=mask, scale=scale, dq=dq,
-                            dk=dkv[0], dv=dkv[1])
+        dq, dkv = _local_backward(kernel, dout, q, _gather_kv(k, v, group, counter, mask.documents), out, lse,
+                                  _query_chunks(group.rank, group.size, q.shape[1], mask), mask, scale)
+        acc = dkv.dtype
         if group.size > 1:   # back to sharded order (one copy), then each rank receives the sum of its own rows
             two, b, s, hkv, d = dkv.shape
             n = s // group.size
             sharded = dkv.permute(2, 0, 1, 3, 4).index_select(0, _perm(s, group, dkv.device, mask.documents))
-            mine = reduce_scatter(torch.empty((n, two, b, hkv, d), dtype=acc, device=dkv.device),
+            del dkv          # the sum in sequence order: the reduce-scatter reads its sharded copy
+            mine = reduce_scatter(torch.empty((n, two, b, hkv, d), dtype=acc, device=sharded.device),
                                   sharded.view(group.size, n, two, b, hkv, d), group, counter, "reduce_scatter_dkv")
             dkv = mine.permute(1, 2, 0, 3, 4)                            # [2, B, n, Hkv, D] (a view)
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None, None
+
+
+def _local_backward(kernel: AttentionKernel, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, chunks: tuple[Block, ...], mask: Mask,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """dq and the full dK/dV (``[2, B, S, Hkv, D]``, sequence order), in fp32 (fp64 for fp64 inputs). The gathered
+    K/V and the last chunk's kernel gradients are freed on return, before the reorder and reduce-scatter."""
+    acc = accum_dtype(q.dtype)
+    dq = (torch.empty if mask.documents is None else torch.zeros)(q.shape, dtype=acc, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+    if mask.documents is not None:
+        backward_blocks(kernel, dout, q, kv[0], kv[1], out, lse, chunks, mask=mask, scale=scale, dq=dq, dk=dkv[0],
+                        dv=dkv[1])
+        return dq, dkv
+    for blk in chunks:      # the chunks cover every row once: their dq is written, not added
+        with span(Part.KERNEL):
+            dq_c, dk_c, dv_c = kernel.backward(
+                dout[:, blk.q], q[:, blk.q], kv[0, :, blk.k], kv[1, :, blk.k], out[:, blk.q], lse[:, :, blk.q],
+                causal=blk.causal, scale=scale, window=blk.window, softcap=mask.softcap)
+        dq[:, blk.q] = dq_c
+        with span(Part.MERGE):
+            dkv[0, :, blk.k] += dk_c
+            dkv[1, :, blk.k] += dv_c
+        del dq_c, dk_c, dv_c        # freed before the next chunk's kernel allocates its own
+    return dq, dkv

@@ -166,6 +166,7 @@ def backward_blocks(kernel: AttentionKernel, dout: torch.Tensor, q: torch.Tensor
             dq[:, blk.q] += dq_b
             dk[:, blk.k] += dk_b
             dv[:, blk.k] += dv_b
+        del dq_b, dk_b, dv_b        # freed before the next block's kernel allocates its own
     if calls:
         rows = [_rows(t) for t in (dout, q, k, v, out)]
         lse_rows = lse.transpose(0, 1).reshape(lse.shape[1], b * sq).contiguous()     # [H, B·Sq]
@@ -176,3 +177,4 @@ def backward_blocks(kernel: AttentionKernel, dout: torch.Tensor, q: torch.Tensor
                 dq += dq_c.view(dq.shape)
                 dk += dk_c.view(dk.shape)
                 dv += dv_c.view(dv.shape)
+            del dq_c, dk_c, dv_c

@@ -120,8 +120,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             if kv_exchange is not None:
                 kv_exchange.wait()
                 kv, kv_spare = kv_spare, _buffer(kv)
-        if schedule.last:                     # home to the owner of the shard held at the last step
-            own = torch.empty_like(contrib)
+        if schedule.last:                     # home to the owner of the shard held at the last step, received
+            own = torch.empty_like(contrib) if incoming is None else incoming      # into the spent incoming buffer
             comm.start(contrib, own, DKV, tag=2, shift=-schedule.last).wait()
             contrib = own
     return dq.to(q.dtype), contrib[0].to(k.dtype), contrib[1].to(v.dtype)

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..core.rules import SettingNames, check_heads, check_seq_len, check_tp_heads, document_unit
-from ..names import Backend, Framework, Recompute
+from ..names import Framework, Recompute
 from ..recompute.presets import RecomputeConfig, candidates, regions
 from ..tiled_loss import auto_tokens
 from .blocks import layer_terms
+from .buffers import cp_buffers
 from .flops import Packing, check_documents, pack
 from .specs import ModelSpec, ParallelSpec, ceil_div
 from .state import model_state
@@ -107,45 +108,6 @@ def param_count(m: ModelSpec, tp: int = 1) -> int:
     layer = m.hidden * (q_w + 2 * kv_w) + bias + q_w * m.hidden + mlp + 2 * norm + qk_norm
     embed = ceil_div(m.vocab, tp) * m.hidden
     return m.layers * layer + embed * (1 if m.tied_embeddings else 2) + m.position_embeddings * m.hidden + norm
-
-
-def _cp_buffers(m: ModelSpec, p: ParallelSpec, t: int, seq_len: int, micro_batch: int, e: int, acc: int,
-                device: str = "cuda") -> int:
-    """Transient buffers of one attention call at its backward's peak, bytes per rank: ctx_plugin's
-    (received K/V, fp32 gradient accumulators, all-to-all copies), the local kernel's gradients of its largest
-    block (dq, dk, dv in the inputs' dtype, until they are added in) and, on CUDA, the kernel's own backward
-    workspace, bounded by FlashAttention-2's: an fp32 dQ accumulator, and under GQA dK/dV for every query head
-    before it sums them (torch's flash kernel and flash-attn 2; cuDNN's accumulator is no larger). At CP 1 only
-    that workspace (the kernel's gradients are the layer's)."""
-    d, u = m.head_dim, p.ulysses
-    heads, kv = m.heads // p.tp, max(m.kv_heads // p.tp, 1)
-
-    def workspace(q_rows: int, k_rows: int, q_heads: int, kv_heads: int) -> int:
-        if device != "cuda":
-            return 0
-        expanded = 2 * k_rows * q_heads * d * e if kv_heads < q_heads else 0
-        return q_rows * q_heads * d * acc + expanded
-
-    def kernel(q_rows: int, k_rows: int, q_heads: int, kv_heads: int) -> int:
-        return (q_rows * q_heads + 2 * k_rows * kv_heads) * d * e + workspace(q_rows, k_rows, q_heads, kv_heads)
-
-    if p.cp == 1:        # one kernel call whose gradients are the result: its workspace only
-        return workspace(t, t, heads, kv)
-
-    if p.backend == Backend.ALLGATHER:   # gathered K/V (+ reordered copy), full dK/dV in fp32 (+ sharded copy)
-        full_kv = 2 * micro_batch * seq_len * kv * d
-        return 2 * full_kv * e + 2 * full_kv * acc + kernel(t, micro_batch * seq_len, heads, kv)
-    ring_tokens, kv_heads = t * u, (max(kv, u) if u > 1 else kv) // u
-    a2a = 2 * t * (heads + 2 * max(kv, u)) * d * e if u > 1 else 0      # send + receive copies of q, k, v
-    dout_heads = t * heads * d * e if u > 1 else 0                        # dout, head-sharded, at the kernel
-    kv_block = 2 * ring_tokens * kv_heads * d
-    dq = ring_tokens * heads // u * d * acc
-    block = kernel(ring_tokens, ring_tokens, heads // u, kv_heads)     # the largest: own K/V, every own query
-    if p.cp // u > 1:    # K/V + spare, dK/dV ×2 + incoming (fp32), dQ
-        return max(a2a, dout_heads + 2 * kv_block * e + 3 * kv_block * acc + dq + block)
-    # a ring of one rank (ulysses): the kernel's gradients are the result; the peak is dQ's all-to-all back (its
-    # send and receive copies next to the head-sharded dq, dk, dv), less the gradients it returns
-    return block + 2 * t * heads * d * e - t * (heads + 2 * kv) * d * e
 
 
 def layout_packing(p: ParallelSpec, seq_len: int, documents=None) -> Packing:
@@ -317,7 +279,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
                           framework_buffers=state.extra, step_peak=state.step,
                           framework=parallel.runs_on, activations=activations,
                           per_layer=per_layer, recompute_peak=max(backward - activations, k.norm_bwd, 0),
-                          cp_buffers=_cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc, device),
+                          cp_buffers=cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc, device),
                           logits_peak=loss_tokens * vocab * 3 * acc, recompute_fraction=extra / step,
                           host=sum(host),
                           host_budget=None if recompute.offload_gib is None else int(recompute.offload_gib * GiB),
