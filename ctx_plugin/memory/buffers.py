@@ -23,6 +23,9 @@ The moments, per backend (``t`` tokens of this rank, causal attention):
   runs the last-created first) next to the head-sharded gradients not yet sent: its send copy (micro batch > 1: a
   contiguous one) and its receive buffer (kept only when more than one head per rank needs a reordered copy, or
   when replicated K/V heads are summed afterwards).
+
+In fp32 (fp64) training the fp32 accumulators are the gradients themselves (``.to`` returns them): where the ring
+or the all-gather returns them they are the layer's, not counted; under Ulysses they are the head-sharded gradients.
 """
 from __future__ import annotations
 
