@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import resource
-import sys
 import time
 from dataclasses import asdict
 
@@ -28,6 +27,7 @@ from ctx_plugin.models import DecoderConfig, DecoderLM
 from ctx_plugin.names import Backend, Kernel, Recompute
 from ctx_plugin.packing import shift_labels
 from ctx_plugin.recompute.presets import RecomputeConfig
+from ctx_plugin.worker import leave
 
 
 def sample_batch(generator: torch.Generator, batch: int, seq_len: int, vocab: int) -> torch.Tensor:
@@ -204,4 +204,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -31,6 +31,7 @@ import torch
 
 from .cliargs import output_file, parse_strict, random_seed
 from .slurm.signals import StopRequest
+from .worker import leave
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -280,10 +281,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Everything is written (report, checkpoints, logs): leave without C++ static destructors, which gloo's background
-    # threads sometimes outlive ("terminate called without an active exception", SIGABRT after a finished run, so
-    # torchrun reports the run as failed)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main())

@@ -18,7 +18,6 @@ signature and its all-reduce on the CPU-side group, median of :data:`CHECK_REPS`
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from ..core.groups import build_cp_groups
 from ..core.kernels import accum_dtype, select_kernel
 from ..core.mask import Mask
 from ..names import Kernel
+from ..worker import leave
 from .harness import Shape, attention_step, call_time, ideal_share, median_time
 from .options import add_arguments, configs, settle, shape_from_args
 from .planning import plan_ms
@@ -146,4 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
