@@ -35,8 +35,8 @@ from ..names import Recompute
 from ..recompute import RecomputeConfig, apply
 from ..recompute.apply import refuse_hf_checkpointing
 from .config import (SECTION, ContextParallelSection, _load_config, _refuse_curriculum, _refuse_deepcompile,
-                     _refuse_ds_checkpointing, _refuse_model_parallel, _refuse_patched_linear, _zero_config,
-                     batch_sizes, check_data_parallel_size, parse_section)
+                     _refuse_ds_checkpointing, _refuse_model_parallel, _refuse_patched_linear,
+                     _refuse_summed_gradients, _zero_config, batch_sizes, check_data_parallel_size, parse_section)
 from .data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, step_tokens, tiled_causal_lm_loss
 
 __all__ = ["SECTION", "ContextParallelMPU", "ContextParallelSection", "ShardedLoader", "batch_sizes", "causal_lm_loss",
@@ -207,6 +207,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ran through these groups."""
     import deepspeed
 
+    if config is not None and config_params is not None:
+        raise ValueError("config= and config_params= both given: give the DeepSpeed config once (config_params is "
+                         "DeepSpeed's older name for config)")
     config = _load_config(config if config is not None else config_params, args)
     if SECTION not in config:
         if attention is not None:
@@ -219,11 +222,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     section = parse_section(config.pop(SECTION))
     _refuse_curriculum(config)
     _refuse_deepcompile(config)
+    _refuse_summed_gradients(config)
     _refuse_model_parallel(config, model)
     if mpu is not None:
         raise ValueError(f'"{SECTION}" builds the process groups itself; do not pass mpu=')
     own_sp = config.get("sequence_parallel_size", 1)
-    if own_sp not in (1, section.size):
+    if type(own_sp) is not int or own_sp not in (1, section.size):
         raise ValueError(f'"sequence_parallel_size" ({own_sp}) disagrees with "{SECTION}.size" ({section.size}); '
                          f'drop "sequence_parallel_size": the "{SECTION}" section is the one switch')
     config.pop("sequence_parallel_size", None)

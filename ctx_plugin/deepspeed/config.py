@@ -2,6 +2,7 @@
 sizes, ZeRO-3's linear under ``selective``); used by :func:`ctx_plugin.deepspeed.initialize` and the launcher."""
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,7 @@ def _args_config(args):
 
 
 def _no_duplicate_keys(pairs: list) -> dict:
-    """``json.loads``'s object hook: a key given twice in one JSON object is an error, as in DeepSpeed (plain
+    """The config reader's object hook: a key given twice in one JSON object is an error, as in DeepSpeed (plain
     ``json.loads`` keeps the last silently)."""
     keys = [key for key, _ in pairs]
     duplicated = sorted({key for key in keys if keys.count(key) > 1})
@@ -88,11 +89,36 @@ def _load_config(config, args) -> dict:
     if config is None:
         config = from_args
     if isinstance(config, (str, Path)):
-        config = json.loads(Path(config).read_text(), object_pairs_hook=_no_duplicate_keys)
+        config = _read_config(config)
     if not isinstance(config, dict):
         raise TypeError("ctx_plugin.deepspeed.initialize needs config= as a dict or a JSON path (or "
                         "args.deepspeed_config)")
     return dict(config)
+
+
+def _read_config(config: str | Path) -> dict:
+    """A config given as a string, read as ``deepspeed.initialize`` reads it: a file (hjson: JSON that may hold
+    comments and trailing commas), else base64-encoded JSON; a key given twice in one object is an error."""
+    import hjson                  # DeepSpeed's own reader (one of its requirements)
+
+    try:
+        is_file = Path(config).is_file()
+    except (OSError, ValueError):     # a long base64 string is no path
+        is_file = False
+    if is_file:
+        return hjson.loads(Path(config).read_text(), object_pairs_hook=_no_duplicate_keys)
+    if isinstance(config, str):
+        try:
+            text = base64.urlsafe_b64decode(config).decode("utf-8")
+            decoded = hjson.loads(text, object_pairs_hook=_no_duplicate_keys)
+        except ValueError as e:       # not base64, not UTF-8 or not (h)json; a duplicated key is said as it is
+            if "more than once" in str(e):
+                raise
+            decoded = None
+        if isinstance(decoded, dict):
+            return decoded
+    raise ValueError(f"config={str(config)[:80]!r} is neither a file nor base64-encoded JSON: give the DeepSpeed "
+                     "config as a dict, a path to an existing JSON file or base64 (what deepspeed.initialize takes)")
 
 
 def _zero_config(config: dict, recompute: RecomputeConfig) -> dict:
@@ -106,8 +132,10 @@ def _zero_config(config: dict, recompute: RecomputeConfig) -> dict:
         return config
     if functional.linear is zero3_linear_wrap:
         raise ValueError(_PATCHED_LINEAR)
+    from deepspeed.runtime.zero.config import get_zero_config
+
     zero = config.get("zero_optimization")
-    if not isinstance(zero, dict) or zero.get("stage") != 3:
+    if not isinstance(zero, dict) or get_zero_config(config).stage != 3:     # "3" and 3.0 are stage 3 to DeepSpeed
         return config
     given = zero.get("memory_efficient_linear", False)
     if given is not False:
@@ -179,7 +207,7 @@ def check_data_parallel_size(config: dict, replicas: int) -> None:
     """DeepSpeed reads ``"data_parallel_size"`` only next to ``"sequence_parallel_size"`` (which the section
     replaces), so it would be accepted and ignored: it must be the section's data-parallel replicas (then dropped)."""
     given = config.pop("data_parallel_size", None)
-    if given is not None and given != replicas:
+    if given is not None and (type(given) is not int or given != replicas):
         raise ValueError(f'"data_parallel_size" ({given}) disagrees with the {replicas} data-parallel replica(s) of '
                          f'"{SECTION}" (ranks / "{SECTION}.size"); drop it: the section sets the groups')
 
@@ -249,13 +277,27 @@ def _refuse_deepcompile(config: dict) -> None:
                          f'attention), or train without "{SECTION}"')
 
 
+def _refuse_summed_gradients(config: dict) -> None:
+    """``"gradient_allreduce_op": "sum"`` (DeepSpeed's default is ``"mean"``): ctx_plugin's losses give each rank its
+    share of the global token mean for DeepSpeed's average over every data × context rank; summed, the gradient
+    would be that many times too large, not the replicas' sum DeepSpeed alone gives. A ValueError."""
+    from deepspeed.runtime.config import get_gradient_allreduce_op
+
+    if get_gradient_allreduce_op(config) != "mean":
+        raise ValueError(f'"gradient_allreduce_op": "sum" cannot be combined with "{SECTION}": ctx_plugin\'s losses '
+                         "normalise by the global token count for DeepSpeed's mean over the data × context ranks, so "
+                         'summed gradients would be scaled by the context-parallel ranks too; drop the key (or set '
+                         '"mean") and scale the learning rate if you relied on the sum')
+
+
 def _refuse_model_parallel(config: dict, model) -> None:
     """DeepSpeed's automatic tensor parallelism (``"tensor_parallel": {"autotp_size": N}``, N > 1) and pipeline
     models (``deepspeed.pipe.PipelineModule``) split the ranks in ways the section's groups do not know: it gives
     DeepSpeed an mpu with data × context parallelism only. A ValueError naming what to drop."""
-    tp = config.get("tensor_parallel")
-    size = tp.get("autotp_size", 0) if isinstance(tp, dict) else 0
-    if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+    from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
+
+    size = get_tensor_parallel_config(config).autotp_size      # as DeepSpeed reads it: "2" and 2.0 are 2
+    if size > 1:
         raise ValueError(f'"tensor_parallel.autotp_size" {size} cannot be combined with "{SECTION}": ctx_plugin\'s '
                          "DeepSpeed integration runs data × context parallelism only (its groups take every rank of "
                          "a context-parallel group as one sequence's); drop it, or run tensor × context parallelism "

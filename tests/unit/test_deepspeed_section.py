@@ -273,3 +273,86 @@ def test_lm_loss_refuses_a_router_loss_it_would_drop():
                                          r"would be dropped"):
         lm_loss(engine, batch)
     assert forwards == []
+
+
+def test_config_strings_are_read_as_deepspeed_reads_them(tmp_path):
+    """A file with comments and trailing commas (hjson) and base64-encoded JSON, as deepspeed.initialize takes them;
+    anything else is a ValueError naming the forms."""
+    pytest.importorskip("deepspeed")
+    import base64
+    import json
+
+    from ctx_plugin.deepspeed.config import _load_config
+
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  // the section\n  "context_parallel": {"size": 2,},\n  "steps_per_print": 3,\n}\n')
+    assert _load_config(str(path), None) == {"context_parallel": {"size": 2}, "steps_per_print": 3}
+    encoded = base64.urlsafe_b64encode(json.dumps({"context_parallel": {"size": 4}}).encode()).decode()
+    assert _load_config(encoded, None) == {"context_parallel": {"size": 4}}
+    twice = base64.urlsafe_b64encode(b'{"a": 1, "a": 2}').decode()
+    with pytest.raises(ValueError, match=r"gives key\(s\) \['a'\] more than once"):
+        _load_config(twice, None)
+    for missing in (str(tmp_path / "missing.json"), tmp_path / "missing.json", "zero3"):
+        with pytest.raises(ValueError, match="is neither a file nor base64-encoded JSON"):
+            _load_config(missing, None)
+
+
+def test_config_and_config_params_together_are_refused():
+    pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed import initialize
+
+    with pytest.raises(ValueError, match="config= and config_params= both given"):
+        initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1},
+                   config_params={"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}})
+
+
+def test_summed_gradients_are_refused_with_the_section():
+    """Summed over every data × context rank, ctx_plugin's token-mean losses would give size × the gradient."""
+    pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed import initialize
+
+    base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
+    for op in ("sum", "SUM"):
+        with pytest.raises(ValueError, match=r'"gradient_allreduce_op": "sum" cannot be combined with'):
+            initialize(model=torch.nn.Linear(2, 2), config={**base, "gradient_allreduce_op": op})
+    with pytest.raises(ValueError, match="do not pass mpu="):       # "mean" (DeepSpeed's default) goes on
+        initialize(model=torch.nn.Linear(2, 2), config={**base, "gradient_allreduce_op": "mean"}, mpu=object())
+
+
+@pytest.mark.parametrize("size", ["2", 2.0])
+def test_autotp_size_is_read_as_deepspeed_reads_it(size):
+    pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed import initialize
+
+    base = {"train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": 2}}
+    with pytest.raises(ValueError, match=r'"tensor_parallel.autotp_size" 2 cannot be combined'):
+        initialize(model=torch.nn.Linear(2, 2), config={**base, "tensor_parallel": {"autotp_size": size}})
+
+
+@pytest.mark.parametrize("stage", ["3", 3.0])
+def test_zero_stage_is_read_as_deepspeed_reads_it(stage):
+    """Stage "3" is ZeRO-3 to DeepSpeed: its memory_efficient_linear is turned off under selective there too."""
+    pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed.config import _zero_config
+    from ctx_plugin.recompute import RecomputeConfig
+
+    config = {"zero_optimization": {"stage": stage}}
+    assert _zero_config(config, RecomputeConfig.parse("selective"))["zero_optimization"] == \
+        {"stage": stage, "memory_efficient_linear": False}
+
+
+@pytest.mark.parametrize("key,value", [("data_parallel_size", True), ("data_parallel_size", 2.0),
+                                       ("sequence_parallel_size", True), ("sequence_parallel_size", 2.0)])
+def test_parallel_sizes_must_be_ints(key, value):
+    pytest.importorskip("deepspeed")
+    from ctx_plugin.deepspeed.config import check_data_parallel_size
+
+    if key == "data_parallel_size":
+        with pytest.raises(ValueError, match=r'"data_parallel_size" \((True|2.0)\) disagrees'):
+            check_data_parallel_size({key: value}, 1 if value is True else 2)
+        return
+    from ctx_plugin.deepspeed import initialize
+
+    with pytest.raises(ValueError, match=r'"sequence_parallel_size" \((True|2.0)\) disagrees'):
+        initialize(model=torch.nn.Linear(2, 2), config={"train_micro_batch_size_per_gpu": 1, key: value,
+                                                        "context_parallel": {"size": 2 if value == 2.0 else 1}})
