@@ -105,14 +105,19 @@ class _Attention:
                     softmax_scale=None, kernel=None, error=e))
             raise
         given, sinks = kwargs.get("is_causal"), kwargs.get("s_aux")
-        causal = bool(getattr(module, "is_causal", True) if given is None else given)
+        # Gemma-3's use_bidirectional_attention: its own bidirectional mask decides over is_causal=True (sdpa gets a
+        # mask); is_causal=False makes it build masking_utils' bidirectional masks instead (|i - j| <= w)
+        overlay = bidirectional_overlay(module) and given is not False
+        if overlay:
+            given = None
+        causal = False if overlay else bool(getattr(module, "is_causal", True) if given is None else given)
         if torch.is_autocast_enabled(query.device.type):    # as autocast casts sdpa's inputs: q, k come out of
             dtype = torch.get_autocast_dtype(query.device.type)     # RoPE in fp32 next to a bf16 v
             query, key, value = (t.to(dtype) for t in (query, key, value))
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
                            groups=self.groups, causal=causal, softmax_scale=scaling,
                            window=hf_window(kwargs.get("sliding_window"), given, causal,
-                                            overlay=not causal and bidirectional_overlay(module)),
+                                            overlay=overlay),
                            softcap=kwargs.get("softcap"), sinks=sinks, documents=documents)
         return out, None
 

@@ -50,6 +50,10 @@ def config_problems(config) -> list[tuple[str, str]]:
                               f"rank's shard, not the sequence; use a config whose rope_type does not depend on "
                               f"the length, e.g. 'default', 'linear', 'llama3' or 'yarn')"))
     found += bidirectional_problems(config)
+    if getattr(config, "add_cross_attention", False) is True:
+        found.append(("add_cross_attention", "add_cross_attention=True (cross-attention to an encoder's states, which "
+                      "the layers pass to the attention as its keys: not the sequence ctx_plugin shards, and the "
+                      "encoder's padding mask would not reach it); build the decoder without cross-attention"))
     no_rope = getattr(config, "no_rope_layers", None) or []
     if getattr(config, "attn_temperature_tuning", False) and any(not use_rope for use_rope in no_rope):
         found.append(("attn_temperature_tuning", "attn_temperature_tuning=True with NoPE layers (no_rope_layers "

@@ -66,6 +66,12 @@ class InputCheck:
                       "runs its text model only (its encoders keep their own attention, which would see one rank's "
                       "inputs as a whole, and image tokens' bidirectional blocks come from a mask ctx_plugin's "
                       "attention does not take); train on text alone (input_ids, position_ids)",
+        "prefix": "token_type_ids with config.prefix_lm=True make the tokens marked 1 a bidirectional prefix, "
+                  "through a mask ctx_plugin's attention does not take (it would run them causally); leave "
+                  "token_type_ids out (causal language modelling) or set config.prefix_lm=False",
+        "encoder": "encoder_hidden_states / encoder_attention_mask: cross-attention to an encoder's states is not "
+                   "context-parallel attention over the sequence (and the encoder's padding mask would not reach it); "
+                   "use a decoder-only model, or run the model without them",
     }
 
     def __init__(self, cp_config: CPConfig, groups: CPGroups, signature: inspect.Signature, running: Running,
@@ -107,7 +113,10 @@ class InputCheck:
                  "token_ids": _outside_vocabulary(model, arguments.get("input_ids")),
                  "modalities": self.multimodal and any(value is not None and value is not False
                                                        for name, value in arguments.items()
-                                                       if name not in TEXT_ARGUMENTS and name != self.var_keyword)}
+                                                       if name not in TEXT_ARGUMENTS and name != self.var_keyword),
+                 "prefix": _given(arguments, extra, "token_type_ids")
+                 and getattr(getattr(model, "config", None), "prefix_lm", False) is True,
+                 "encoder": _given(arguments, extra, "encoder_hidden_states", "encoder_attention_mask")}
         if isinstance(positions, torch.Tensor) and isinstance(tokens, torch.Tensor) \
                 and positions.shape[-1] != tokens.shape[1]:
             flags["positions"] = True
@@ -178,6 +187,11 @@ def _fingerprint(tokens) -> torch.Tensor:
         return torch.tensor(-1)
     weights = torch.arange(1, tokens.shape[1] + 1, device=tokens.device)
     return (tokens.long() * weights).sum() % (2 ** 31 - 2)
+
+
+def _given(arguments: dict, extra: dict, *names: str) -> bool:
+    """Whether a forward got any of ``names`` (not None), as a parameter or in its ``**kwargs``."""
+    return any(where.get(name) is not None for where in (arguments, extra) for name in names)
 
 
 def _outside_vocabulary(model, ids) -> bool | torch.Tensor:

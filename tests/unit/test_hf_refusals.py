@@ -536,3 +536,47 @@ def test_bert_style_decoders_pass_no_encoder_states_and_match_hf_sdpa(model_type
         want = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
         got = model(input_ids=ids, position_ids=pos).logits
     assert (got - want).abs().max() < 1e-12
+
+
+def test_prefix_lm_token_type_ids_are_refused():
+    """HRM-Text's prefix_lm builds a bidirectional prefix from token_type_ids in its mask, which ctx_plugin's
+    attention does not take: an error, not a causal prefix; without them the model matches sdpa."""
+    config = transformers.HrmTextConfig(**{**COMMON, "num_hidden_layers": 1}, H_cycles=1, L_cycles=1, L_bp_cycles=[1])
+    ref, model = _pair(config)
+    ids, pos = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, position_ids=pos).logits,
+                                   ref(input_ids=ids, position_ids=pos, use_cache=False).logits, rtol=1e-12, atol=1e-12)
+        prefix = torch.zeros_like(ids)
+        prefix[:, :6] = 1
+        with pytest.raises(ValueError, match="token_type_ids with config.prefix_lm=True"):
+            model(input_ids=ids, position_ids=pos, token_type_ids=prefix)
+    model.config.prefix_lm = False       # transformers then ignores them
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=pos, token_type_ids=prefix)
+
+
+def test_cross_attention_decoders_are_refused():
+    """A BERT-style decoder passes the encoder's states to the attention as keys (not as a keyword ctx_plugin could
+    see), and transformers drops the encoder's padding mask for a registered attention: refused at enable."""
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, is_decoder=True, add_cross_attention=True)
+    model = transformers.BertLMHeadModel(config)
+    with pytest.raises(ValueError, match="add_cross_attention=True"):
+        cphf.enable(model, *_one_rank())
+    assert hf_inputs.InputCheck.PROBLEMS["encoder"].startswith("encoder_hidden_states / encoder_attention_mask")
+
+
+def test_gemma3_bidirectional_ignores_is_causal_as_its_mask_does():
+    """Gemma-3 with use_bidirectional_attention: its own mask (full, and |i - j| < w on sliding layers) decides,
+    whatever is_causal the caller passes; ctx_plugin matches sdpa with and without it."""
+    config = transformers.Gemma3TextConfig(**COMMON, sliding_window=6, layer_types=["sliding_attention",
+                                                                                    "full_attention"],
+                                           use_bidirectional_attention=True)
+    ref, model = _pair(config)
+    ids, pos = _tokens()
+    for given in ({}, {"is_causal": True}, {"is_causal": False}):
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids, position_ids=pos, **given).logits,
+                                       ref(input_ids=ids, position_ids=pos, use_cache=False, **given).logits,
+                                       rtol=1e-12, atol=1e-12, msg=str(given))
