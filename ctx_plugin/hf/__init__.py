@@ -289,11 +289,13 @@ def _check_model(model) -> None:
 def _check_heads(model, cp_config: CPConfig, cp: int) -> None:
     """The head split (:func:`ctx_plugin.core.rules.check_heads`) for the model's config, at enable time."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = getattr(config, "num_attention_heads", None)
-    if isinstance(heads, int):
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        check_heads(cp_config, heads, kv, cp, SettingNames(heads="attention heads (num_attention_heads)",
-                                                           kv_heads="num_key_value_heads"))
+    # a heterogeneous config (per_layer_config) refuses global reads of its per-layer attributes: each layer's
+    layers = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) is True else [config]
+    for heads, kv in dict.fromkeys((getattr(c, "num_attention_heads", None), getattr(c, "num_key_value_heads", None))
+                                   for c in layers):
+        if isinstance(heads, int):
+            check_heads(cp_config, heads, kv or heads, cp, SettingNames(heads="attention heads (num_attention_heads)",
+                                                                        kv_heads="num_key_value_heads"))
 
 
 def check_model(model, cp_config: CPConfig, cp_size: int) -> None:

@@ -580,3 +580,17 @@ def test_gemma3_bidirectional_ignores_is_causal_as_its_mask_does():
             torch.testing.assert_close(model(input_ids=ids, position_ids=pos, **given).logits,
                                        ref(input_ids=ids, position_ids=pos, use_cache=False, **given).logits,
                                        rtol=1e-12, atol=1e-12, msg=str(given))
+
+
+def test_per_layer_head_counts_are_checked_layer_by_layer():
+    """A heterogeneous config (transformers' per_layer_config: Gemma-4 with attention_k_eq_v, dots3) refuses a global
+    read of num_key_value_heads: each layer's heads are checked (transformers' AmbiguousGlobalPerLayerAttributeError
+    before). The config alone: Llama's modules do not build from one."""
+    from ctx_plugin.hf import _check_heads
+
+    config = transformers.LlamaConfig(**{**COMMON, "hidden_size": 48, "num_attention_heads": 12,
+                                         "num_key_value_heads": 12}, per_layer_config={1: {"num_key_value_heads": 4}})
+    model = SimpleNamespace(config=config)
+    _check_heads(model, ctx_plugin.CPConfig(backend="ulysses", kernel="torch"), 4)     # 12/12 and 12/4 split over 4
+    with pytest.raises(ValueError, match=r"4 K/V heads|num_key_value_heads"):    # layer 1's 4 K/V heads over 6
+        _check_heads(model, ctx_plugin.CPConfig(backend="ulysses", kernel="torch"), 6)
