@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..core.config import CPConfig
-from ..core.rules import SettingNames, check_heads, check_seq_len, check_ulysses_size
+from ..core.rules import SettingNames, check_heads, check_seq_len, check_sequence_parallel, check_ulysses_size
 from ..names import Backend, Kernel, Recompute
 from ..recompute import RecomputeConfig, regions, to_megatron
 from .budget import budget_recompute
@@ -26,7 +26,7 @@ _USAGE = {
 
 
 _NAMES = SettingNames(seq_len="--seq-length", cp="--context-parallel-size", ulysses_size="--cp-ulysses-size",
-                      heads="attention heads per tensor-parallel rank",
+                      tp="--tensor-model-parallel-size", heads="attention heads per tensor-parallel rank",
                       kv_heads="--num-query-groups per tensor-parallel rank")
 
 
@@ -86,6 +86,9 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     ``padded_vocab_size``), never on arguments it has already written recompute fields into. With
     ``resolve_budget=False`` a ``budget:`` preset is checked but returned unresolved (``megatron_recompute``
     None): for checks made before the vocabulary is known (``ctx-plugin launch``)."""
+    for flag in ("cp_no_rank_check", "cp_pad_documents"):
+        if not isinstance(getattr(args, flag, False), bool):
+            raise ValueError(f"--{flag.replace('_', '-')} is a switch: True or False, got {getattr(args, flag)!r}")
     try:
         cp_config = CPConfig(backend=args.cp_backend, kernel=args.cp_kernel, ulysses_size=args.cp_ulysses_size,
                              check_ranks=not args.cp_no_rank_check)
@@ -111,6 +114,8 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     kv_heads = (args.num_query_groups if getattr(args, "group_query_attention", False) and args.num_query_groups
                 else args.num_attention_heads) // tp
     check_seq_len(cp_config, args.seq_length, cp, _NAMES)
+    if getattr(args, "sequence_parallel", False):
+        check_sequence_parallel(cp_config, args.seq_length, cp, tp, _NAMES)
     check_heads(cp_config, heads, max(kv_heads, 1), cp, _NAMES)
     if getattr(args, "attention_dropout", 0.0):
         raise ValueError(f"ctx_plugin's attention has no dropout; set --attention-dropout 0 "
@@ -129,6 +134,11 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     if layers.preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN) \
             and not layers.has_modifiers:      # Megatron has no tiling or offload: ctx_plugin applies those
         megatron_fields = to_megatron(layers, args.num_layers, moe=bool(getattr(args, "num_experts", None)))
+    elif getattr(args, "mtp_num_layers", None) and layers.preset != Recompute.BUDGET:
+        raise ValueError(f"--cp-recompute {layers} with --mtp-num-layers {args.mtp_num_layers}: ctx_plugin applies "
+                         "it to the decoder's layers only, so the multi-token-prediction layers would run without it "
+                         "(Megatron checkpoints them only under its own full recompute); drop --mtp-num-layers, or "
+                         "use --cp-recompute none, attn_out, mlp or core_attn (Megatron's own fields)")
     padding = None
     if getattr(args, "cp_pad_documents", False):
         from .mask_documents import document_padding
@@ -179,10 +189,14 @@ def _own_equivalent(args: argparse.Namespace) -> str:
 
 
 def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfig:
-    recompute = RecomputeConfig.parse(args.cp_recompute)
+    try:
+        recompute = RecomputeConfig.parse(args.cp_recompute)
+    except TypeError as e:            # a namespace built in code: the flag error all the same
+        raise ValueError(f"--cp-recompute: {e}") from None
     own = [f"--{name.replace('_', '-')}" for name in ("recompute_granularity", "recompute_method",
                                                        "recompute_num_layers", "recompute_activations",
-                                                       "moe_layer_recompute") if getattr(args, name, None)]
+                                                       "recompute_modules", "moe_layer_recompute")
+           if getattr(args, name, None)]
     if own and recompute.preset != Recompute.NONE:
         raise ValueError(f"--cp-recompute {recompute} and {', '.join(own)} both set what to recompute; keep one "
                          f"(--cp-recompute maps onto Megatron's fields where Megatron can express it)")

@@ -53,6 +53,16 @@ def budget_recompute(args: argparse.Namespace, recompute: RecomputeConfig, resol
     if undescribed:
         refused.append((", ".join(undescribed), f"does not describe {'this' if len(undescribed) == 1 else 'these'}, "
                         f"so it would under-count what each layer keeps", ""))
+    if getattr(args, "mtp_num_layers", None):
+        refused.append((f"--mtp-num-layers {args.mtp_num_layers}", "describes the decoder's layers only, not the "
+                        "multi-token-prediction layers and their logits", ""))
+    dropout = getattr(args, "hidden_dropout", 0.0) or 0.0
+    if dropout > 0:
+        refused.append((f"--hidden-dropout {dropout:g}", "does not count the dropout masks each layer keeps for "
+                        "backward (Megatron's default is 0.1)", " (or set --hidden-dropout 0)"))
+    optimizer = getattr(args, "optimizer", "adam")
+    if optimizer != "adam":
+        refused.append((f"--optimizer {optimizer}", "counts Adam's state (fp32 master weights and two moments)", ""))
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     if pp > 1:
         refused.append((f"--pipeline-model-parallel-size {pp}", "covers one whole-model stack (every layer's "

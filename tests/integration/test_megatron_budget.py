@@ -13,7 +13,8 @@ pytest.importorskip("megatron.training", reason="needs megatron-core and Megatro
 from ctx_plugin.names import Recompute  # noqa: E402
 
 BASE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "4096",
-        "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--attention-dropout", "0"]
+        "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--attention-dropout", "0",
+        "--hidden-dropout", "0"]
 
 
 def _args(monkeypatch, *flags):
@@ -175,3 +176,53 @@ def test_model_spec_counts_megatrons_parameters():
         launcher, _ = _megatron_parser().parse_known_args(PARAM_BASE + flags)
         launcher.padded_vocab_size = 96
         assert dataclasses.asdict(model_spec(launcher)) == fields, flags
+
+
+@pytest.mark.parametrize("flags,named", [
+    (("--hidden-dropout", "0.1"), "--hidden-dropout 0.1: .* dropout masks"),
+    (("--optimizer", "sgd"), "--optimizer sgd: .* counts Adam's state"),
+    (("--mtp-num-layers", "1", "--position-embedding-type", "rope"), "--mtp-num-layers 1: .* multi-token-prediction"),
+])
+def test_budget_with_what_the_model_does_not_count_is_refused(monkeypatch, flags, named):
+    """Dropout masks (Megatron's default --hidden-dropout is 0.1: +12% kept bytes measured), another optimizer's
+    state, multi-token-prediction layers: each would make the chosen preset's memory other than estimated."""
+    from ctx_plugin.megatron.args import settings_from_args
+
+    with pytest.raises(ValueError, match=r"--cp-recompute budget:80 with " + named):
+        settings_from_args(_args(monkeypatch, "--cp-recompute", "budget:80", *flags), resolve_budget=False)
+
+
+def test_megatron_recompute_modules_next_to_a_preset_is_refused(monkeypatch):
+    """--recompute-modules would be overwritten (core_attn, mlp) or have no effect (ctx_plugin's own presets)."""
+    from ctx_plugin.megatron.args import settings_from_args
+
+    for preset in ("core_attn", "selective", "none"):
+        with pytest.raises(ValueError, match="--recompute-modules"):
+            settings_from_args(_args(monkeypatch, "--cp-recompute", preset, "--recompute-modules", "mlp"))
+
+
+def test_multi_token_prediction_next_to_a_preset_ctx_plugin_applies_is_refused(monkeypatch):
+    """ctx_plugin's presets wrap the decoder's layers only; Megatron's own fields (mlp, core_attn) reach the MTP
+    layers as Megatron builds them."""
+    from ctx_plugin.megatron.args import settings_from_args
+
+    mtp = ("--mtp-num-layers", "1", "--position-embedding-type", "rope")
+    for preset in ("full", "sqrt", "selective", "none+tile_mlp"):
+        with pytest.raises(ValueError, match=rf"--cp-recompute {preset.replace('+', '.')} with --mtp-num-layers 1"):
+            settings_from_args(_args(monkeypatch, "--cp-recompute", preset, *mtp))
+    assert settings_from_args(_args(monkeypatch, "--cp-recompute", "mlp", *mtp)).megatron_recompute is not None
+
+
+def test_switches_and_presets_set_in_code_are_flag_errors(monkeypatch):
+    """settings_from_args on a namespace built in code: a string for a switch, a preset of another type."""
+    from ctx_plugin.megatron.args import settings_from_args
+
+    for flag in ("cp_no_rank_check", "cp_pad_documents"):
+        args = _args(monkeypatch)
+        setattr(args, flag, "false")
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} is a switch: True or False, got 'false'"):
+            settings_from_args(args)
+    args = _args(monkeypatch)
+    args.cp_recompute = 3
+    with pytest.raises(ValueError, match="--cp-recompute: a recompute preset must be a string, got int"):
+        settings_from_args(args)

@@ -92,8 +92,9 @@ def test_entry_point_budget_resolves_once_to_megatrons_mlp(tmp_path):
     """budget:<GiB> is resolved once, with Megatron's padded vocabulary and DP size, to mlp, which Megatron's
     own recompute applies (it used to crash at model construction: the entry point validated its own output).
     Without linear biases: Megatron's mlp recompute hangs on CPU with them."""
-    reference = _run(tmp_path, 1, "--disable-bias-linear", "--num-layers", "3", ctx_plugin=False)
-    got = _run(tmp_path, 2, "--disable-bias-linear", "--num-layers", "3", "--cp-recompute", _mlp_budget())
+    flags = ("--disable-bias-linear", "--num-layers", "3", "--hidden-dropout", "0")   # budget counts no dropout
+    reference = _run(tmp_path, 1, *flags, ctx_plugin=False)
+    got = _run(tmp_path, 2, *flags, "--cp-recompute", _mlp_budget())
     _same_losses(got, reference)
     assert got["recompute"] == MEGATRON_FIELDS["mlp"] and got["padded_vocab_size"] == 128
 

@@ -15,7 +15,7 @@ pytest.importorskip("megatron.training", reason="needs megatron-core and Megatro
 
 BASE = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "4096",
         "--max-position-embeddings", "4096", "--micro-batch-size", "1", "--attention-dropout", "0",
-        "--context-parallel-size", "2"]
+        "--hidden-dropout", "0", "--context-parallel-size", "2"]
 
 
 def _args(monkeypatch, *flags, layers: int = 8):
