@@ -23,8 +23,9 @@ The sequence dimension is 1 for ``[batch, seq, hidden]`` models (Hugging Face, c
 Megatron's ``[seq, batch, hidden]``. Under Megatron's tensor parallelism each chunk is gathered/reduced by the
 MLP's own linears (with sequence parallelism: the same chunk of every rank's sequence shard is gathered, then
 scattered back), all ranks using the same chunks because their shards have the same length: per-token work,
-exact per chunk. MoE layers (an ``.experts`` submodule) are refused: routing statistics and auxiliary losses
-are computed over the tokens of a call, so chunking changes them.
+exact per chunk. MoE layers (an ``experts`` or ``router`` submodule, or a module class named as a mixture of
+experts) are refused: routing statistics and auxiliary losses are computed over the tokens of a call, so chunking
+changes them.
 """
 from __future__ import annotations
 
@@ -52,10 +53,24 @@ def check_mlp(mlp, index: int) -> None:
     """A ValueError if layer ``index``'s ``.mlp`` cannot be tiled exactly."""
     if not isinstance(mlp, nn.Module):
         raise ValueError(f"+tile_mlp needs layers with an `.mlp` submodule; layer {index} has none")
-    if isinstance(getattr(mlp, "experts", None), nn.Module):
-        raise ValueError(f"+tile_mlp cannot tile layer {index}'s {type(mlp).__name__}: a mixture-of-experts layer "
-                         "routes tokens with statistics and auxiliary losses over all tokens of a call, which "
+    moe = _mixture_of_experts(mlp)
+    if moe is not None:
+        raise ValueError(f"+tile_mlp cannot tile layer {index}'s {type(mlp).__name__} ({moe}): a mixture-of-experts "
+                         "layer routes tokens with statistics and auxiliary losses over all tokens of a call, which "
                          "chunking would change; drop +tile_mlp for MoE models")
+
+
+def _mixture_of_experts(mlp: nn.Module) -> str | None:
+    """What marks ``mlp`` as a mixture of experts, else None: a submodule named ``experts`` or ``router`` (at any
+    depth: JetMoE keeps its experts in ``input_linear``/``output_linear`` next to a ``router``), or a module class
+    named as one (``...MoE...``, ``...Moe...``, ``...Experts...``)."""
+    for name, module in mlp.named_modules():
+        leaf, kind = name.rsplit(".", 1)[-1], type(module).__name__
+        if leaf in ("experts", "router"):
+            return f"its `{name}`"
+        if "MoE" in kind or "Moe" in kind or "Experts" in kind:
+            return f"{'its ' + repr(name) + ', ' if name else ''}a {kind}"
+    return None
 
 
 def chunk_sizes(tokens: int, per_chunk: int) -> list[int]:

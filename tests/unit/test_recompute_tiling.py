@@ -276,3 +276,34 @@ def test_refusals():
         layers[0](torch.randn(1, 4, 4))
     recompute.remove(layers)
     assert "forward" not in vars(layers[0].mlp)
+
+
+def test_mixtures_of_experts_without_an_experts_attribute_are_refused():
+    """JetMoE keeps its experts in input_linear/output_linear next to a router: chunking its calls changed the
+    router logits it returns (one entry per chunk) and broke its load-balancing loss under a padding mask."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, kv_channels=8, intermediate_size=32,
+                                       num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.JetMoeForCausalLM(config)
+    with pytest.raises(ValueError, match=r"cannot tile layer 0's JetMoeMoE \(a JetMoeMoE\): a mixture-of-experts"):
+        recompute.apply(model.model.layers, "none+tile_mlp:16")
+
+    class _Routed(nn.Module):           # a router next to the experts, whatever the class is called
+        def __init__(self) -> None:
+            super().__init__()
+            self.router, self.input_linear = nn.Linear(4, 2), nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"cannot tile layer 0's _Routed \(its `router`\)"):
+        recompute.apply([_Layer(_Routed())], "none+tile_mlp")
+
+    class _Experts(nn.Module):          # named as experts, at any depth
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(4, 4))
+
+    class _Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = _Experts()
+    with pytest.raises(ValueError, match=r"cannot tile layer 0's _Wrapped \(its 'block', a _Experts\)"):
+        recompute.apply([_Layer(_Wrapped())], "none+tile_mlp")
