@@ -117,13 +117,12 @@ def _allocations(prof, device: torch.device, gpu_like: bool = False) -> list[tup
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == device.type:
             fields = node.extra_fields
             events.append((node.start_time_ns, fields.alloc_size < 0, fields.ptr, fields.alloc_size, node))
-    promoted = {id(node) for *_, node in events if gpu_like and _promotion(node, _EventType.TorchOp)}
-    kept, live = [], set()
+    kept, promoted = [], set()          # addresses of promotion copies alive (their release is dropped too)
     for _, _, ptr, size, node in sorted(events, key=lambda ev: ev[:4]):
-        if id(node) in promoted:
-            live.add(ptr)
-        elif size < 0 and ptr in live:
-            live.discard(ptr)
+        if size > 0 and gpu_like and _promotion(node, _EventType.TorchOp):
+            promoted.add(ptr)
+        elif size < 0 and ptr in promoted:
+            promoted.discard(ptr)
         else:
             kept.append((ptr, size))
     return kept
@@ -158,18 +157,24 @@ def call_bytes(fn: Callable[[], object], device: torch.device) -> CallBytes:
     """Runs ``fn()`` once and returns what it allocated, copied and held at its peak (see the module docstring).
     Whatever ``fn`` returns is dropped before the profile ends, so a returned tensor counts as freed."""
     counter = _CopyCounter()
-    prof = _profiled(fn, device, counter)
-    live = peak = allocated = 0
-    mine: dict[int, int] = {}           # address → bytes of the blocks this call allocated and holds
-    for ptr, size in _allocations(prof, device):
+    events = _allocations(_profiled(fn, device, counter), device)
+    return CallBytes(allocated=sum(size for _, size in events if size > 0), copied=counter.bytes, peak=_peak(events))
+
+
+def _peak(events: list[tuple[int, int]], left_out: frozenset[int] = frozenset()) -> int:
+    """The most bytes alive at once among the blocks the events allocate (a block from before them: its release
+    is not counted), leaving out the allocations at the indices ``left_out``."""
+    live = peak = 0
+    mine: dict[int, int] = {}           # address → bytes of the blocks allocated here and held
+    for i, (ptr, size) in enumerate(events):
         if size > 0:
-            mine[ptr] = size
-            allocated += size
+            if i not in left_out:
+                mine[ptr] = size
+                live += size
+                peak = max(peak, live)
+        elif mine.pop(ptr, None) is not None:
             live += size
-            peak = max(peak, live)
-        elif mine.pop(ptr, None) is not None:    # a block from before the call: its release is not counted
-            live += size
-    return CallBytes(allocated=allocated, copied=counter.bytes, peak=peak)
+    return peak
 
 
 def transient_peak(fn: Callable[[], object], device: torch.device) -> int:
@@ -184,17 +189,7 @@ def transient_peak(fn: Callable[[], object], device: torch.device) -> int:
             left[ptr] = i
         else:
             left.pop(ptr, None)
-    stays = set(left.values())
-    live = peak = 0
-    mine: dict[int, int] = {}
-    for i, (ptr, size) in enumerate(events):
-        if size > 0 and i not in stays:
-            mine[ptr] = size
-            live += size
-            peak = max(peak, live)
-        elif size < 0 and mine.pop(ptr, None) is not None:
-            live += size
-    return peak
+    return _peak(events, frozenset(left.values()))
 
 
 def kv_block_bytes(batch: int, local_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

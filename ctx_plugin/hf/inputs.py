@@ -104,8 +104,7 @@ class InputCheck:
         flags = {"mask": False if mask is None else
                  (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or (mask == 0).any()),
                  # transformers 5.24 names the cache `cache` (past_key_values: deprecated, arrives in **kwargs)
-                 "cache": bool(use_cache) or any(where.get(name) is not None for where in (arguments, extra)
-                                                 for name in ("cache", "past_key_values")),
+                 "cache": bool(use_cache) or _given(arguments, extra, "cache", "past_key_values"),
                  "documents": bad_documents, "no_positions": positions is None, "positions": False,
                  "unsharded": False, "restarts": False,
                  "labels": arguments.get("labels") is not None,

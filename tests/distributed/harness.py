@@ -13,13 +13,14 @@ import gc
 import importlib
 import json
 import os
-import sys
 import tempfile
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ctx_plugin.worker import leave
 
 COLLECTIVE_TIMEOUT_S = 60
 # Imported once by the fork server (before it forks any rank): nothing here may start threads or touch a device at
@@ -46,12 +47,7 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, target: s
             dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    # The result is on disk: leave without running C++ static destructors. gloo's and torch's background threads
-    # sometimes outlive the process group at interpreter exit and abort the process ("terminate called without
-    # an active exception", seen in CI after a passing case), which would fail a test whose every rank succeeded.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)        # the result is on disk: no C++ static destructors, which gloo's threads may outlive
 
 
 def run_spawned(target: str, world_size: int, payload=None, timeout_s: float = 300.0) -> list:
