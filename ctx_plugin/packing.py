@@ -96,14 +96,11 @@ def _cu_documents(cu_q, cu_k, seq_len: int) -> Documents:
     if cu_q is None or cu_k is None:
         raise ValueError("packed self-attention needs cu_seq_lens_q and cu_seq_lens_k together (the same documents "
                          "for queries and keys)")
-    if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
-        same = cu_q.shape == cu_k.shape and bool(torch.equal(cu_q.cpu(), cu_k.cpu()))
-    else:
-        same = cu_q == cu_k
-    if not same:
+    docs = check_documents(cu_q, seq_len)
+    if check_documents(cu_k, seq_len).bounds != docs.bounds:  # read alike: a tensor and a list of the same ints agree
         raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ: ctx_plugin runs self-attention over packed "
                          "documents, where queries and keys share their documents")
-    return check_documents(cu_q, seq_len)
+    return docs
 
 
 def hf_documents(kwargs: dict, seq_len: int) -> Documents | None:

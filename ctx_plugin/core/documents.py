@@ -33,6 +33,8 @@ def _int_tuple(values, what: str) -> tuple[int, ...]:
             raise ValueError(f"{what} must be a 1-D tensor, got shape {tuple(values.shape)}")
         if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
             raise TypeError(f"{what} must be an integer tensor (cu_seqlens, e.g. torch.int32), got {values.dtype}")
+        if values.is_meta:
+            raise TypeError(f"{what} is a meta tensor, which holds no values: give the boundaries on a real device")
         return tuple(int(x) for x in values.tolist())          # one read (a device tensor syncs once)
     if not isinstance(values, (list, tuple)):
         raise TypeError(f"{what} must be a ctx_plugin.Documents, a 1-D integer tensor or a list of ints "

@@ -120,6 +120,9 @@ def bad_inputs(rank: int, world: int, payload) -> dict:
                                                              config=zig, groups=zig_groups),
         "gather_device_not_served": lambda: ctx_plugin.gather_sequence(q.to("meta"), config=zig,
                                                                        groups=zig_groups),
+        "meta_documents_on_one_rank": lambda: ctx_plugin.cp_attention(
+            q, kv, kv, config=zig, groups=zig_groups,
+            documents=torch.tensor([0, 6, 4 * world], device="meta" if rank == 1 else "cpu")),
         "ulysses_heads": lambda: ctx_plugin.cp_attention(q[:, :, :2], kv[:, :, :2], kv[:, :, :2], config=uly,
                                                          groups=uly_groups),
         "ulysses_kv_heads": lambda: ctx_plugin.cp_attention(torch.randn(1, 4, 6, 8), torch.randn(1, 4, 2, 8),

@@ -12,6 +12,7 @@ EXPECTED = {
     "other_config": "groups were built for",
     "device_not_served": "cannot send meta tensors",
     "gather_device_not_served": "cannot send meta tensors",
+    "meta_documents_on_one_rank": "documents is a meta tensor, which holds no values",
     "ulysses_heads": "Ulysses splits heads over 3 ranks, but there are 2 query heads; use a context-parallel size "
                      "that divides 2: [1, 2]",
     "ulysses_kv_heads": "needs kv_heads (2) to divide 3 or be divisible by it",
@@ -30,5 +31,5 @@ def test_bad_input_raises_identically_on_every_rank_before_communicating():
         assert fragment in message, f"{name}: {message}"
     for res in results:
         assert res["started"] == {}, "no communication may start for bad input"
-        assert res["agreed"] == 7, "each bad cp_attention/gather_sequence call is agreed on first (one check each)"
+        assert res["agreed"] == 8, "each bad cp_attention/gather_sequence call is agreed on first (one check each)"
         assert res["probe"] == WORLD, "the group must still work after the errors"

@@ -29,6 +29,9 @@ def test_documents_of_batch_reads_every_source_and_refuses_conflicts():
     want = Documents((0, 3, 6))
     assert documents_of_batch({"input_ids": ids, "position_ids": pos}) == want
     assert documents_of_batch({"input_ids": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}) == want
+    assert documents_of_batch({"input_ids": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": [0, 3, 6]}) == want
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
+        documents_of_batch({"input_ids": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": [0, 2, 6]})
     assert documents_of_batch({"input_ids": ids, "documents": [0, 3, 6], "position_ids": pos}) == want
     assert documents_of_batch({"input_ids": ids, "position_ids": torch.arange(6)[None]}) is None
     assert documents_of_batch({"input_ids": ids}) is None
