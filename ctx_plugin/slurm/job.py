@@ -212,8 +212,10 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
                requeue=requeue, attempt=int(restarts) + 1)
 
 
-def render(job: Job, env=os.environ) -> str:
-    """The job's ``command.sh``: site file, environment defaults, then one ``srun`` task per node."""
+def render(job: Job, env=os.environ, host: str | None = None) -> str:
+    """The job's ``command.sh``: site file, environment defaults, then one ``srun`` task per node. ``host`` is the
+    rendezvous host the job checked at start (:func:`check_rendezvous`), written in as it is; ``None`` (a dry run,
+    outside the allocation) gives the shell line that reads the job's first node."""
     py = env.get("CTX_PY") or sys.executable
     prefix = shlex.split(env.get("CTX_EXEC_PREFIX", ""))
     torchrun = [*prefix, py, "-m", "torch.distributed.run", f"--nnodes={job.nodes}",
@@ -249,7 +251,11 @@ def render(job: Job, env=os.environ) -> str:
               f"export CTX_ATTEMPT={job.attempt}",
               f"export CTX_ATTEMPT_DIR={shlex.quote(str(job.attempt_dir))}   # the ranks record their stop signals "
               "in its signals/",
-              'CTX_MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)   # rendezvous host',
+              # awk reads scontrol's whole output: `head -n 1` exits early, and under pipefail scontrol's SIGPIPE on
+              # a long node list ended the script before srun (assigned apart from export, so a failure stops it)
+              (f"CTX_MASTER_ADDR={shlex.quote(host)}   # rendezvous host: the job's first node, checked at start"
+               if host else 'CTX_MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk \'NR == 1\')   '
+               "# rendezvous host: the job's first node"),
               "export CTX_MASTER_ADDR",
               f"mkdir -p {shlex.quote(str(job.attempt_dir / 'logs'))} {shlex.quote(str(job.attempt_dir / 'pids'))}",
               "exec " + shlex.join(srun) + " \\\n    bash -c " + shlex.quote(inner), ""]
@@ -279,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         return _failed_at_start(framework, argv, e)
     notes = [] if port == job.port else [f"port {job.port} is in use on {host}: the rendezvous uses {port}"]
     job = dataclasses.replace(job, port=port)
-    text = render(job)
+    text = render(job, host=host)
     (job.attempt_dir / "logs").mkdir(parents=True, exist_ok=True)
     (job.attempt_dir / "command.sh").write_text(text)
     write_records(job.attempt_dir, framework=framework, argv=argv, summary=job.summary, program=job.program,
