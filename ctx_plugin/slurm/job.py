@@ -126,6 +126,21 @@ def _check_tasks(env, nodes: int, device: str) -> None:
                          f"has GPUs; request them per node: --gpus-per-node N")
 
 
+def _check_cores(env, nproc: int, device: str) -> None:
+    cpus = env.get("SLURM_CPUS_ON_NODE")
+    if device == "cuda" and cpus and cpus.isdigit() and int(cpus) < nproc:
+        raise ValueError(f"the job has {cpus} CPU core(s) per node for {nproc} GPU processes (sbatch gave its one task "
+                         f"per node the default cores): every rank, its data loader and its CUDA launches would share "
+                         f"them; submit with --exclusive (whole nodes) or --cpus-per-task=<cores per node>")
+
+
+def check_allocation(env, job: Job) -> None:
+    """The checks the job makes of its allocation (``SLURM_*`` in ``env``) when it starts; ``ctx-plugin launch``
+    runs them on the allocation an sbatch line asks for."""
+    _check_tasks(env, job.nodes, job.device)
+    _check_cores(env, job.nproc_per_node, job.device)
+
+
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
         i = argv.index("--")
@@ -182,11 +197,7 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
         raise ValueError(f"--nproc-per-node {nproc} is more than the {gpus} GPUs of each node")
     if in_job:
         _check_tasks(env, nodes, device)
-    cpus = env.get("SLURM_CPUS_ON_NODE")
-    if device == "cuda" and in_job and cpus and cpus.isdigit() and int(cpus) < nproc:
-        raise ValueError(f"the job has {cpus} CPU core(s) per node for {nproc} GPU processes (sbatch gave its one task "
-                         f"per node the default cores): every rank, its data loader and its CUDA launches would share "
-                         f"them; submit with --exclusive (whole nodes) or --cpus-per-task=<cores per node>")
+        _check_cores(env, nproc, device)
     extra = {"megatron_lm": args.megatron_lm} if framework == "megatron" else {"ds_config": args.ds_config}
     summary = CHECKS[framework](rest, world=nodes * nproc, device=device, **extra)
     if framework == "megatron":

@@ -806,11 +806,12 @@ def test_main_usage():
 # --- parse_sbatch_line ---------------------------------------------------------------------------------------
 
 MEGATRON_SBATCH = str(LAUNCH / "megatron.sbatch")
+MEGATRON_SBATCH_TEXT = (LAUNCH / "megatron.sbatch").read_text()
 
 
 @pytest.mark.parametrize("opts", [["-N", "2"], ["-N2"], ["--nodes=2"], ["--nodes", "2"]])
 def test_sbatch_nodes(opts):
-    assert submit.parse_sbatch_line(["sbatch", *opts, MEGATRON_SBATCH])[0] == 2
+    assert submit.parse_sbatch_line(["sbatch", *opts, MEGATRON_SBATCH])[0].nodes == 2
 
 
 @pytest.mark.parametrize("opts,gpus", [
@@ -818,21 +819,47 @@ def test_sbatch_nodes(opts):
     (["--gres", "gpu:4"], 4), (["--gres=shard:2"], 0), ([], 0), (["--gres-flags=enforce-binding"], 0),
 ])
 def test_sbatch_gpus(opts, gpus):
-    assert submit.parse_sbatch_line(["sbatch", *opts, MEGATRON_SBATCH])[1] == gpus
+    assert submit.parse_sbatch_line(["sbatch", *opts, MEGATRON_SBATCH])[0].gpus_on_node == gpus
 
 
 @pytest.mark.parametrize("gres", ["--gres=gpu:2,shard:1", "--gres=shard:1,gpu:2"])
 def test_sbatch_gres_lists(gres):
-    assert submit.parse_sbatch_line(["sbatch", gres, MEGATRON_SBATCH])[1] == 2
+    assert submit.parse_sbatch_line(["sbatch", gres, MEGATRON_SBATCH])[0].gpus_on_node == 2
 
 
 def test_sbatch_defaults_and_script_args():
     line = ["sbatch", "-N", "2", "--time", "1:00:00", "--nodelist=a,b", MEGATRON_SBATCH, "--megatron-lm", "/m",
             "--", "--num-layers", "2"]
-    nodes, gpus, script, framework, args = submit.parse_sbatch_line(line)
-    assert (nodes, gpus, script, framework) == (2, 0, Path(MEGATRON_SBATCH), "megatron")
+    allocation, script, framework, args = submit.parse_sbatch_line(line)
+    assert (allocation.nodes, allocation.gpus_on_node, script, framework) == (2, 0, Path(MEGATRON_SBATCH), "megatron")
+    assert allocation.ntasks_per_node == 1                   # the job script's own #SBATCH --ntasks-per-node=1
     assert args == ["--megatron-lm", "/m", "--", "--num-layers", "2"]
-    assert submit.parse_sbatch_line(["/usr/bin/sbatch", str(LAUNCH / "deepspeed.sbatch")])[:4:3] == (1, "deepspeed")
+    allocation, _, framework, _ = submit.parse_sbatch_line(["/usr/bin/sbatch", str(LAUNCH / "deepspeed.sbatch")])
+    assert (allocation.nodes, framework) == (1, "deepspeed")
+
+
+@pytest.mark.parametrize("opts,shape", [
+    (["-G", "2"], (2, 2, None, None)), (["-G2"], (2, 2, None, None)), (["--gpus=h100:2"], (2, 2, None, None)),
+    (["--gpus-per-task=2"], (2, None, 2, None)), (["--gpus-per-task", "2", "--ntasks-per-node", "2"], (4, None, 2, 2)),
+    (["-N", "2", "--gpus", "3"], (2, 3, None, None)),
+])
+def test_sbatch_job_wide_and_per_task_gpus(opts, shape):
+    allocation = submit.parse_sbatch_line(["sbatch", *opts, MEGATRON_SBATCH])[0]
+    ntasks = allocation.ntasks_per_node if "--ntasks-per-node" in opts else None    # the script's own is 1
+    assert (allocation.gpus_on_node, allocation.gpus, allocation.gpus_per_task, ntasks) == shape
+
+
+def test_sbatch_directives_of_the_job_script(tmp_path):
+    """sbatch reads the script's #SBATCH lines up to its first command; the command line's options override them."""
+    script = tmp_path / "mine.sbatch"
+    script.write_text("#!/usr/bin/env bash\n# my site's copy\n#SBATCH --nodes=2   # two nodes\n\n"
+                      "#SBATCH --gpus-per-node=h100:4 --cpus-per-task 32\nset -eu\n#SBATCH --nodes=9\n"
+                      "ctx_job megatron \"$@\"\n")
+    allocation = submit.parse_sbatch_line(["sbatch", str(script)])[0]
+    assert (allocation.nodes, allocation.gpus_on_node, allocation.cpus_per_task) == (2, 4, 32)
+    allocation = submit.parse_sbatch_line(["sbatch", "-N", "3", "--exclusive", str(script)])[0]
+    assert (allocation.nodes, allocation.gpus_on_node, allocation.exclusive) == (3, 4, True)
+    assert "SLURM_CPUS_ON_NODE" not in allocation.environment()       # --exclusive: the node's cores
 
 
 @pytest.mark.parametrize("line,message", [
@@ -842,9 +869,11 @@ def test_sbatch_defaults_and_script_args():
     (["srun", "-N", "2", MEGATRON_SBATCH], "give the sbatch command line"),
     ([], "give the sbatch command line"),
     (["sbatch", "missing.sbatch"], "missing.sbatch: no such file"),
-    (["sbatch", "--gres=gpu:h100", MEGATRON_SBATCH], "cannot read a GPU count"),
+    (["sbatch", "--gres=gpu:h100", MEGATRON_SBATCH], "cannot read a count from sbatch --gres 'gpu:h100'"),
+    (["sbatch", "--ntasks-per-node=x", MEGATRON_SBATCH], "cannot read a count from sbatch --ntasks-per-node"),
     (["sbatch", "-N"], "no job script"),
-], ids=["range", "range-eq", "no-script", "not-sbatch", "empty", "missing", "gres-no-count", "dangling"])
+], ids=["range", "range-eq", "no-script", "not-sbatch", "empty", "missing", "gres-no-count", "tasks-no-count",
+        "dangling"])
 def test_sbatch_line_errors(line, message):
     with pytest.raises(ValueError, match=message):
         submit.parse_sbatch_line(line)
@@ -932,7 +961,12 @@ def test_cli_launch_deepspeed_dry_run(no_submit, capsys, ds_config, model_json):
      "--nodes 3 disagrees with sbatch's 2"),
     (launch_line("-N", "1", "--gpus-per-node", "2", program=good(attention_dropout=None)), "no dropout"),
     (launch_line("-N", "1"), "no GPU on the node: give --nproc-per-node"),
-], ids=["range", "not-sbatch", "world", "nodes", "dropout", "cpu-no-nproc"])
+    (launch_line("-N", "1", "--ntasks-per-node", "2", "--gpus-per-node", "2"), "submitted with --ntasks-per-node 2"),
+    (launch_line("-N", "1", "--gpus-per-task", "2"), "submitted with --gpus-per-task 2"),
+    (launch_line("-N", "2", "-G", "4"), "submitted with --gpus 4 .for the whole job"),
+    (launch_line("-N", "1", "--gpus-per-node", "2", "-c", "1"), "1 CPU core.s. per node for 2 GPU processes"),
+], ids=["range", "not-sbatch", "world", "nodes", "dropout", "cpu-no-nproc", "tasks", "per-task", "job-wide",
+        "cores"])
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry", "submit"])
 def test_cli_launch_bad_line(no_submit, capsys, line, message, dry_run):
     with pytest.raises(SystemExit) as exited:
@@ -941,6 +975,25 @@ def test_cli_launch_bad_line(no_submit, capsys, line, message, dry_run):
     err = capsys.readouterr().err
     assert re.search(message, err), err
     assert "ctx-plugin launch: error:" in err or "ctx-plugin: error:" in err
+
+
+@pytest.mark.parametrize("sbatch_opts", [("-G", "2"), ("--gpus=2",), ("-N", "1", "--gpus-per-node", "2", "-c", "8"),
+                                         ("--gpus-per-node", "2", "-c", "1", "--exclusive")])
+def test_cli_launch_checks_gpus_as_the_job_finds_them(no_submit, capsys, sbatch_opts):
+    """Job-wide GPUs on one node are that node's GPUs (the job runs 2 cuda processes); cores per task at least
+    the processes' count pass, and --exclusive gives the node's cores."""
+    assert cli.main(["launch", "--dry-run", *launch_line(*sbatch_opts)]) == 0
+    assert "(2 cuda processes per node)" in capsys.readouterr().out
+
+
+def test_cli_launch_reads_the_job_scripts_directives(no_submit, capsys, tmp_path):
+    script = tmp_path / "site.sbatch"
+    script.write_text(MEGATRON_SBATCH_TEXT.replace("#SBATCH --job-name", "#SBATCH --nodes=2\n#SBATCH --gpus-per-node=1"
+                                                                         "\n#SBATCH --job-name"))
+    (tmp_path / "slurm_common.sh").write_text((LAUNCH / "slurm_common.sh").read_text())
+    assert cli.main(["launch", "--dry-run", *launch_line(script=str(script))]) == 0
+    out = capsys.readouterr().out
+    assert "(1 cuda processes per node)" in out and "--nnodes=2" in out
 
 
 def test_cli_launch_nodes_equals_form(no_submit, capsys):
