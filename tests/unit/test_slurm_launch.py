@@ -1076,6 +1076,34 @@ def test_megatron_sbatch_world_mismatch(tmp_path, site):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("name", ["megatron.sbatch", "deepspeed.sbatch"])
+def test_sbatch_copy_finds_its_launch_folder(tmp_path, site, name):
+    """slurmd runs a copy named slurm_script: the job script finds the original's launch/ from scontrol's Command=
+    (the path, which may hold spaces and '.sbatch' in a folder name, then the arguments), or says what is wrong."""
+    checkout = tmp_path / "my repo.sbatch x" / "launch"
+    shutil.copytree(LAUNCH, checkout, ignore=shutil.ignore_patterns("site.sh"))
+    (tmp_path / "spool").mkdir()
+    copy = tmp_path / "spool" / "slurm_script"
+    shutil.copy(LAUNCH / name, copy)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    command = tmp_path / "command.txt"
+    (fake / "scontrol").write_text(f'#!/usr/bin/env bash\n[ "$1 $2" = "show job" ] && printf "JobId=%s\\n   '
+                                   f'Command=%s\\n   WorkDir=/w\\n" "$3" "$(cat {command})"\n')
+    (fake / "scontrol").chmod(0o755)
+    env = clean_env(CTX_SITE=str(site), PATH=f"{fake}:{os.environ['PATH']}", SLURM_JOB_ID="5",
+                    SLURM_JOB_NUM_NODES="1")
+    command.write_text(f"{checkout / name} --dry-run --nproc-per-node 2 -- a.sbatch b")
+    done = subprocess.run(["bash", str(copy), "--dry-run", "--nproc-per-node", "2", "--device", "cpu", "--bad-flag"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--bad-flag" in done.stderr, done.stderr    # ran slurm_common.sh's ctx_job
+    command.write_text(f"{tmp_path / 'gone' / name} --dry-run")
+    done = subprocess.run(["bash", str(copy), "--dry-run"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert f"no slurm_common.sh beside the job script ({tmp_path}/gone)" in done.stderr
+
+
 def test_sbatch_missing_site_file(tmp_path):
     done = run_script("megatron.sbatch", ["--dry-run", "--nproc-per-node", "2", "--megatron-lm", str(FAKE_MEGATRON),
                                           "--", *GOOD], clean_env(CTX_SITE=str(tmp_path / "nope.sh")), tmp_path)
