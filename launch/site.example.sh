@@ -9,7 +9,7 @@
 # CTX_RUNS_DIR=/scratch/$USER/ctx-runs              # run directories (default: <submit dir>/runs)
 
 # --- container (optional) -----------------------------------------------------------------------------
-# CTX_EXEC_PREFIX="apptainer exec --nv /images/ctx.sif"        # prefix for every python command
+# CTX_EXEC_PREFIX="apptainer exec --nv /images/ctx.sif"        # prefix for every python command (shell quoting)
 # CTX_SRUN_ARGS="--container-image=/images/ctx.sqsh --container-mounts=/scratch:/scratch"   # pyxis/enroot
 
 # --- network ------------------------------------------------------------------------------------------

@@ -262,8 +262,7 @@ _ctx_after_warning() {   # the ranks stopped after the warning: requeue, or wait
 _ctx_note_signals() {   # once the step has ended: the summary of signals/ (which ranks got a stop signal, from the
   # nodes' and the ranks' records) joins the status now written, and every later one
   [ -z "$_ctx_signals" ] && [ -d "$_ctx_attempt/signals" ] || return 0
-  # shellcheck disable=SC2086   # CTX_EXEC_PREFIX is a command prefix
-  _ctx_signals=$(${CTX_EXEC_PREFIX:-} "${CTX_PY:-python3}" -m ctx_plugin.slurm.records signals "$_ctx_attempt" \
+  _ctx_signals=$(_ctx_prefixed "${CTX_PY:-python3}" -m ctx_plugin.slurm.records signals "$_ctx_attempt" \
     2>/dev/null) || _ctx_signals="(no summary: ctx_plugin.slurm.records failed; see $_ctx_attempt/signals/)"
   [ -n "$_ctx_signals" ] && [ -f "$_ctx_attempt/status" ] || return 0
   { grep -v '^signals=' "$_ctx_attempt/status" || true; echo "signals=$_ctx_signals"; } >"$_ctx_attempt/status.tmp"
@@ -307,8 +306,7 @@ warning; submit with --signal=B:USR1@<seconds>" >&2
   elif [ -n "$_ctx_reason" ]; then ctx_status "$_ctx_reason" "$rc"
   elif [ "$rc" -eq 0 ]; then ctx_status completed 0
   else
-    # shellcheck disable=SC2086   # CTX_EXEC_PREFIX is a command prefix
-    failure=$(${CTX_EXEC_PREFIX:-} "${CTX_PY:-python3}" -m ctx_plugin.slurm.records failure "$_ctx_attempt" 2>/dev/null) \
+    failure=$(_ctx_prefixed "${CTX_PY:-python3}" -m ctx_plugin.slurm.records failure "$_ctx_attempt" 2>/dev/null) \
       || failure="(no failure record: ctx_plugin.slurm.records failed)"
     ctx_status failed "$rc" "first_failure=$failure"
   fi
@@ -316,6 +314,14 @@ warning; submit with --signal=B:USR1@<seconds>" >&2
   trap - USR1 TERM INT
   echo "ctx_plugin: $(head -n 1 "$_ctx_attempt/status") (exit code $rc); logs in $_ctx_attempt" >&2
   return "$rc"
+}
+
+_ctx_prefixed() {   # runs "$@" behind CTX_EXEC_PREFIX (e.g. "apptainer exec --nv img.sif"), split into words by the
+  # shell's quoting rules as command.sh's srun line splits it (Python's shlex): no globbing
+  local - prefix=()
+  set -f
+  eval "prefix=(${CTX_EXEC_PREFIX:-})"
+  "${prefix[@]}" "$@"
 }
 
 ctx_site() {      # sources the site file ($CTX_SITE, else launch/site.sh) and exports what the job reads from it
@@ -341,8 +347,7 @@ ctx_job() {       # ctx_job FRAMEWORK [job options] -- <framework arguments>
   _ctx_early_warning=""
   trap '_ctx_early_warning=1' USR1   # SLURM's warning while the job is checked must not kill this shell
   ctx_site || return
-  # shellcheck disable=SC2086   # CTX_EXEC_PREFIX is a command prefix (e.g. "apptainer exec --nv img.sif")
-  { handoff=$(${CTX_EXEC_PREFIX:-} "$CTX_PY" -m ctx_plugin.slurm.job "$framework" --handoff-fd 3 "$@" 3>&1 1>&4); } 4>&1
+  { handoff=$(_ctx_prefixed "$CTX_PY" -m ctx_plugin.slurm.job "$framework" --handoff-fd 3 "$@" 3>&1 1>&4); } 4>&1
   [ -n "$handoff" ] || return 0      # --dry-run: printed, nothing to run
   mapfile -t handoff <<<"$handoff"   # run directory, attempt directory, requeue (0/1)
   # the batch output from here on goes to the attempt's batch.log too (tee outlives the signals this shell gets)

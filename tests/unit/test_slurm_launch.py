@@ -1067,6 +1067,24 @@ def test_megatron_sbatch_dry_run(tmp_path, site):
     assert not (tmp_path / "runs").exists()
 
 
+def test_exec_prefix_split_alike_in_the_batch_script_and_command_sh(tmp_path):
+    """CTX_EXEC_PREFIX with quoted words (a bind path with a space) and a glob character: the batch script runs its
+    Python behind the same words command.sh's srun line gets (shlex), unglobbed."""
+    runtime = tmp_path / "runtime"
+    runtime.write_text(f'#!/usr/bin/env bash\nprintf "<%s>" "$1" "$2" "$3" >> {tmp_path}/prefix.txt\nshift 3\n'
+                       f'exec "$@"\n')
+    runtime.chmod(0o755)
+    (tmp_path / "a1").touch()
+    site = tmp_path / "site.sh"
+    site.write_text(f'CTX_RUNS_DIR={tmp_path}/runs\nCTX_EXEC_PREFIX="{runtime} --bind \\"/scratch/my data:/d\\" a*"\n')
+    done = run_script("megatron.sbatch", ["--dry-run", "--nproc-per-node", "2", "--megatron-lm", str(FAKE_MEGATRON),
+                                          "--", *GOOD], clean_env(CTX_SITE=str(site)), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "prefix.txt").read_text() == "<--bind></scratch/my data:/d><a*>"
+    inner = shlex.split(srun_line(done.stdout.replace("\\\n", ""))[-1])
+    assert inner[inner.index("exec") + 1:][:4] == [str(runtime), "--bind", "/scratch/my data:/d", "a*"]
+
+
 def test_megatron_sbatch_world_mismatch(tmp_path, site):
     done = run_script("megatron.sbatch", ["--dry-run", "--nproc-per-node", "3", "--megatron-lm", str(FAKE_MEGATRON),
                                           "--", *GOOD], clean_env(CTX_SITE=str(site)), tmp_path)
