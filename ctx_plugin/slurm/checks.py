@@ -119,8 +119,12 @@ def _check_stop_and_resume(args: argparse.Namespace) -> None:
         if not args.save:
             raise ValueError("--exit-signal-handler without --save stops on the warning without saving: add --save DIR "
                              "(and --load DIR to resume from it)")
-    if args.load and not Path(args.load).expanduser().is_dir() and args.load != args.save:
+    if args.load and not Path(args.load).expanduser().is_dir() and not _same_path(args.load, args.save):
         raise ValueError(f"--load {args.load}: no such checkpoint directory")
+
+
+def _same_path(a: str | None, b: str | None) -> bool:
+    return bool(a and b) and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str) -> str:
@@ -207,9 +211,10 @@ def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: s
     _refuse_curriculum(config)
     if not program:
         raise ValueError("give the training program after '--': a script (train.py ...) or a module (-m name ...)")
-    if "--deepspeed_config" in program or "--deepspeed-config" in program:
-        raise ValueError("the launcher passes --deepspeed_config from --ds-config; drop it from the program's "
-                         "arguments")
+    given = next((a for a in program if _names_deepspeed_config(a.split("=", 1)[0])), None)
+    if given is not None:
+        raise ValueError(f"the launcher passes --deepspeed_config from --ds-config; drop {given} from the program's "
+                         f"arguments")
     if program[0] == "-m":
         if len(program) < 2 or not _module_exists(program[1]):
             raise ValueError(f"-m {program[1] if len(program) > 1 else ''}: no such module in this Python")
@@ -224,6 +229,13 @@ def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: s
             f"{device}")
 
 
+def _names_deepspeed_config(name: str) -> bool:
+    """``name`` is DeepSpeed's ``--deepspeed_config`` (also as argparse's abbreviation of it, or its deprecated
+    ``--deepscale_config``), which argparse would let override the one the launcher appends or be overridden by it."""
+    return name in ("--deepspeed-config", "--deepscale_config") or \
+        (len(name) > len("--deepspeed_") and "--deepspeed_config".startswith(name))
+
+
 def check_requeue(framework: str, program: list[str]) -> None:
     """A job that requeues itself must resume in each attempt, else every attempt trains again from the start (and
     overwrites the checkpoints with earlier steps): Megatron's ``--load`` must be its ``--save`` (with
@@ -235,7 +247,7 @@ def check_requeue(framework: str, program: list[str]) -> None:
             raise ValueError("--requeue: the ranks must save when the time-limit warning comes, or the requeued "
                              "attempt has nothing to resume: add --exit-signal-handler --exit-signal SIGUSR1 --save DIR "
                              "--load DIR")
-        if not args.load or Path(args.load).expanduser().resolve() != Path(args.save).expanduser().resolve():
+        if not args.load or not _same_path(args.load, args.save):
             raise ValueError(f"--requeue: each attempt must resume from what the previous one saved: give --load "
                              f"{args.save} (the --save directory; it may not exist before the first save), not "
                              f"{'no --load' if not args.load else '--load ' + args.load}")

@@ -246,6 +246,7 @@ def test_megatron_stop_and_resume_flags(tmp_path):
                                       ckpt])
     with pytest.raises(ValueError, match="no such checkpoint directory"):
         megatron(GOOD + ["--save", ckpt, "--load", str(tmp_path / "other")])
+    assert "CP 2" in megatron(GOOD + ["--save", ckpt + "/", "--load", ckpt])     # the same directory, spelled apart
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -422,14 +423,17 @@ def test_deepspeed_train_hf_job_refused_as_the_job_would(case, ds_config, tmp_pa
 
 @pytest.mark.parametrize("program,message", [
     ([], "give the training program after '--'"),
-    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--deepspeed_config", "x.json"], "drop it"),
-    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--deepspeed-config", "x.json"], "drop it"),
+    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--deepspeed_config", "x.json"], "drop --deepspeed_config "),
+    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--deepspeed-config", "x.json"], "drop --deepspeed-config "),
+    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--deepspeed_config=x.json"], "drop --deepspeed_config=x"),
+    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--deepspeed_conf", "x.json"], "drop --deepspeed_conf "),
+    (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--deepscale_config=x.json"], "drop --deepscale_config"),
     (["-m"], "-m : no such module"),
     (["-m", "no_such_module_ctx_xyz"], "-m no_such_module_ctx_xyz: no such module"),
     (["-m", "ctx_plugin.train_hf", "--model", "MISSING"], r"--model .*missing\.json: neither a config\.json"),
     (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--steps", "0"], "--steps must be positive"),
     (["-m", "ctx_plugin.train_hf", "--model", "MODEL", "--data", "MISSING"], r"--data .*missing\.json: no such file"),
-], ids=["empty", "ds-config", "ds-config-dash", "m-alone", "m-missing", "model-missing", "steps", "data-missing"])
+], ids=["empty", "ds-config", "ds-config-dash", "ds-config-eq", "ds-config-abbrev", "deepscale", "m-alone", "m-missing", "model-missing", "steps", "data-missing"])
 def test_deepspeed_program_errors(program, message, ds_config, model_json, tmp_path):
     program = [str(model_json) if p == "MODEL" else str(tmp_path / "missing.json") if p == "MISSING" else p
                for p in program]
