@@ -2,10 +2,13 @@
 # Creates (once) and checks the project's virtual environment: .venv with Python 3.12, ctx_plugin installed
 # in editable mode with the extras given as arguments (default: test), torch pinned by constraints.txt.
 # With the deepspeed extra it also builds DeepSpeed's CPU comm op (launch/deepspeed_ops.py; CTX_DS_BUILD_TIMEOUT
-# seconds, default 900). Usage: source launch/env.sh [extra,...]   → sets CTX_PY to the venv's python.
-set -euo pipefail
+# seconds, default 900). Usage: source launch/env.sh [extra,...]   → sets CTX_PY to the venv's python. The work runs
+# in a subshell with its own strict options: a sourcing shell keeps its options, and a failure returns its status
+# to it (a script with set -e stops there, an interactive shell stays open).
 CTX_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CTX_VENV="${CTX_VENV:-$CTX_ROOT/.venv}"
+(
+set -euo pipefail
 CTX_EXTRAS="${1:-test}"
 
 find_python312() {
@@ -66,5 +69,11 @@ if [[ ",$CTX_EXTRAS," == *",deepspeed,"* ]]; then
   # leaves behind, hanging every later start: build it here, once, visibly and in bounded time (a stale lock removed).
   "$CTX_VENV/bin/python" "$CTX_ROOT/launch/deepspeed_ops.py" --timeout "${CTX_DS_BUILD_TIMEOUT:-900}"
 fi
+)
+_ctx_env_status=$?
+if [ "$_ctx_env_status" -ne 0 ]; then
+  return "$_ctx_env_status" 2>/dev/null || exit "$_ctx_env_status"
+fi
+unset _ctx_env_status
 CTX_PY="$CTX_VENV/bin/python"
 export CTX_PY CTX_ROOT

@@ -58,3 +58,30 @@ def test_installed_venv_not_refused_when_disk_is_full(tmp_path):
     proc = _source_env(tmp_path, 1024)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"CTX_PY={tmp_path / 'venv' / 'bin' / 'python'}" in proc.stdout and "GiB" not in proc.stderr
+
+
+def _sourced_in_plain_shell(tmp_path: Path, free_kib: int) -> subprocess.CompletedProcess:
+    """An interactive-like shell (no errexit, no pipefail) that sources env.sh, then goes on."""
+    stub = tmp_path / "stub-bin"
+    stub.mkdir(exist_ok=True)
+    (stub / "df").write_text("#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+                             f"echo '/dev/stub 999999999 1 {free_kib} 1% /'\n")
+    (stub / "df").chmod(0o755)
+    env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", CTX_VENV=str(tmp_path / "venv"))
+    script = (f'set +euo pipefail; source "{REPO}/launch/env.sh" test; echo "rc=$?"; echo "flags=$-"; '
+              'set -o | grep -E "^(pipefail|nounset|errexit) " | tr -s " \\t" " "; false | true; echo "went on"')
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["installed", "refused"])
+def test_sourcing_keeps_the_callers_shell_options(tmp_path, installed):
+    """`source launch/env.sh` in a shell of one's own: its strict options stay inside it, and a refusal returns its
+    status instead of ending the shell."""
+    if installed:
+        _installed_venv(tmp_path)
+    proc = _sourced_in_plain_shell(tmp_path, 1024)
+    out = proc.stdout
+    assert proc.returncode == 0 and "went on" in out, proc.stdout + proc.stderr
+    assert f"rc={0 if installed else 1}" in out
+    assert "errexit off" in out and "nounset off" in out and "pipefail off" in out
+    assert ("needs about 7 GiB free" in proc.stderr) is not installed
