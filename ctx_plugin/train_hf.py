@@ -21,6 +21,7 @@ waits (after saving, at most 30 s) for its own (:class:`ctx_plugin.slurm.signals
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -131,30 +132,65 @@ def check_job(args: argparse.Namespace, cp_config, size: int) -> None:
     except (OSError, TypeError, ValueError, KeyError) as e:
         raise ValueError(f"--model {args.model}: transformers cannot build a causal LM from it ({e})") from None
     check_model(model, cp_config, size)
+    check_pack_eos(args, config.vocab_size)
+    if args.data is not None:
+        token_file(args, config.vocab_size)
     check_seq_len(cp_config, args.seq_len, size, SettingNames(seq_len="--seq-len", cp='"context_parallel.size"'))
 
 
-def load_data(args: argparse.Namespace) -> list[dict]:
+def token_file(args: argparse.Namespace, vocab: int):
+    """``--data``'s token ids, memory-mapped, as ``[samples, seq_len]``; ``ValueError`` unless they are integers
+    in ``[0, vocab)`` (a float would be truncated, an id outside the embedding fails late on every rank) in a whole
+    number of ``--seq-len`` windows."""
+    import numpy as np
+
+    try:
+        array = np.load(Path(args.data).expanduser(), mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"--data {args.data}: not a .npy array of token ids ({e})") from None
+    if not isinstance(array, np.ndarray):
+        raise ValueError(f"--data {args.data}: a .npy file holding one array of token ids, got {type(array).__name__}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"--data {args.data}: token ids must be integers, got {array.dtype}")
+    if array.ndim == 1:
+        if array.size % args.seq_len:
+            raise ValueError(f"--data {args.data}: {array.size} tokens are not a whole number of --seq-len "
+                             f"{args.seq_len} windows (nothing is dropped silently)")
+        array = array.reshape(-1, args.seq_len)
+    if array.ndim != 2 or array.shape[1] != args.seq_len:
+        raise ValueError(f"--data {args.data}: shape {tuple(array.shape)}, expected [samples, {args.seq_len}]")
+    low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
+    if low < 0 or high >= vocab:
+        raise ValueError(f"--data {args.data}: token ids must lie in [0, {vocab}) (the model's vocab_size), found "
+                         f"{low if low < 0 else high}")
+    return array
+
+
+def check_pack_eos(args: argparse.Namespace, vocab: int) -> None:
+    if args.pack_eos is not None and args.pack_eos >= vocab:
+        raise ValueError(f"--pack-eos {args.pack_eos} is no token of the model's vocabulary (vocab_size {vocab})")
+
+
+def load_data(args: argparse.Namespace, vocab: int) -> list[dict]:
+    """The training samples (``--data``'s, else seeded synthetic ones over ``vocab`` token ids)."""
+    check_pack_eos(args, vocab)
     if args.data is None:
         from .demo import sample_batch
 
-        vocab = json.loads((Path(args.model) / "config.json" if Path(args.model).is_dir()
-                            else Path(args.model)).read_text())["vocab_size"]
         tokens = sample_batch(torch.Generator().manual_seed(args.seed), args.samples, args.seq_len - 1, vocab)
     else:
-        import numpy as np
-
-        tokens = torch.from_numpy(np.load(args.data).astype("int64"))
-        if tokens.dim() == 1:
-            if tokens.numel() % args.seq_len:
-                raise ValueError(f"--data {args.data}: {tokens.numel()} tokens are not a whole number of "
-                                 f"--seq-len {args.seq_len} windows (nothing is dropped silently)")
-            tokens = tokens.view(-1, args.seq_len)
-        if tokens.dim() != 2 or tokens.shape[1] != args.seq_len:
-            raise ValueError(f"--data {args.data}: shape {tuple(tokens.shape)}, expected [samples, {args.seq_len}]")
+        tokens = torch.from_numpy(token_file(args, vocab).astype("int64"))
     if args.pack_eos is None:
         return [{"input_ids": t, "labels": t.clone()} for t in tokens]
     return [{"input_ids": t, "labels": t.clone(), "position_ids": eos_positions(t, args.pack_eos)} for t in tokens]
+
+
+def data_digest(samples: list[dict]) -> str:
+    """A digest of the samples' token ids: a resumed run must train the data it was saved with."""
+    digest = hashlib.sha256()
+    for sample in samples:
+        digest.update(sample["input_ids"].numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def eos_positions(tokens: torch.Tensor, eos: int) -> torch.Tensor:
@@ -223,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     from . import deepspeed as cpds
     from . import train_hf_checkpoint as checkpoints
 
-    model, data = load_model(args), load_data(args)
+    model = load_model(args)
+    try:
+        data = load_data(args, model.config.vocab_size)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     engine, _, loader, _ = cpds.initialize(model=model, model_parameters=model.parameters(), training_data=data,
                                            config=args.deepspeed_config)
     try:
@@ -231,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if len(loader) == 0:
-        raise ValueError(f"{len(data)} samples make no micro-batch of {engine.train_micro_batch_size_per_gpu()} per "
+        raise SystemExit(f"{len(data)} samples make no micro-batch of {engine.train_micro_batch_size_per_gpu()} per "
                          f"data-parallel replica: give more samples")
     if args.pack_eos is not None and engine.train_micro_batch_size_per_gpu() != 1:
         raise SystemExit(f"--pack-eos packs each sample's own documents: set train_micro_batch_size_per_gpu to 1 (got "
@@ -241,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     # sharing a sequence do not repeat each other's dropout masks on their shards (a resume restores these streams)
     torch.manual_seed(args.seed + 1 + rank)
     run_layout = checkpoints.layout(engine, engine.ctx_plugin_groups.size, samples=len(data), seq_len=args.seq_len,
-                                    pack_eos=args.pack_eos, micro_batches=len(loader))
+                                    pack_eos=args.pack_eos, micro_batches=len(loader), data=data_digest(data))
     losses = []
     if args.resume:
         try:

@@ -26,7 +26,7 @@ COMPLETE = "complete.json"
 def layout(engine, cp_size: int, **data) -> dict:
     """What decides which samples each step trains (the resumed run must have the same): the parallel layout and
     batch sizes, and ``data`` (the sample count, their length, the documents' end token, the loader's micro batches
-    per pass, which ``"dataloader_drop_last"`` changes)."""
+    per pass, which ``"dataloader_drop_last"`` changes, a digest of the token ids: another ``--seed`` or file)."""
     return {"world": dist.get_world_size(), "context_parallel": cp_size,
             "micro_batch": engine.train_micro_batch_size_per_gpu(),
             "accumulation": engine.gradient_accumulation_steps(), **data}

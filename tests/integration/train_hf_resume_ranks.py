@@ -71,5 +71,6 @@ def runs(rank: int, world: int, payload: dict) -> dict:
     main("layout-1", "ds", 1)
     out["layout"] = main("layout-2", "other", None, "--resume")      # micro batch 2 × accumulation 1
     out["seq_len"] = main("layout-3", "ds", None, "--resume", "--seq-len", "32")
+    out["data"] = main("layout-4", "ds", None, "--resume", "--seed", "7")    # other synthetic samples, same shape
     out["seed"] = torch.initial_seed()          # the dropout stream this rank trained with
     return out
