@@ -153,10 +153,17 @@ def recompute_arg(text: str) -> RecomputeConfig:
     return config
 
 
-def model_from(text: str | ModelSpec) -> ModelSpec:
+def model_from(text: str | ModelSpec, family: str | None = None) -> ModelSpec:
+    """The model of ``--model`` (a preset name, a config.json path, or a ModelSpec), run as ``family``'s blocks when
+    given: a preset is built for that family (the Hugging Face Qwen2 has q/k/v biases), anything else keeps its
+    shape and biases."""
     if isinstance(text, ModelSpec):
-        return text
-    return ModelSpec.preset(text) if text in MODEL_PRESETS else ModelSpec.from_hf_config(Path(text))
+        model = text
+    elif text in MODEL_PRESETS:
+        return ModelSpec.preset(text, **({} if family is None else {"family": family}))
+    else:
+        model = ModelSpec.from_hf_config(Path(text))
+    return model if family is None or family == model.family else replace(model, family=family)
 
 
 def need_matplotlib() -> None:
@@ -180,10 +187,7 @@ _FAMILY_TEXT = {"ctx_plugin": "ctx_plugin's own block (ctx_plugin.models)",
 
 
 def run(args: argparse.Namespace) -> int:
-    model = model_from(args.model)
-    family = getattr(args, "family", None)
-    if family is not None and family != model.family:
-        model = replace(model, family=family)
+    model = model_from(args.model, getattr(args, "family", None))
     parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
                             sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero,
                             **framework_from(args), grad_dtype=None if args.grad_dtype is None else DTYPES[args.grad_dtype])

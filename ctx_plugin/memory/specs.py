@@ -148,11 +148,12 @@ class ModelSpec:
                              f"sizes q/k/v/o, their bytes and FLOPs with head_dim = hidden_size / heads, so configs "
                              f"with their own head_dim (Mistral-NeMo, Gemma) are not supported; the nearest estimate "
                              f"is a preset of similar size ({_PRESET_HINT})")
-        bias = model_type == "qwen2" or (model_type in _HF_ATTENTION_BIAS and bool(config.get("attention_bias")))
+        _refuse_window(config, model_type)
+        bias = model_type == "qwen2" or (model_type in _HF_ATTENTION_BIAS and _hf_bool(config, "attention_bias"))
         return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
                    family="hf", qk_norm=qk_norm, attention_bias=bias, output_bias=bias and model_type != "qwen2",
-                   mlp_bias=model_type in _HF_MLP_BIAS and bool(config.get("mlp_bias")),
-                   tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   mlp_bias=model_type in _HF_MLP_BIAS and _hf_bool(config, "mlp_bias"),
+                   tied_embeddings=_hf_bool(config, "tie_word_embeddings"),
                    name=str(config.get("_name_or_path") or model_type))
 
     @classmethod
@@ -197,6 +198,38 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_exp
 """Config keys giving a mixture-of-experts model's experts (Mixtral, Qwen-MoE/OLMoE, DeepSeek, ERNIE-MoE, routing)."""
 
 _PRESET_HINT = f"--model {next(iter(MODEL_PRESETS))}; presets: {', '.join(MODEL_PRESETS)}"
+
+
+# Sliding-window attention as transformers 5.24 reads it: Mistral and Ministral take sliding_window (4096 when the key
+# is missing; Ministral's layer_types, when given, say which layers use it), Qwen2/Qwen3/SmolLM3 only with
+# use_sliding_window true. The memory model's FLOPs and the planner's times count full causal attention.
+_HF_DEFAULT_WINDOW = {"mistral": 4096, "ministral": 4096}
+_HF_WINDOW_SWITCHED = frozenset({"qwen2", "qwen3", "smollm3"})
+
+
+def _hf_bool(config: dict, key: str) -> bool:
+    value = config.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"the config's {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _refuse_window(config: dict, model_type: str) -> None:
+    switched = model_type in _HF_WINDOW_SWITCHED
+    if model_type not in _HF_DEFAULT_WINDOW and not switched:     # Llama, Granite, Hunyuan: no window read
+        return
+    window = config.get("sliding_window", _HF_DEFAULT_WINDOW.get(model_type))
+    if window is None or (switched and not _hf_bool(config, "use_sliding_window")):
+        return
+    layer_types = config.get("layer_types")
+    if model_type != "mistral" and isinstance(layer_types, list) and "sliding_attention" not in layer_types:
+        return
+    where = ("sliding_window with use_sliding_window" if switched else "sliding_window" if "sliding_window" in config
+             else f"transformers' default sliding_window for {model_type} when config.json has none")
+    raise ValueError(f"the config gives its layers a sliding window of {window!r} tokens ({where}), but the memory "
+                     f"model's FLOPs and the planner's step times count full causal attention, so times and MFU "
+                     f"would be off; to plan with full attention (an upper bound on attention time; memory is the "
+                     f"same), give a copy with \"sliding_window\": null")
 
 
 def _hf_int(config: dict, key: str) -> int:

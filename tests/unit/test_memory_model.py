@@ -174,3 +174,15 @@ def test_estimate_refuses_tensor_parallelism_it_does_not_model():
         estimate(eight, ParallelSpec(tp=4), "none", seq_len=64)
     with pytest.raises(ValueError, match=r"heads 8 is not divisible by tp 3"):
         estimate(eight, ParallelSpec(tp=3), "none", seq_len=64)
+
+
+def test_a_preset_run_as_another_family_is_that_familys_model():
+    """`memory --model qwen2-7b --family hf`: the Hugging Face Qwen2 has q/k/v biases (7,615,616,512 parameters, the
+    real model's); a family swapped onto the ctx_plugin preset dropped them."""
+    from ctx_plugin.memory.report import model_from
+
+    model = model_from("qwen2-7b", "hf")
+    assert model == ModelSpec.preset("qwen2-7b", family="hf") and model.attention_bias
+    assert param_count(model) == 7_615_616_512
+    assert model_from("qwen2-7b") == ModelSpec.preset("qwen2-7b")
+    assert model_from("llama3-8b", "megatron").family == "megatron"

@@ -4,6 +4,8 @@ exactly — other layer types, mixture-of-experts, a head_dim of its own, a malf
 refused."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from ctx_plugin.memory.specs import HF_MODEL_TYPES
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install 'ctx-plugin[hf]'")
 
 SMALL = dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             intermediate_size=96, vocab_size=128)
+             intermediate_size=96, vocab_size=128, sliding_window=None)
 
 
 def hf_config(model_type: str, **fields) -> dict:
@@ -135,3 +137,39 @@ def test_config_values_must_be_positive_ints():
         ModelSpec.from_hf_config({**hf_config("llama", **SMALL), "hidden_size": "64"})
     with pytest.raises(ValueError, match="the config has no 'vocab_size': not a decoder-only transformer config"):
         ModelSpec.from_hf_config({k: v for k, v in hf_config("llama", **SMALL).items() if k != "vocab_size"})
+
+
+@pytest.mark.parametrize("model_type,fields,window", [
+    ("mistral", {}, "transformers' default sliding_window for mistral"),     # Mistral-7B-v0.1's 4096
+    ("mistral", {"sliding_window": 4096}, "(sliding_window)"),
+    ("ministral", {}, "transformers' default sliding_window for ministral"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4096}, "(sliding_window with use_sliding_window)"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 2048}, "(sliding_window with use_sliding_window)"),
+    ("smollm3", {"use_sliding_window": True, "sliding_window": 2048}, "(sliding_window with use_sliding_window)"),
+    ("mistral", {"sliding_window": None}, None), ("qwen2", {"sliding_window": 4096}, None),     # not switched on
+    ("llama", {"sliding_window": 4096}, None),                                 # Llama reads no window
+    ("ministral", {"sliding_window": 4096, "layer_types": ["full_attention"]}, None),
+])
+def test_sliding_windows_transformers_applies_are_refused(model_type, fields, window):
+    """A window changes attention FLOPs, step time and MFU, which the model counts as full causal attention: refused
+    where transformers applies one (Mistral's 4096 also when config.json has no key), accepted where it does not."""
+    config = {**{k: v for k, v in SMALL.items() if k != "sliding_window"}, "model_type": model_type, **fields}
+    if model_type == "qwen3":
+        config["head_dim"] = 16
+    if window is None:
+        assert ModelSpec.from_hf_config(config).layers == 1
+        return
+    with pytest.raises(ValueError, match=r"sliding window of \d+ tokens \(.*" + re.escape(window[1:]) if
+                       window.startswith("(") else re.escape(window)):
+        ModelSpec.from_hf_config(config)
+    with pytest.raises(ValueError, match=r"give a copy with \"sliding_window\": null"):
+        ModelSpec.from_hf_config(config)
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "mlp_bias"])
+@pytest.mark.parametrize("value", ["false", "no", 0, None])
+def test_booleans_must_be_json_booleans(key, value):
+    """bool("false") is True: a string, a number or null would have been read as a different model."""
+    config = {**SMALL, "model_type": "llama", key: value}
+    with pytest.raises(ValueError, match=rf"the config's '{key}' must be true or false, got {re.escape(repr(value))}"):
+        ModelSpec.from_hf_config(config)

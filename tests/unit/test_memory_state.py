@@ -139,7 +139,7 @@ def test_megatrons_budget_counts_the_gradient_buffer_validate_args_chose():
 
 @pytest.mark.parametrize("model_type, extra", [
     ("llama", {"attention_bias": True, "mlp_bias": True}), ("llama", {"tie_word_embeddings": True}),
-    ("qwen3", {"head_dim": 16, "attention_bias": True}), ("qwen2", {}), ("mistral", {"attention_bias": True}),
+    ("qwen3", {"head_dim": 16, "attention_bias": True}), ("qwen2", {}), ("mistral", {"attention_bias": True, "sliding_window": None}),
     ("granite", {"mlp_bias": True}), ("hunyuan_v1_dense", {"attention_bias": True, "mlp_bias": True, "head_dim": 16})])
 def test_param_count_is_the_models_own(model_type, extra):
     """param_count against the parameters of the Hugging Face model its ModelSpec describes (GQA, q/k norms, tied
