@@ -35,6 +35,10 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
 
+BACKWARD = 2.5
+"""Backward attention FLOPs relative to forward (flash-style: the kernel recomputes the scores); the memory model's
+step and the planner's times."""
+
 
 def check_documents(documents) -> tuple[int, ...] | None:
     """``documents`` (None, a mean length, or a list/tuple of lengths) as a tuple of lengths (a mean length ``m``

@@ -28,7 +28,7 @@ from ..recompute.presets import RecomputeConfig, candidates, regions
 from ..tiled_loss import auto_tokens
 from .blocks import layer_terms
 from .buffers import cp_buffers
-from .flops import Packing, check_documents, pack
+from .flops import BACKWARD, Packing, check_documents, pack
 from .specs import ModelSpec, ParallelSpec, ceil_div
 from .state import model_state
 
@@ -153,7 +153,10 @@ class MemoryEstimate:
     """At the loss: the logits' fp32 copy, the saved log-softmax and its gradient (one chunk's with +tile_loss)."""
     recompute_fraction: float
     """Extra FLOPs of recomputation (the attention's too with +recompute_attn) relative to a step's
-    forward+backward FLOPs."""
+    forward+backward FLOPs: the layers' projections and MLP (3×: forward, backward), their attention (1 +
+    :data:`~ctx_plugin.memory.flops.BACKWARD`×) and the LM head (3×)."""
+    recompute_flops: float = 0.0
+    """Those extra FLOPs per micro batch on one rank (the planner times them)."""
     host: int = 0
     """Bytes per rank in host memory (+offload / +offload_attn: the region inputs, and the pinned attention
     tensors, of every region, all held between the forward and their region's backward)."""
@@ -263,13 +266,13 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     backward = _backward_peak(model, recompute, k, gpu_layers, chunk_inner, chunk_temps, in_flight)
     spans = [stop - start for start, stop in regions(recompute, model.layers)]
     full_step, mlp, attn = layer_flops(model, parallel, t, seq_len, documents)
-    step = 3 * model.layers * (full_step + attn)
+    vocab = ceil_div(model.vocab, parallel.tp)
+    step = model.layers * (3 * full_step + (1 + BACKWARD) * attn) + 6 * t * model.hidden * vocab
     preset = recompute.preset
     extra = {Recompute.MLP: model.layers * mlp, Recompute.CORE_ATTN: model.layers * attn}.get(preset, 0.0)
     extra += sum(spans) * (full_step + (attn if recompute.recompute_attention else 0))
     if recompute.tile_mlp and preset not in (Recompute.MLP, *_REGIONS):
         extra += model.layers * mlp                 # each chunk's MLP forward runs again in backward
-    vocab = ceil_div(model.vocab, parallel.tp)
     loss_tokens = t
     if recompute.tile_loss:
         loss_tokens = min(t, recompute.loss_tokens or auto_tokens(vocab))
@@ -280,7 +283,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
                           framework=parallel.runs_on, activations=activations,
                           per_layer=per_layer, recompute_peak=max(backward - activations, k.norm_bwd, 0),
                           cp_buffers=cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc, device),
-                          logits_peak=loss_tokens * vocab * 3 * acc, recompute_fraction=extra / step,
+                          logits_peak=loss_tokens * vocab * 3 * acc, recompute_fraction=extra / step, recompute_flops=extra,
                           host=sum(host),
                           host_budget=None if recompute.offload_gib is None else int(recompute.offload_gib * GiB),
                           attention_passes=passes, family=model.family)

@@ -9,7 +9,8 @@ sequence that fits (:func:`longest`). ``ctx-plugin plan`` prints them.
 """
 from .cluster import Cluster
 from .longest import Longest, longest
-from .predict import BACKWARD, Footprint, check_heads_split, footprint, predict, ring_step
+from ..memory.flops import BACKWARD
+from .predict import Footprint, check_heads_split, footprint, predict, ring_step
 from .prediction import Prediction
 from .search import best_per_layout, enumerate_plans, explain, layouts
 

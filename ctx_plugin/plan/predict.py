@@ -13,7 +13,7 @@ of its accumulation dtype (fp32 for bf16), u the Ulysses size and r the ring siz
                          shorter than a rank's shard). Time F / attention rate.
     dense                6·t·W (2 forward, 4 backward), W = QKV, o_proj and MLP weights per TP rank; plus the LM
                          head 6·t·h·V/tp once per step. Time / matmul rate. (FLOPs from memory.model.layer_flops.)
-    recompute            the memory model's recompute_fraction × its step FLOPs 3·L·(W-FLOPs + F): at the attention
+    recompute            the memory model's recompute_flops (its extra FLOPs per micro batch): at the attention
                          rate for the attention that core_attn and +recompute_attn re-run (whose forward
                          communication, 4 all-to-alls included, runs again too), at the matmul rate for the rest;
                          `full`/`sqrt` regions and `mlp` repeat their TP collectives. Selective's elementwise
@@ -60,7 +60,7 @@ import torch
 from ..core.config import CPConfig
 from ..core.kernels import accum_dtype
 from ..core.rules import SettingNames, check_heads, check_sequence_parallel, check_tp_heads
-from ..memory.flops import check_documents, contiguous_rank_pairs
+from ..memory.flops import BACKWARD, check_documents, contiguous_rank_pairs
 from ..memory.model import MemoryEstimate, estimate, layer_flops, layout_packing, param_count
 from ..memory.specs import ModelSpec, ParallelSpec, ceil_div
 from ..names import Backend, Framework, Recompute
@@ -74,8 +74,6 @@ from .prediction import Prediction
 NAMES = SettingNames(seq_len="seq_len", cp="cp", tp="tp", heads="query heads", kv_heads="K/V heads")
 """What the planner calls its settings in the split rules' messages."""
 
-BACKWARD = 2.5
-"""Backward attention FLOPs relative to forward (flash-style: scores recomputed inside the kernel)."""
 
 
 def ring_step(compute_s: float, transfer_s: float) -> float:
@@ -226,7 +224,7 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
     # the memory model's recompute FLOPs (regions, mlp, core_attn, +recompute_attn's attention, +tile_loss's head,
     # +tile_mlp's chunks outside regions), the attention at its own rate, plus the nested chunk recompute inside
     # regions that it does not count (costs.tile_mlp_forwards)
-    extra = est.recompute_fraction * 3 * L * (dense + attn)
+    extra = est.recompute_flops
     attn_layers = attention_recompute_layers(recompute, L)         # core_attn, +recompute_attn
     nested = tile_mlp_forwards(recompute, L, mlp_chunks(seq_len // p.cp, recompute.mlp_tokens, model.hidden))[1]
     recompute_s = (max(extra - attn_layers * attn, 0.0) + nested * mlp) / rate_m
