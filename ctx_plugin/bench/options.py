@@ -23,7 +23,7 @@ SMOKE = dict(seq_len=256, heads=4, kv_heads=2, head_dim=16, dtype="fp32", device
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", nargs="+", default=[b.value for b in Backend], choices=[b.value for b in Backend])
     p.add_argument("--ranks", nargs="+", type=positive_int, default=None, help="group sizes N (default 8)")
-    p.add_argument("--ulysses-size", type=positive_int, default=2,
+    p.add_argument("--ulysses-size", type=positive_int, default=None,
                    help="Ulysses group size of ulysses_ring (default 2)")
     p.add_argument("--seq-len", type=tokens, default=None,
                    help="global sequence length, e.g. 128k (default); must split evenly over every N")
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     docs.add_argument("--doc-lengths", type=doc_lengths_file, default=None, metavar="FILE",
                       help="packed documents: a file of document lengths (a JSON list, or whitespace-separated "
                            "numbers), taken in order and repeated until the sequence is full, padded like --doc-len")
-    p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    p.add_argument("--passes", nargs="+", choices=PASSES, default=None, help="default: all")
     p.add_argument("--reps", type=positive_int, default=None,
                    help="timed repetitions per measurement (median; default 5)")
     p.add_argument("--json", type=output_file, default=None, help="write the rows and the setup here")
@@ -91,9 +91,12 @@ def settle(args: argparse.Namespace) -> None:
     if args.plan_only:
         if args.doc_len is None and args.doc_lengths is None:
             raise ValueError("--plan-only times the planning of packed documents: add --doc-len or --doc-lengths")
-        for name in ("distributed", "memory", "profile", "compare_kernels", "plot"):
-            if getattr(args, name, False):
+        for name in ("distributed", "memory", "profile", "compare_kernels", "plot", "passes", "reps"):
+            if getattr(args, name, None) not in (None, False):
                 raise ValueError(f"{_flag(name)} does not apply to --plan-only (no attention runs): drop it")
+    if args.ulysses_size is not None and Backend.ULYSSES_RING.value not in args.backends:
+        raise ValueError("--ulysses-size sizes the ulysses_ring backend's Ulysses groups, which --backends leaves "
+                         "out: drop it or add ulysses_ring")
     if args.distributed:
         for name, what in (("ranks", "the group size is --nproc"), ("compare_kernels", "it runs in simulated mode"),
                            ("memory", "it measures simulated ranks"), ("profile", "it profiles simulated ranks")):
@@ -107,6 +110,8 @@ def settle(args: argparse.Namespace) -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.nproc = 2 if args.nproc is None else args.nproc
+    args.ulysses_size = 2 if args.ulysses_size is None else args.ulysses_size
+    args.passes = list(PASSES) if args.passes is None else args.passes
     if args.distributed:
         args.ranks = [args.nproc]
 

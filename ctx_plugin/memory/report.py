@@ -136,10 +136,32 @@ def add_framework_arguments(p: argparse.ArgumentParser, framework_help: str) -> 
                         "(default: DeepSpeed's defaults)")
 
 
-def framework_from(args: argparse.Namespace) -> dict:
-    """``framework`` and ``zero_settings`` (ParallelSpec's, the planner's) from :func:`add_framework_arguments`."""
-    zero = ZeroSettings() if args.deepspeed_config is None else ZeroSettings.from_config(args.deepspeed_config)
+def framework_from(args: argparse.Namespace, stages) -> dict:
+    """``framework`` and ``zero_settings`` (ParallelSpec's, the planner's) from :func:`add_framework_arguments`, for
+    an estimate or search at the ZeRO ``stages``."""
+    zero = ZeroSettings() if args.deepspeed_config is None else _deepspeed_zero(args.deepspeed_config, stages)
     return {"framework": None if args.framework is None else Framework(args.framework), "zero_settings": zero}
+
+
+def _deepspeed_zero(config: dict, stages) -> ZeroSettings:
+    """``--deepspeed-config``'s bucket sizes (:meth:`ZeroSettings.from_config`, DeepSpeed's parser); ValueError for a
+    stage other than the estimate's and for offload, which the memory model does not count (the planner's
+    ``--modifiers`` searches optimizer offload)."""
+    from .zero_config import zero_config
+
+    settings = ZeroSettings.from_config(config)
+    parsed = zero_config(config)
+    if "stage" in config.get("zero_optimization", {}) and set(stages) != {int(parsed.stage)}:
+        raise ValueError(f"--deepspeed-config sets ZeRO stage {int(parsed.stage)}, but the estimate is for "
+                         f"--zero {' '.join(map(str, sorted(set(stages))))}: give --zero {int(parsed.stage)}")
+    for key in ("offload_optimizer", "offload_param"):
+        device = getattr(getattr(parsed, key), "device", "none")
+        device = str(getattr(device, "value", device))
+        if device != "none":
+            raise ValueError(f"--deepspeed-config offloads ({key}.device {device!r}), which the memory model does not "
+                             f"count: drop {key} from the copy given here (the planner's --modifiers searches "
+                             f"optimizer offload)")
+    return settings
 
 
 def recompute_arg(text: str) -> RecomputeConfig:
@@ -190,7 +212,12 @@ def run(args: argparse.Namespace) -> int:
     model = model_from(args.model, getattr(args, "family", None))
     parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
                             sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero,
-                            **framework_from(args), grad_dtype=None if args.grad_dtype is None else DTYPES[args.grad_dtype])
+                            **framework_from(args, [args.zero]),
+                            grad_dtype=None if args.grad_dtype is None else DTYPES[args.grad_dtype])
+    if args.deepspeed_config is not None and parallel.runs_on != Framework.DEEPSPEED:
+        raise ValueError(f"--deepspeed-config sizes DeepSpeed's buffers, but this estimate counts the model state as "
+                         f"Megatron holds it (ZeRO {parallel.zero_stage}): give --framework deepspeed or --zero 2/3, "
+                         f"or drop --deepspeed-config")
     check_tp_heads(model.heads, model.kv_heads, parallel.tp, _NAMES, replicate_kv=False)
     if parallel.sequence_parallel:
         check_sequence_parallel(parallel.cp_config, args.seq_len, parallel.cp, parallel.tp, _NAMES)

@@ -87,3 +87,11 @@ def excluded(tp_options: Iterable[int], stages: Iterable[int], optimizer_offload
                        + (["optimizer offload"] if offload else []))
     return (f"not searched: tp {'/'.join(map(str, tps))} with {what} (no supported framework runs them: tensor "
             f"parallelism is Megatron's, with ZeRO 0 or 1 and no optimizer offload; DeepSpeed has no TP)")
+
+
+def deepspeed_counted(stages: Iterable[int], optimizer_offload: bool, framework: Framework | None = None) -> bool:
+    """Whether a search counts some configuration's model state as DeepSpeed holds it (so a DeepSpeed config's
+    bucket sizes matter): with ``framework`` deepspeed, else at ZeRO-2/3 or with optimizer offload (ZeRO ≥ 1)."""
+    if framework is not None:
+        return framework == Framework.DEEPSPEED
+    return any(z >= 2 or (optimizer_offload and z >= 1) for z in stages)

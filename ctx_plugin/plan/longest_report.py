@@ -5,7 +5,6 @@ import argparse
 
 from ..memory.report import DTYPES, documents_from, framework_from
 from ..memory.specs import ModelSpec
-from ..names import Framework
 from .cluster import Cluster
 from .frameworks import excluded
 from .longest import Longest, binding, longest
@@ -50,11 +49,11 @@ def summary(result: Longest, cluster: Cluster) -> str:
 
 
 def run_longest(args: argparse.Namespace, model: ModelSpec, cluster: Cluster) -> int:
-    stages = args.zero or ([0, 1] if args.framework == Framework.MEGATRON else [0, 1, 2, 3])
-    from .report import print_documents, state_text
+    from .report import print_documents, searched_stages, state_text
+    stages = searched_stages(args)
     documents = documents_from(args)
     result = longest(model, cluster, tp_options=args.tp, zero_stages=stages, micro_batch=args.micro_batch,
-                     dtype=DTYPES[args.dtype], documents=documents, **framework_from(args))
+                     dtype=DTYPES[args.dtype], documents=documents, **framework_from(args, stages))
     print_header(model, cluster)
     print(f"search: micro-batch {args.micro_batch}, {args.dtype}, ZeRO {'/'.join(map(str, sorted(set(stages))))}, "
           f"tp {'/'.join(map(str, args.tp))}, every backend, recompute preset, modifier and optimizer offload; "

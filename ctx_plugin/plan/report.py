@@ -10,10 +10,11 @@ from ..memory.flops import describe as describe_documents
 from ..memory.report import (DTYPES, add_document_arguments, add_framework_arguments, documents_from, framework_from,
                              model_arg, model_from, need_matplotlib)
 from ..memory.specs import MODEL_PRESETS, ModelSpec
+from ..names import Framework
 from .cluster import Cluster
 from .prediction import Prediction
 from .longest_report import run_longest
-from .frameworks import excluded
+from .frameworks import deepspeed_counted, excluded
 from .search import best_per_layout, enumerate_plans, explain, untried
 from .table import print_header, print_table
 
@@ -49,16 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul-tflops", type=positive_float, default=_DEFAULTS.matmul_tflops, help="dense matmul TFLOP/s per GPU")
     p.add_argument("--peak-tflops", type=positive_float, default=_DEFAULTS.peak_tflops,
                    help=f"the GPU's peak bf16 TFLOP/s, MFU's denominator (default {_DEFAULTS.peak_tflops:g}: H100/H200)")
-    p.add_argument("--host-memory", type=positive_float, default=_DEFAULTS.host_memory_gib,
+    p.add_argument("--host-memory", type=positive_float, default=None,
                    help=f"host memory per node in GiB for offload (default {_DEFAULTS.host_memory_gib:g})")
-    p.add_argument("--host-reserve", type=nonnegative_float, default=_DEFAULTS.host_reserve_gib,
+    p.add_argument("--host-reserve", type=nonnegative_float, default=None,
                    help=f"host GiB per node kept free for the OS, frameworks and loaders (default "
                         f"{_DEFAULTS.host_reserve_gib:g})")
-    p.add_argument("--host-bw", type=positive_float, default=_DEFAULTS.host_bw_gbs,
+    p.add_argument("--host-bw", type=positive_float, default=None,
                    help=f"host↔device GB/s per PCIe link and direction (default {_DEFAULTS.host_bw_gbs:g}: PCIe 5 ×16)")
-    p.add_argument("--gpus-per-host-link", type=positive_int, default=_DEFAULTS.gpus_per_host_link,
+    p.add_argument("--gpus-per-host-link", type=positive_int, default=None,
                    help=f"GPUs sharing one PCIe uplink to the CPUs (default {_DEFAULTS.gpus_per_host_link}: HGX H100/H200)")
-    p.add_argument("--host-adam", type=positive_float, default=_DEFAULTS.host_adam_gparams_s,
+    p.add_argument("--host-adam", type=positive_float, default=None,
                    help=f"billions of parameters per second a node's CPUs update with DeepSpeed's CPU Adam (default "
                         f"{_DEFAULTS.host_adam_gparams_s:g})")
     p.add_argument("--bench", type=read_json_object, default=None,
@@ -127,17 +128,43 @@ def print_documents(documents) -> None:
 
 
 def cluster_from(args: argparse.Namespace) -> Cluster:
+    host = {field: value for field, value in (
+        ("host_memory_gib", args.host_memory), ("host_reserve_gib", args.host_reserve), ("host_bw_gbs", args.host_bw),
+        ("gpus_per_host_link", args.gpus_per_host_link), ("host_adam_gparams_s", args.host_adam)) if value is not None}
     return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
                    gpu_reserve_gib=args.gpu_reserve, intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw,
                    attention_tflops=_attention_tflops(args),
-                   matmul_tflops=args.matmul_tflops, peak_tflops=args.peak_tflops, host_memory_gib=args.host_memory,
-                   host_reserve_gib=args.host_reserve, host_bw_gbs=args.host_bw,
-                   gpus_per_host_link=args.gpus_per_host_link, host_adam_gparams_s=args.host_adam)
+                   matmul_tflops=args.matmul_tflops, peak_tflops=args.peak_tflops, **host)
+
+
+def searched_stages(args: argparse.Namespace) -> list[int]:
+    """``--zero``, else the default: 1 for one length, every stage the framework runs for ``--max-seq-len``."""
+    if args.zero:
+        return args.zero
+    if not args.max_seq_len:
+        return [1]
+    return [0, 1] if args.framework == Framework.MEGATRON else [0, 1, 2, 3]
+
+
+def _check_unused(args: argparse.Namespace) -> None:
+    """Options the chosen search would not read are errors, not ignored."""
+    offload = args.max_seq_len or args.modifiers
+    if args.deepspeed_config is not None and not deepspeed_counted(searched_stages(args), offload, args.framework):
+        raise ValueError("--deepspeed-config sizes DeepSpeed's buffers, but this search counts every configuration's "
+                         "model state as Megatron holds it (ZeRO 0/1 without optimizer offload): give --framework "
+                         "deepspeed, --zero 2 or 3, or --modifiers (optimizer offload), or drop --deepspeed-config")
+    host = [flag for flag, value in (("--host-memory", args.host_memory), ("--host-reserve", args.host_reserve),
+                                     ("--host-bw", args.host_bw), ("--gpus-per-host-link", args.gpus_per_host_link),
+                                     ("--host-adam", args.host_adam)) if value is not None]
+    if host and not offload:
+        raise ValueError(f"{', '.join(host)} describe the host for offload, which --seq-len searches only with "
+                         f"--modifiers: add --modifiers, or drop them")
 
 
 def run(args: argparse.Namespace) -> int:
     model = _model(args.model)
     _check_mode(args)
+    _check_unused(args)
     if args.top < 1:
         raise ValueError(f"--top must be at least 1, got {args.top}")
     if args.plot:
@@ -145,11 +172,11 @@ def run(args: argparse.Namespace) -> int:
     cluster = cluster_from(args)
     if args.max_seq_len:
         return run_longest(args, model, cluster)
-    stages = args.zero or [1]
+    stages = searched_stages(args)
     documents = documents_from(args)
     plans = enumerate_plans(model, args.seq_len, cluster, micro_batch=args.micro_batch, dtype=DTYPES[args.dtype],
                             tp_options=args.tp, zero_stage=stages, modifiers=args.modifiers, documents=documents,
-                            **framework_from(args))
+                            **framework_from(args, stages))
     c = cluster
     print_header(model, c)
     print(f"sequence: {args.seq_len:,} tokens × micro-batch {args.micro_batch}, {args.dtype}, ZeRO "

@@ -24,6 +24,14 @@ def files(tmp_path):
     (tmp_path / "notjson.json").write_text("num_hidden_layers = 2")
     (tmp_path / "adir").mkdir()
     (tmp_path / "bench.json").write_text(json.dumps({"attention_tflops": "fast"}))
+    for name, section in (("typo", {"reduce_bucket_sizes": 1e8}), ("stage3", {"stage": 3}), ("ds2", {"stage": 2}),
+                          ("offload", {"stage": 2, "offload_optimizer": {"device": "cpu"}}),
+                          ("buckets", {"reduce_bucket_size": 1e8})):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"zero_optimization": section}))
+    llama = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 256}
+    (tmp_path / "mistral.json").write_text(json.dumps({**llama, "model_type": "mistral"}))   # window 4096 by default
+    (tmp_path / "tied.json").write_text(json.dumps({**llama, "tie_word_embeddings": "false"}))
     return tmp_path
 
 
@@ -49,6 +57,22 @@ CASES = [
     ([*PLAN[:3], "--max-seq-len", *PLAN[5:], "--framework", "deepspeed", "--tp", "2"], "no tensor parallelism"),
     ([*PLAN, "--deepspeed-config", "{d}/list.json"], "JSON list, not an object"),
     ([*MEMORY, "--framework", "deepspeed", "--tp", "2"], "no tensor parallelism"),
+    ([*MEMORY, "--deepspeed-config", "{d}/ds2.json"], "--deepspeed-config sets ZeRO stage 2, but the estimate is for "
+                                                      "--zero 1: give --zero 2"),
+    ([*MEMORY, "--zero", "1", "--framework", "megatron", "--deepspeed-config", "{d}/buckets.json"],
+     "this estimate counts the model state as Megatron holds it"),
+    ([*MEMORY, "--zero", "2", "--deepspeed-config", "{d}/typo.json"], "reduce_bucket_sizes: Extra inputs"),
+    ([*MEMORY, "--zero", "2", "--deepspeed-config", "{d}/stage3.json"], "give --zero 3"),
+    ([*MEMORY, "--zero", "2", "--deepspeed-config", "{d}/offload.json"], "offloads (offload_optimizer.device 'cpu')"),
+    ([*PLAN, "--deepspeed-config", "{d}/typo.json"], "this search counts every configuration's model state as Megatron"),
+    ([*PLAN, "--zero", "2", "--deepspeed-config", "{d}/stage3.json"], "give --zero 3"),
+    ([*PLAN, "--zero", "2", "3", "--deepspeed-config", "{d}/ds2.json"], "the estimate is for --zero 2 3"),
+    ([*PLAN, "--framework", "megatron", "--modifiers", "--deepspeed-config", "{d}/ds2.json"], "as Megatron holds it"),
+    ([*PLAN, "--host-bw", "1", "--host-adam", "2"], "--host-bw, --host-adam describe the host for offload"),
+    ([*PLAN, "--gpus-per-host-link", "4"], "add --modifiers"),
+    (["memory", "--model", "{d}/mistral.json", "--seq-len", "4k"], "sliding window of 4096 tokens"),
+    (["plan", "--model", "{d}/mistral.json", "--seq-len", "4k", "--nodes", "1"], "\"sliding_window\": null"),
+    (["memory", "--model", "{d}/tied.json", "--seq-len", "4k"], "'tie_word_embeddings' must be true or false"),
     ([*MEMORY, "--framework", "deepspeed", "--grad-dtype", "fp32"], "grad_accum_dtype"),
     (["plan", "--model", "llama3-8b", "--seq-len", "100004", "--nodes", "1", "--tp", "8"],
      "sequence parallelism splits each of the cp 1 ranks' tokens over tp 8"),
@@ -94,6 +118,11 @@ CASES = [
     ([*SMOKE, "--distributed", "--compare-kernels"], "--compare-kernels does not apply"),
     ([*SMOKE, "--distributed", "--nproc", "3"], "multiple of 6, got 256"),
     ([*SMOKE, "--distributed", "--nproc", "0"], "--nproc"),
+    ([*SMOKE, "--backends", "ring", "--ulysses-size", "4"], "--ulysses-size sizes the ulysses_ring backend's"),
+    (["bench", "--plan-only", "--doc-len", "64", "--seq-len", "1k", "--ranks", "2", "--passes", "fwd"],
+     "--passes does not apply to --plan-only"),
+    (["bench", "--plan-only", "--doc-len", "64", "--seq-len", "1k", "--ranks", "2", "--reps", "9"],
+     "--reps does not apply to --plan-only"),
     ([*SMOKE, "--window", "-1"], "'-1' is not a whole number of tokens ≥ 0 (0: each query sees only itself)"),
     ([*SMOKE, "--window", "0.5"], "'0.5' is not a whole number of tokens ≥ 0"),
     (["demo", "--nproc", "0"], "--nproc"),

@@ -69,10 +69,20 @@ def test_deepspeed_stages_and_their_buffers_at_scale():
 
 
 def test_zero_settings_from_a_deepspeed_config():
+    pytest.importorskip("deepspeed", reason="a DeepSpeed config is read with DeepSpeed's parser")
     z = ZeroSettings.from_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7}})
     assert z.reduce_bucket_size == 50_000_000 and z.stage3_prefetch_bucket_size == 50_000_000
     with pytest.raises(ValueError, match="auto"):
         ZeroSettings.from_config({"zero_optimization": {"reduce_bucket_size": "auto"}})
+    # read as DeepSpeed reads them: the unprefixed names are the same settings, a misspelt key is an error
+    named = ZeroSettings.from_config({"zero_optimization": {"prefetch_bucket_size": 7e6, "max_reuse_distance": 5,
+                                                            "param_persistence_threshold": 9, "sub_group_size": 11}})
+    assert (named.stage3_prefetch_bucket_size, named.stage3_max_reuse_distance,
+            named.stage3_param_persistence_threshold, named.sub_group_size) == (7_000_000, 5, 9, 11)
+    assert ZeroSettings.from_config({"zero_optimization": {"stage3_max_reuse_distance": 5}}) == \
+        ZeroSettings(stage3_max_reuse_distance=5)
+    with pytest.raises(ValueError, match="reduce_bucket_sizes: Extra inputs are not permitted"):
+        ZeroSettings.from_config({"zero_optimization": {"reduce_bucket_sizes": 1e8}})
     with pytest.raises(ValueError, match="positive"):
         ZeroSettings(reduce_bucket_size=0)
     small = estimate(LLAMA, ParallelSpec(cp=8, zero_stage=2, zero_settings=z), "full", seq_len=8192)
