@@ -72,6 +72,7 @@ fi
 )
 _ctx_env_status=$?
 if [ "$_ctx_env_status" -ne 0 ]; then
+  # shellcheck disable=SC2317   # exit: when run rather than sourced, where return fails
   return "$_ctx_env_status" 2>/dev/null || exit "$_ctx_env_status"
 fi
 unset _ctx_env_status

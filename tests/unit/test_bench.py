@@ -169,11 +169,13 @@ def test_no_rank_check_flag():
     """--no-rank-check is CPConfig(check_ranks=False) for every benchmarked backend; the check is on by default."""
     import argparse
 
-    from ctx_plugin.bench.options import add_arguments, configs
-    for flags, want in (([], True), (["--no-rank-check"], False)):
+    from ctx_plugin.bench.options import add_arguments, configs, settle
+    for flags, want in (([], True), (["--distributed", "--no-rank-check"], False)):
         parser = argparse.ArgumentParser()
         add_arguments(parser)
-        cfgs = [c for _, c in configs(parser.parse_args(flags), 4)]
+        args = parser.parse_args(flags)
+        settle(args)
+        cfgs = [c for _, c in configs(args, 4)]
         assert len(cfgs) == len(Backend) and all(c.check_ranks is want for c in cfgs)
 
 
