@@ -20,7 +20,8 @@
 # attempt); without, it waits for the time limit, so SLURM records TIMEOUT. A warning sent to the job step instead
 # (--signal=USR1@120 without B:) reaches the ranks only: when a rank's handler recorded SIGUSR1, the attempt counts
 # as warned all the same (status line warning=). A SIGTERM (scancel, the time limit) is classified by asking
-# slurmctld for the job's state.
+# slurmctld for the job's state; one that reaches this shell only, the job still running (scancel --batch
+# --signal=TERM, --signal=B:TERM@<s>), is passed to every rank like the warning (srun would SIGKILL them).
 # Preemption with a GraceTime (PreemptMode=REQUEUE or CANCEL): slurmctld sends SIGCONT and SIGTERM to the job steps
 # (SLURM 22.05: not to this shell), so every rank gets SIGTERM from SLURM (and again from its torchrun, which waits
 # 30 s for it) and saves; the step ends. Seeing PreemptTime set, this shell records "preempted" and waits for SLURM
@@ -106,12 +107,18 @@ _ctx_on_warning() {   # SLURM's time-limit warning: every rank (torchrun's child
   _ctx_reason=warned
   ctx_status timeout "" "stopping=the ranks got the time-limit warning (SIGUSR1) to save and stop"
   echo "ctx_plugin: time-limit warning: SIGUSR1 to every rank" >&2
+  _ctx_signal_ranks USR1 || true
+}
+
+_ctx_signal_ranks() {   # _ctx_signal_ranks SIGNAL: SIGNAL to every rank (torchrun's children, on every node); fails
+  # when a node had none to signal
   local nodes=${SLURM_JOB_NUM_NODES:-1}
   # one task per node, beside the running step; only the ranks (not their compilers or data-loader workers)
   # shellcheck disable=SC2016   # expanded by the task's bash
   srun --overlap --export=ALL --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 \
-    bash -c 'source "$1" && ctx_signal_node "$2" USR1' _ "$_ctx_common" "$_ctx_attempt" \
-    || echo "ctx_plugin: signalling the ranks failed on a node (see $_ctx_attempt/signals/)" >&2
+    bash -c 'source "$1" && ctx_signal_node "$2" "$3"' _ "$_ctx_common" "$_ctx_attempt" "$1" && return 0
+  echo "ctx_plugin: signalling the ranks ($1) failed on a node (see $_ctx_attempt/signals/)" >&2
+  return 1
 }
 
 _ctx_rank_env() {   # _ctx_rank_env PID: the RANK in that process's environment (empty: none, or gone)
@@ -151,12 +158,16 @@ ctx_signal_node() {   # ctx_signal_node ATTEMPT_DIR SIGNAL, on each node (an sru
 }
 
 _ctx_on_term() {
-  local reason now
+  local reason now ending
   _ctx_trapped=1
-  case $_ctx_reason in   # decided already (the step has ended): stop waiting
-    requeued|cancelled|timeout|preempted) _ctx_termed=1; kill -TERM "$_ctx_pid" 2>/dev/null || true; return 0 ;;
+  case $_ctx_reason in   # decided already: stop waiting (not while the ranks save on the SIGTERM passed to them)
+    requeued|cancelled|timeout|preempted)
+      _ctx_termed=1
+      [ -n "$_ctx_ranks_stopping" ] || kill -TERM "$_ctx_pid" 2>/dev/null || true
+      return 0 ;;
   esac
   reason=$(ctx_end_reason)
+  ending=$reason
   if [ "$reason" = preempting ] && [ "$_ctx_reason" != preempting ]; then
     # within the preemption's GraceTime: SLURM signals the steps too, so the ranks save and the step ends by itself
     _ctx_reason=preempting
@@ -172,6 +183,13 @@ _ctx_on_term() {
   fi
   _ctx_reason=$reason
   ctx_status "$reason"
+  if [ -z "$ending" ] && [ -z "$_ctx_wait_pid" ]; then
+    # slurmctld does not say the job ends: the signal came to this shell only (scancel --batch, --signal=B:TERM),
+    # SLURM is not ending the step, and srun would SIGKILL the ranks: they get SIGTERM to save and stop, as on the
+    # warning, and the step ends by itself (stopped as below when no rank could be signalled)
+    echo "ctx_plugin: $reason: SIGTERM to every rank" >&2
+    if _ctx_signal_ranks TERM; then _ctx_ranks_stopping=1; return 0; fi
+  fi
   echo "ctx_plugin: $reason: stopping the job step" >&2
   kill -TERM "$_ctx_pid" 2>/dev/null || true
 }
@@ -194,7 +212,7 @@ _ctx_wait_for_slurm() {   # _ctx_wait_for_slurm SECONDS: sleeps until SLURM ends
   [ "$1" -gt 0 ] || return 0
   echo "ctx_plugin: waiting for SLURM to end the job (${2:-time limit or requeue})" >&2
   sleep "$1" &
-  _ctx_pid=$!
+  _ctx_pid=$! _ctx_wait_pid=$! _ctx_ranks_stopping=""
   [ -z "$_ctx_termed" ] || kill -TERM "$_ctx_pid"   # SLURM's SIGTERM came while the wait began
   _ctx_wait
 }
@@ -275,6 +293,7 @@ ctx_run() {       # ctx_run RUN_DIR ATTEMPT_DIR [REQUEUE]: runs ATTEMPT_DIR/comm
   _ctx_run=$1 _ctx_attempt=$2 _ctx_requeue=${3:-0}
   _ctx_n=${_ctx_attempt##*/attempt-}
   _ctx_started=$(date -u +%FT%TZ) _ctx_reason="" _ctx_deadline="" _ctx_pid="" _ctx_rc=0 _ctx_termed="" _ctx_signals="" _ctx_trapped="" _ctx_direct=""
+  _ctx_ranks_stopping="" _ctx_wait_pid=""
   left=$(ctx_seconds "$(squeue -h -j "${SLURM_JOB_ID:-0}" -o %L 2>/dev/null || true)")
   [ -z "$left" ] || _ctx_deadline=$(($(date +%s) + left))
   trap _ctx_on_warning USR1

@@ -223,10 +223,9 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
                requeue=requeue, attempt=int(restarts) + 1)
 
 
-def render(job: Job, env=os.environ, host: str | None = None) -> str:
-    """The job's ``command.sh``: site file, environment defaults, then one ``srun`` task per node. ``host`` is the
-    rendezvous host the job checked at start (:func:`check_rendezvous`), written in as it is; ``None`` (a dry run,
-    outside the allocation) gives the shell line that reads the job's first node."""
+def render(job: Job, env=os.environ) -> str:
+    """The job's ``command.sh``: site file, environment defaults, then one ``srun`` task per node (the same text in
+    a dry run: the rendezvous host is read from the allocation when it runs)."""
     py = env.get("CTX_PY") or sys.executable
     prefix = shlex.split(env.get("CTX_EXEC_PREFIX", ""))
     torchrun = [*prefix, py, "-m", "torch.distributed.run", f"--nnodes={job.nodes}",
@@ -264,9 +263,8 @@ def render(job: Job, env=os.environ, host: str | None = None) -> str:
               "in its signals/",
               # awk reads scontrol's whole output: `head -n 1` exits early, and under pipefail scontrol's SIGPIPE on
               # a long node list ended the script before srun (assigned apart from export, so a failure stops it)
-              (f"CTX_MASTER_ADDR={shlex.quote(host)}   # rendezvous host: the job's first node, checked at start"
-               if host else 'CTX_MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk \'NR == 1\')   '
-               "# rendezvous host: the job's first node"),
+              'CTX_MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk \'NR == 1\')   '
+              "# rendezvous host: the job's first node (checked to resolve at start)",
               "export CTX_MASTER_ADDR",
               f"mkdir -p {shlex.quote(str(job.attempt_dir / 'logs'))} {shlex.quote(str(job.attempt_dir / 'pids'))}",
               "exec " + shlex.join(srun) + " \\\n    bash -c " + shlex.quote(inner), ""]
@@ -296,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         return _failed_at_start(framework, argv, e)
     notes = [] if port == job.port else [f"port {job.port} is in use on {host}: the rendezvous uses {port}"]
     job = dataclasses.replace(job, port=port)
-    text = render(job, host=host)
+    text = render(job)
     (job.attempt_dir / "logs").mkdir(parents=True, exist_ok=True)
     (job.attempt_dir / "command.sh").write_text(text)
     write_records(job.attempt_dir, framework=framework, argv=argv, summary=job.summary, program=job.program,

@@ -368,6 +368,50 @@ def test_sigterm_is_classified_by_slurmctld(job, answer, time_left, word):
     assert "show job -o 4242" in j.args("scontrol")         # asked in every case
 
 
+SAVING_RANK = """import signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+def stop(signum, frame):
+    time.sleep(0.5)                       # finishing its step and saving
+    out.write_text(f"signal {signum}")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+Path(sys.argv[1] + ".ready").write_text("ready")
+time.sleep(30)
+sys.exit(5)
+"""
+
+
+def test_sigterm_to_this_shell_only_reaches_the_ranks(job, tmp_path):
+    """`scancel --batch --signal=TERM`, `--signal=B:TERM@<s>`: the job still RUNNING, SLURM ends no step. Stopping
+    srun would have it SIGKILL the ranks before they save: they get SIGTERM instead (as the warning's USR1), save
+    and stop, and the step ends by itself."""
+    (tmp_path / "saving.py").write_text(SAVING_RANK)
+    out = tmp_path / "saving.out"
+    j = job(f"RANK=0 {sys.executable} {tmp_path}/saving.py {out} &\nwait $!", show_job=show_job("RUNNING", 60))
+    j.start()
+    j.started()
+    wait_for(lambda: Path(f"{out}.ready").exists(), 10, "the rank to install its handler")
+    j.proc.send_signal(signal.SIGTERM)
+    rc, err = j.finish(timeout=20)
+    assert out.read_text() == f"signal {int(signal.SIGTERM)}"          # saved: not killed
+    assert rc == 0 and "ctx_plugin: cancelled: SIGTERM to every rank" in err and "stopping the job step" not in err
+    lines = status_lines(j.attempt)
+    assert lines[0] == "cancelled" and "exit_code=0" in lines
+    assert any(line.startswith("signals=sent SIGTERM to ranks 0") for line in lines)
+
+
+def test_sigterm_to_this_shell_without_ranks_stops_the_step(job):
+    """No rank to pass SIGTERM to (none started yet, or none left): the step is stopped as before."""
+    j = job("exec sleep 30", show_job=show_job("RUNNING", 60))
+    j.start()
+    child = j.started()
+    j.proc.send_signal(signal.SIGTERM)
+    rc, err = j.finish(timeout=10)
+    assert rc == 143 and "cancelled: SIGTERM to every rank" in err and "cancelled: stopping the job step" in err
+    assert not alive(child) and status_lines(j.attempt)[0] == "cancelled"
+
+
 def test_attempts_are_kept(job):
     j = job("exit 0", attempt=2)
     first = j.run / "attempt-1"
