@@ -124,7 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", default=None, choices=list(FAMILIES),
                    help="block implementation the model runs as (default: ctx_plugin for a preset, hf for a "
                         "config.json)")
-    p.add_argument("--plot", type=output_file, default=None, help="write a PNG of peak memory vs. sequence length per preset")
+    p.add_argument("--plot", type=output_file, default=None,
+                   help="write a PNG of peak memory vs. sequence length per preset (the one --recompute gives, if any)")
     add_document_arguments(p)
 
 
@@ -259,25 +260,33 @@ def run(args: argparse.Namespace) -> int:
     if chosen is not None:
         print(f"{budget} → {chosen} (fewest extra FLOPs among the presets that fit)")
     if args.plot:
-        plot(model, parallel, args, dtype, Path(args.plot))
+        plot(model, parallel, args, dtype, Path(args.plot), presets)
         print(f"wrote {args.plot}")
     return 0
 
 
-def plot(model: ModelSpec, parallel: ParallelSpec, args: argparse.Namespace, dtype: torch.dtype, path: Path) -> None:
+def plot_series(model: ModelSpec, parallel: ParallelSpec, args: argparse.Namespace, dtype: torch.dtype,
+                presets) -> tuple[list[int], dict[str, list[float]]]:
+    """The plot's sequence lengths (``--seq-len`` / 64 to × 4, each a multiple of the layout's unit) and, per preset
+    of the table (or the one ``--recompute``), its peak in GiB at each."""
+    unit = 2 * parallel.cp * parallel.ulysses
+    lens = sorted({max(unit, int(args.seq_len * 2.0 ** k) // unit * unit) for k in range(-6, 3)})
+    return lens, {str(preset): [estimate(model, parallel, preset, seq_len=s, micro_batch=args.micro_batch,
+                                         dtype=dtype).peak / GiB for s in lens] for preset in presets}
+
+
+def plot(model: ModelSpec, parallel: ParallelSpec, args: argparse.Namespace, dtype: torch.dtype, path: Path,
+         presets) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'ctx-plugin[plot]'") from None
-    unit = 2 * parallel.cp * parallel.ulysses
-    lens = sorted({max(unit, int(args.seq_len * 2.0 ** k) // unit * unit) for k in range(-6, 3)})
+    lens, series = plot_series(model, parallel, args, dtype, presets)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for preset in table_presets(model.layers):
-        peaks = [estimate(model, parallel, preset, seq_len=s, micro_batch=args.micro_batch, dtype=dtype).peak / GiB
-                 for s in lens]
-        ax.plot(lens, peaks, marker="o", label=str(preset))
+    for label, peaks in series.items():
+        ax.plot(lens, peaks, marker="o", label=label)
     if args.budget is not None:
         ax.axhline(args.budget, color="k", linestyle="--", label=f"budget {args.budget:g} GiB")
     ax.set_xscale("log", base=2)

@@ -186,3 +186,23 @@ def test_a_preset_run_as_another_family_is_that_familys_model():
     assert param_count(model) == 7_615_616_512
     assert model_from("qwen2-7b") == ModelSpec.preset("qwen2-7b")
     assert model_from("llama3-8b", "megatron").family == "megatron"
+
+
+def test_the_plot_draws_the_configuration_reported():
+    """`memory --recompute full+tile_loss --plot`: the plot draws that configuration (it drew every table preset,
+    unmodified); without --recompute, every preset of the table."""
+    import argparse
+
+    from ctx_plugin.memory.report import add_arguments, plot_series, recompute_arg, table_presets
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "llama3-8b", "--seq-len", "128k", "--cp", "8"])
+    parallel = ParallelSpec(cp=8, zero_stage=1)
+    one = recompute_arg("full+tile_loss")
+    lens, series = plot_series(LLAMA, parallel, args, torch.bfloat16, [one])
+    assert list(series) == ["full+tile_loss"] and 131072 in lens
+    assert series["full+tile_loss"][lens.index(131072)] == \
+        estimate(LLAMA, parallel, one, seq_len=131072).peak / GiB
+    _, every = plot_series(LLAMA, parallel, args, torch.bfloat16, table_presets(LLAMA.layers))
+    assert list(every) == [str(p) for p in table_presets(LLAMA.layers)]
