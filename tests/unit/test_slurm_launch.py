@@ -1110,7 +1110,7 @@ def test_sbatch_copy_finds_its_launch_folder(tmp_path, site, name):
                                    f'Command=%s\\n   WorkDir=/w\\n" "$3" "$(cat {command})"\n')
     (fake / "scontrol").chmod(0o755)
     env = clean_env(CTX_SITE=str(site), PATH=f"{fake}:{os.environ['PATH']}", SLURM_JOB_ID="5",
-                    SLURM_JOB_NUM_NODES="1")
+                    SLURM_JOB_NUM_NODES="1", CTX_PY=sys.executable)     # the copy has no ../.venv beside it
     command.write_text(f"{checkout / name} --dry-run --nproc-per-node 2 -- a.sbatch b")
     done = subprocess.run(["bash", str(copy), "--dry-run", "--nproc-per-node", "2", "--device", "cpu", "--bad-flag"],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
