@@ -87,6 +87,26 @@ def _core_recompute(forward):
     return patched
 
 
+def _refuse_running_stats(layers: list[nn.Module], config: RecomputeConfig) -> None:
+    """A ValueError for a module that updates running statistics in its forward (BatchNorm, InstanceNorm with
+    ``track_running_stats``) in a part ``config`` re-runs in backward: the recomputation would update them a second
+    time (what any buffer changed in forward goes through under activation checkpointing)."""
+    preset = config.preset
+    whole = preset not in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP, Recompute.CORE_ATTN)
+    for i, layer in enumerate(layers):
+        part = layer if whole else getattr(layer, "mlp", None) if config.tile_mlp or preset == Recompute.MLP else None
+        if not isinstance(part, nn.Module):
+            continue
+        for name, module in part.named_modules():
+            if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
+                where = ("" if whole else "mlp") + ("." if name and not whole else "") + name
+                raise ValueError(f"layer {i}'s {where or 'module'} ({type(module).__name__}) updates running "
+                                 f"statistics in its forward: recompute preset {config} re-runs it in backward, "
+                                 f"which would update them a second time; use track_running_stats=False, or a "
+                                 f"preset that does not recompute it ('none', 'attn_out'"
+                                 f"{'' if config.tile_mlp or preset == Recompute.MLP else ', mlp'})")
+
+
 def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequence_dim: int = 1) -> None:
     """Applies ``config`` to ``layers`` (in the order the model calls them), in place.
 
@@ -115,6 +135,7 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
         raise ValueError(f"sequence_dim must be a non-negative int (1 for [batch, seq, hidden], 0 for Megatron's "
                          f"[seq, batch, hidden]), got {sequence_dim!r}")
     refuse_hf_checkpointing(layers, config)
+    _refuse_running_stats(layers, config)
     if config.tile_mlp:
         for i, layer in enumerate(layers):
             check_mlp(getattr(layer, "mlp", None), i)

@@ -44,6 +44,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .pinned import PinnedPool, host_block
+from .presets import gib_text
 
 _ATTR = "_ctx_plugin_offload"
 _GIB = 2 ** 30
@@ -114,7 +115,7 @@ class HostOffload:
         if config.offload_gib is None:
             return None
         name = "offload_attn" if config.offload_attention else "offload"
-        return cls(config.offload_gib, attention=config.offload_attention, flag=f"+{name}:{config.offload_gib:g}")
+        return cls(config.offload_gib, attention=config.offload_attention, flag=f"+{name}:{gib_text(config.offload_gib)}")
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def checkpoint(self, region, body: Callable, contexts: Callable, args: tuple, kwargs: dict):

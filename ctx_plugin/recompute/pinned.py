@@ -5,7 +5,10 @@ input held in host memory takes 4 GiB and a 2.1 GiB one 4 GiB: up to twice the b
 sequence fits a node's host memory. Copies of at least :data:`REGISTER_MIN` bytes therefore go to plain host memory
 page-locked with ``cudaHostRegister`` (their own mappings at that size, so no two share a page), kept by size and
 handed to the next copy of that size (every step offloads the same sizes), and unregistered when the pool goes;
-smaller copies use torch's allocator, where rounding costs little.
+smaller copies use torch's allocator, where rounding costs little. A copy of a size no free buffer has (the shapes
+changed: another sequence length or micro batch) first unregisters the free buffers, after the device finished the
+copies queued so far, so the registered bytes stay those of the copies alive and the one being made, within the
+offload budget, instead of growing with every new size.
 
 Reuse is ordered by the streams: a buffer comes back to the pool when autograd releases the saved tensor it held,
 after the node that consumed its copy back ran on the compute stream, which had waited for that copy; the next copy
@@ -37,12 +40,14 @@ class PinnedPool:
     runtime's ``cudaHostRegister`` / ``cudaHostUnregister`` (a test passes stand-ins)."""
 
     def __init__(self, register: Callable[[int, int], object] | None = None,
-                 unregister: Callable[[int], object] | None = None) -> None:
+                 unregister: Callable[[int], object] | None = None,
+                 synchronize: Callable[[], object] | None = None) -> None:
         if register is None or unregister is None:
             cudart = torch.cuda.cudart()
             register = register or (lambda ptr, nbytes: cudart.cudaHostRegister(ptr, nbytes, 0))
             unregister = unregister or cudart.cudaHostUnregister
-        self._register = register
+        self._register, self._unregister = register, unregister
+        self._synchronize = synchronize or torch.cuda.synchronize
         self._buffers: dict[int, torch.Tensor] = {}      # every registered buffer, by address
         self._free: dict[int, list[torch.Tensor]] = {}   # those not holding a copy now, by size
         weakref.finalize(self, _unregister_all, self._buffers, unregister)
@@ -59,8 +64,10 @@ class PinnedPool:
         if nbytes < REGISTER_MIN:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         free = self._free.get(nbytes)
-        buf = free.pop() if free else self._new(nbytes)
-        return buf.view(dtype).view(shape)
+        if free:
+            return free.pop().view(dtype).view(shape)
+        self._release_free()
+        return self._new(nbytes).view(dtype).view(shape)
 
     def give_back(self, ptr: int) -> None:
         """The buffer at ``ptr`` (a host tensor's storage address) holds no copy any more; other addresses (torch's
@@ -68,6 +75,18 @@ class PinnedPool:
         buf = self._buffers.get(ptr)
         if buf is not None:
             self._free.setdefault(buf.numel(), []).append(buf)
+
+    def _release_free(self) -> None:
+        """Unregisters the buffers holding no copy (of sizes the new copy cannot use), once the device is done with
+        every copy queued so far."""
+        if not any(self._free.values()):
+            return
+        self._synchronize()
+        for bufs in self._free.values():
+            for buf in bufs:
+                self._unregister(buf.data_ptr())
+                del self._buffers[buf.data_ptr()]
+        self._free.clear()
 
     def _new(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)

@@ -9,6 +9,7 @@ Strings: a preset — ``none``, ``attn_out``, ``selective``, ``core_attn``, ``ml
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 
 from ..names import Modifier, Recompute, parse_enum
@@ -113,7 +114,7 @@ class RecomputeConfig:
             return text
         if not isinstance(text, str):
             raise TypeError(f"a recompute preset must be a string, got {type(text).__name__}")
-        head, *mods = text.strip().split("+")
+        head, *mods = _MODIFIER_SPLIT.split(text.strip())
         modifiers = _parse_modifiers(text, mods)
         name, *params = head.strip().split(":")
         preset = parse_enum(Recompute, name, "recompute preset")
@@ -157,7 +158,7 @@ class RecomputeConfig:
             text = "full" if (self.method, self.num_layers) == ("uniform", 1) else \
                 f"full:{self.method}:{self.num_layers}"
         elif self.preset == Recompute.BUDGET:
-            text = f"budget:{self.budget_gib:g}"
+            text = f"budget:{gib_text(self.budget_gib)}"
         else:
             text = self.preset.value
         if self.tile_loss:
@@ -167,8 +168,19 @@ class RecomputeConfig:
         if self.recompute_attention:
             text += "+recompute_attn"
         if self.offload_gib is not None:
-            text += f"+{'offload_attn' if self.offload_attention else 'offload'}:{self.offload_gib:g}"
+            text += f"+{'offload_attn' if self.offload_attention else 'offload'}:{gib_text(self.offload_gib)}"
         return text
+
+
+_MODIFIER_SPLIT = re.compile(r"(?<![0-9.][eE])\+")
+"""Where a preset string's modifiers begin: every ``+`` but an exponent's (``offload:1e+3``)."""
+
+
+def gib_text(gib: float) -> str:
+    """A GiB figure as :meth:`RecomputeConfig.parse` reads it back exactly (``str(c)`` parses to ``c``): whole
+    numbers as such, others as Python's shortest exact form, an exponent without ``+`` (the modifiers' separator)."""
+    gib = float(gib)
+    return str(int(gib)) if gib.is_integer() and abs(gib) < 1e16 else repr(gib).replace("e+", "e")
 
 
 _MODIFIER_FIELDS = ("tile_loss", "loss_tokens", "tile_mlp", "mlp_tokens", "recompute_attention", "offload_gib",

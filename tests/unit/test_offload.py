@@ -7,6 +7,7 @@ started one region ahead, the budget error, eval/no-grad, several forwards in fl
 from __future__ import annotations
 
 import gc
+import re
 import warnings
 import weakref
 
@@ -17,6 +18,7 @@ from torch import nn
 import ctx_plugin
 from ctx_plugin import hf, recompute
 from ctx_plugin.recompute import offload as offload_module
+from ctx_plugin.recompute.presets import gib_text
 from ctx_plugin.recompute.offload import HostOffload, host_offload
 from tests.offload_cases import MODIFIED, attention_bytes_cp1, expected_host_bytes, offload_step
 from tests.recompute_cases import BATCH, build_blocks, decoder_config
@@ -117,7 +119,7 @@ def test_budget_exceeded_is_a_clear_error_before_copying():
     region_bytes = BATCH * SEQ * decoder_config(SHAPE).hidden * 8
     budget = 2.5 * region_bytes / 2**30                 # two regions' inputs fit, the third does not
     blocks, offload = _stack(f"full+offload:{budget!r}")
-    with pytest.raises(ValueError, match=rf"\+offload:{budget:g}: offloading needs at least {3 * region_bytes} "
+    with pytest.raises(ValueError, match=rf"\+offload:{re.escape(gib_text(budget))}: offloading needs at least {3 * region_bytes} "
                                          rf"bytes .* \({2 * region_bytes} held \+ {region_bytes} for the next "
                                          r"tensor\), over the budget of .*raise it, e\.g\. \+offload:"):
         _forward(blocks, _input() * 1.0)

@@ -54,6 +54,26 @@ def test_buffers_are_exact_reused_by_size_and_unregistered_with_the_pool():
     assert runtime.registered == {}
 
 
+def test_new_sizes_release_the_free_buffers_first():
+    """Shapes that change (another sequence length or micro batch) must not grow the registered memory without end:
+    a size no free buffer has unregisters the free ones first (after the device's queued copies), so the registered
+    bytes are the copies alive plus the new one; a size seen again reuses its buffer."""
+    runtime, syncs = _Runtime(), []
+    pool = PinnedPool(runtime.register, runtime.unregister, lambda: syncs.append(1))
+    live = None
+    for step in range(8):
+        nbytes = REGISTER_MIN + step * 2**20                      # one copy alive at a time, each a little larger
+        new = pool.empty((nbytes,), torch.uint8)
+        if live is not None:
+            pool.give_back(live.untyped_storage().data_ptr())
+        live = new
+        assert pool.registered_bytes <= 2 * (REGISTER_MIN + 8 * 2**20), step
+    assert pool.registered_bytes == sum(runtime.registered.values()) == 2 * REGISTER_MIN + 13 * 2**20   # steps 6, 7
+    assert len(syncs) == 6
+    same = pool.empty((REGISTER_MIN + 6 * 2**20,), torch.uint8)  # step 6's size, given back: reused, nothing released
+    assert len(runtime.registered) == 2 and len(syncs) == 6 and same.untyped_storage().data_ptr() in runtime.registered
+
+
 def test_a_failed_registration_is_a_clear_error():
     pool = PinnedPool(_Runtime(error=2).register, lambda ptr: 0)
     with pytest.raises(RuntimeError, match=r"cudaHostRegister of \d+ bytes of host memory for activation offload "

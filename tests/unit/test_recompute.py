@@ -77,3 +77,32 @@ def test_several_forwards_in_flight_before_their_backwards(preset):
     want, got = grads("none"), grads(preset)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("preset,tracked,refused", [
+    ("full", True, True), ("selective", True, True), ("sqrt", True, True), ("full:block:1", True, True),
+    ("mlp", True, True), ("none+tile_mlp", True, True), ("none", True, False), ("attn_out", True, False),
+    ("full", False, False)])
+def test_running_statistics_in_a_recomputed_part_are_refused(preset, tracked, refused):
+    """A BatchNorm's running statistics would be updated again by the recomputation (num_batches_tracked 2 after one
+    step): refused where the preset re-runs the module, accepted where it does not or with the statistics off."""
+    from torch import nn
+
+    from ctx_plugin.recompute import apply, remove
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=tracked))
+
+        def forward(self, x):
+            return x + self.mlp(x)
+
+    layers = [Layer() for _ in range(2)]
+    if refused:
+        with pytest.raises(ValueError, match=r"layer 0's mlp\.1 \(BatchNorm1d\) updates running statistics in its "
+                                             r"forward: recompute preset .* re-runs it in backward"):
+            apply(layers, preset)
+        return
+    apply(layers, preset)
+    remove(layers)

@@ -259,3 +259,14 @@ def test_impossible_budget_says_what_to_change():
     with pytest.raises(ValueError, match=r"no recompute preset fits 20 GiB per GPU: the smallest estimate is "
                                          r".* \(sqrt\)"):
         resolve("budget:20", LLAMA, PAR, seq_len=131072)
+
+
+@pytest.mark.parametrize("text", ["full+offload_attn:123456789", "full+offload:0.1234567", "budget:80.5+tile_loss",
+                                  "full:block:4+recompute_attn+offload:0.001", "sqrt+offload:1e-7",
+                                  "full+offload:12345678901234567890", "budget:1e+2", "full+offload:1e+3"])
+def test_a_preset_prints_as_it_parses_back(text):
+    """str(config) is what error messages and mappings tell users to pass: it must parse back to the same config
+    (`:g` printed 1.23457e+08, whose '+' split it, and rounded 0.1234567)."""
+    config = RecomputeConfig.parse(text)
+    assert RecomputeConfig.parse(str(config)) == config and "e+" not in str(config)
+    assert RecomputeConfig.parse("full+offload:1e+3") == RecomputeConfig.parse("full+offload:1000")
