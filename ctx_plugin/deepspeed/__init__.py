@@ -11,7 +11,8 @@
 With gradient accumulation, ``step_tokens=ctx_plugin.deepspeed.step_tokens(engine, the step's micro batches)`` makes
 the gradient the token mean over the whole step, as ``ctx_plugin.train_hf`` does.)
 
-The section is ``{"backend", "size", "ulysses_size", "kernel", "recompute", "check_ranks"}`` (``check_ranks``:
+The section is ``{"backend", "size", "ulysses_size", "kernel", "recompute", "check_ranks", "pad_documents"}``
+(``pad_documents``: pad packed documents to the layout's unit; ``check_ranks``:
 ``CPConfig.check_ranks``, default true). The world is split into groups of ``size`` consecutive ranks sharing
 each sequence; DeepSpeed's data-parallel group (ZeRO partitioning, gradient averaging) is all data × context
 ranks, handed to it as ``mpu``; the engine's ``deepspeed_io`` gives a :class:`ShardedLoader` too. The section's
