@@ -14,13 +14,14 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from ..core.compiler import opaque
 from . import pinning
 from .inplace import SavedOutputs
 from .offload import HostOffload, hidden_first
 from .pinning import Recording, Reusable
+from .sac import selective_contexts
 from . import span
 from .tiling import TilingState
 
@@ -111,7 +112,7 @@ class Region:
         if not self.selective:
             return record, Reusable(partial(pinning.replaying, run))
         saved = SavedOutputs(self.policy)      # in-place collectives on saved outputs (sees each op before SAC)
-        sac_fwd, sac_recompute = create_selective_checkpoint_contexts(saved.policy)
+        sac_fwd, sac_recompute = selective_contexts(saved.policy)
         return _entered(sac_fwd, saved, record), Reusable(lambda: _entered(pinning.replaying(run), sac_recompute))
 
     def _call(self, position: int, *args, **kwargs):

@@ -9,7 +9,8 @@ At data parallel 2 × CP 2 (world 4, where a saved ZeRO-3 parameter gather gave 
 at least twice; ZeRO-3 for ``selective`` and the multi-layer regions ``full:uniform:2`` and ``sqrt``), with four
 ``+tile_mlp`` cases (its chunk checkpoints under ZeRO-2/3's hooks, with full, selective and +recompute_attn); at CP 2
 alone (world 2) every preset runs under ZeRO-3 and ``selective`` under ZeRO 0-2, ``+offload``/``+offload_attn``
-under ZeRO-3, plus a model that is not a Hugging Face model, wired through ``attention=`` (and one whose callback
+under ZeRO-3, ``selective`` under ZeRO-3 limits that make the recomputation gather parameters more often than
+the forward (``TIGHT_ZERO3``), plus a model that is not a Hugging Face model, wired through ``attention=`` (and one whose callback
 wires nothing: its first forward is an error)."""
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ ZERO_AT_DP2 = {"none": 0, "attn_out": 1, "selective": 3, "core_attn": 2, "mlp": 
                "full:block:1": 2, "sqrt": 3}
 
 
+TIGHT_ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 1000,
+               "stage3_max_reuse_distance": 0}
+"""ZeRO-3 limits under which the recomputation gathers parameters more often than the forward did (selective
+checkpointing's cached mode refused the extra gathers: ctx_plugin/recompute/sac.py)."""
+
+
 def _cases(world: int) -> list:
     """(model, backend, zero, preset, extra config); backends rotate over the presets."""
     if world == 4:
@@ -41,6 +48,7 @@ def _cases(world: int) -> list:
                     ("ring", 2, "none+tile_mlp:3"), ("allgather", 3, "sqrt+tile_mlp+recompute_attn"))])
     return ([("hf", BACKENDS[i % len(BACKENDS)], 3, preset, {}) for i, preset in enumerate(PRESETS)]
             + [("hf", "zigzag", zero, "selective", {}) for zero in (0, 1, 2)]
+            + [("hf", "zigzag", 3, "selective", {"zero_optimization": TIGHT_ZERO3})]
             + [("hf", "zigzag", 3, "full+offload_attn:1", {}), ("hf", "ulysses", 3, "sqrt+offload:1", {})]
             + [("wrapped", "ulysses", 3, "sqrt", {}), ("unwired", "zigzag", 1, "none", {})])
 
