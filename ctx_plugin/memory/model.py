@@ -151,12 +151,12 @@ class MemoryEstimate:
     """Transient context-parallel communication buffers of one attention call."""
     logits_peak: int
     """At the loss: the logits' fp32 copy, the saved log-softmax and its gradient (one chunk's with +tile_loss)."""
-    recompute_fraction: float
-    """Extra FLOPs of recomputation (the attention's too with +recompute_attn) relative to a step's
-    forward+backward FLOPs: the layers' projections and MLP (3×: forward, backward), their attention (1 +
-    :data:`~ctx_plugin.memory.flops.BACKWARD`×) and the LM head (3×)."""
-    recompute_flops: float = 0.0
-    """Those extra FLOPs per micro batch on one rank (the planner times them)."""
+    recompute_flops: float
+    """Extra FLOPs of recomputation per micro batch on one rank (the attention's too with +recompute_attn; the
+    planner times them)."""
+    step_flops: float
+    """A step's forward+backward FLOPs per micro batch on one rank: the layers' projections and MLP (3×: forward,
+    backward), their attention (1 + :data:`~ctx_plugin.memory.flops.BACKWARD`×) and the LM head (3×)."""
     host: int = 0
     """Bytes per rank in host memory (+offload / +offload_attn: the region inputs, and the pinned attention
     tensors, of every region, all held between the forward and their region's backward)."""
@@ -175,6 +175,11 @@ class MemoryEstimate:
     activations are gone by then)."""
     framework: Framework = Framework.MEGATRON
     """The framework whose model state is counted (:attr:`ParallelSpec.runs_on`)."""
+
+    @property
+    def recompute_fraction(self) -> float:
+        """:attr:`recompute_flops` relative to :attr:`step_flops` (the *extra FLOPs* column)."""
+        return self.recompute_flops / self.step_flops
 
     @property
     def training_peak(self) -> int:
@@ -283,7 +288,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
                           framework=parallel.runs_on, activations=activations,
                           per_layer=per_layer, recompute_peak=max(backward - activations, k.norm_bwd, 0),
                           cp_buffers=cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc, device),
-                          logits_peak=loss_tokens * vocab * 3 * acc, recompute_fraction=extra / step, recompute_flops=extra,
+                          logits_peak=loss_tokens * vocab * 3 * acc, recompute_flops=extra, step_flops=step,
                           host=sum(host),
                           host_budget=None if recompute.offload_gib is None else int(recompute.offload_gib * GiB),
                           attention_passes=passes, family=model.family)

@@ -145,12 +145,11 @@ def framework_from(args: argparse.Namespace, stages) -> dict:
 
 
 def _deepspeed_zero(config: dict, stages) -> ZeroSettings:
-    """``--deepspeed-config``'s bucket sizes (:meth:`ZeroSettings.from_config`, DeepSpeed's parser); ValueError for a
-    stage other than the estimate's and for offload, which the memory model does not count (the planner's
-    ``--modifiers`` searches optimizer offload)."""
+    """``--deepspeed-config``'s bucket sizes (read by DeepSpeed's parser: :mod:`ctx_plugin.memory.zero_config`);
+    ValueError for a stage other than the estimate's and for offload, which the memory model does not count (the
+    planner's ``--modifiers`` searches optimizer offload)."""
     from .zero_config import zero_config
 
-    settings = ZeroSettings.from_config(config)
     parsed = zero_config(config)
     if "stage" in config.get("zero_optimization", {}) and set(stages) != {int(parsed.stage)}:
         raise ValueError(f"--deepspeed-config sets ZeRO stage {int(parsed.stage)}, but the estimate is for "
@@ -162,7 +161,7 @@ def _deepspeed_zero(config: dict, stages) -> ZeroSettings:
             raise ValueError(f"--deepspeed-config offloads ({key}.device {device!r}), which the memory model does not "
                              f"count: drop {key} from the copy given here (the planner's --modifiers searches "
                              f"optimizer offload)")
-    return settings
+    return ZeroSettings.from_parsed(parsed)
 
 
 def recompute_arg(text: str) -> RecomputeConfig:
@@ -183,7 +182,7 @@ def model_from(text: str | ModelSpec, family: str | None = None) -> ModelSpec:
     if isinstance(text, ModelSpec):
         model = text
     elif text in MODEL_PRESETS:
-        return ModelSpec.preset(text, **({} if family is None else {"family": family}))
+        return ModelSpec.preset(text) if family is None else ModelSpec.preset(text, family)
     else:
         model = ModelSpec.from_hf_config(Path(text))
     return model if family is None or family == model.family else replace(model, family=family)

@@ -263,17 +263,13 @@ class ZeroSettings:
     @classmethod
     def from_config(cls, config: dict) -> "ZeroSettings":
         """The settings of a DeepSpeed config (its ``zero_optimization`` section, read by DeepSpeed's own parser:
-        :mod:`ctx_plugin.memory.zero_config`; missing keys keep DeepSpeed's defaults). "auto" (resolved by the HF
-        Trainer) is refused: give the number."""
-        section = config.get("zero_optimization", {}) if isinstance(config, dict) else None
-        if not isinstance(section, dict):
-            raise ValueError("the DeepSpeed config's zero_optimization must be an object")
-        auto = [k for k, v in section.items() if v == "auto"]
-        if auto:
-            raise ValueError(f"zero_optimization {', '.join(auto)}: \"auto\" is resolved by the HF Trainer from the "
-                             f"model; give the number of elements it resolves to")
+        :func:`ctx_plugin.memory.zero_config.zero_config`; missing keys keep DeepSpeed's defaults)."""
         from .zero_config import zero_config
-        parsed = zero_config(config)
+        return cls.from_parsed(zero_config(config))
+
+    @classmethod
+    def from_parsed(cls, parsed) -> "ZeroSettings":
+        """The settings of DeepSpeed's parsed ``DeepSpeedZeroConfig``."""
         return cls(reduce_bucket_size=parsed.reduce_bucket_size,
                    stage3_prefetch_bucket_size=parsed.prefetch_bucket_size,
                    stage3_max_reuse_distance=parsed.max_reuse_distance,

@@ -30,7 +30,15 @@ def _get_zero_config():
 
 
 def zero_config(config: dict):
-    """``config``'s zero_optimization as DeepSpeed's ``DeepSpeedZeroConfig``; ValueError naming each problem."""
+    """``config``'s zero_optimization as DeepSpeed's ``DeepSpeedZeroConfig``; ValueError naming each problem ("auto",
+    which the HF Trainer resolves from the model, by name: give the number)."""
+    section = config.get("zero_optimization", {}) if isinstance(config, dict) else None
+    if not isinstance(section, dict):
+        raise ValueError("the DeepSpeed config's zero_optimization must be an object")
+    auto = [k for k, v in section.items() if v == "auto"]
+    if auto:
+        raise ValueError(f"zero_optimization {', '.join(auto)}: \"auto\" is resolved by the HF Trainer from the "
+                         f"model; give the number of elements it resolves to")
     get_zero_config = _get_zero_config()
     try:
         return get_zero_config(config)

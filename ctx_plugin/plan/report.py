@@ -127,10 +127,18 @@ def print_documents(documents) -> None:
               f"FLOPs, step time and MFU count only the pairs inside each document")
 
 
+_HOST_OPTIONS = {"host_memory": "host_memory_gib", "host_reserve": "host_reserve_gib", "host_bw": "host_bw_gbs",
+                 "gpus_per_host_link": "gpus_per_host_link", "host_adam": "host_adam_gparams_s"}
+"""The host options (for offload; default None: the Cluster's defaults) → their Cluster fields."""
+
+
+def _host_given(args: argparse.Namespace) -> dict[str, object]:
+    """The host options given, by argument name."""
+    return {name: getattr(args, name) for name in _HOST_OPTIONS if getattr(args, name) is not None}
+
+
 def cluster_from(args: argparse.Namespace) -> Cluster:
-    host = {field: value for field, value in (
-        ("host_memory_gib", args.host_memory), ("host_reserve_gib", args.host_reserve), ("host_bw_gbs", args.host_bw),
-        ("gpus_per_host_link", args.gpus_per_host_link), ("host_adam_gparams_s", args.host_adam)) if value is not None}
+    host = {_HOST_OPTIONS[name]: value for name, value in _host_given(args).items()}
     return Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
                    gpu_reserve_gib=args.gpu_reserve, intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw,
                    attention_tflops=_attention_tflops(args),
@@ -153,9 +161,7 @@ def _check_unused(args: argparse.Namespace) -> None:
         raise ValueError("--deepspeed-config sizes DeepSpeed's buffers, but this search counts every configuration's "
                          "model state as Megatron holds it (ZeRO 0/1 without optimizer offload): give --framework "
                          "deepspeed, --zero 2 or 3, or --modifiers (optimizer offload), or drop --deepspeed-config")
-    host = [flag for flag, value in (("--host-memory", args.host_memory), ("--host-reserve", args.host_reserve),
-                                     ("--host-bw", args.host_bw), ("--gpus-per-host-link", args.gpus_per_host_link),
-                                     ("--host-adam", args.host_adam)) if value is not None]
+    host = ["--" + name.replace("_", "-") for name in _host_given(args)]
     if host and not offload:
         raise ValueError(f"{', '.join(host)} describe the host for offload, which --seq-len searches only with "
                          f"--modifiers: add --modifiers, or drop them")

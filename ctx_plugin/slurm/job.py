@@ -134,11 +134,11 @@ def _check_cores(env, nproc: int, device: str) -> None:
                          f"them; submit with --exclusive (whole nodes) or --cpus-per-task=<cores per node>")
 
 
-def check_allocation(env, job: Job) -> None:
+def check_allocation(env, nodes: int, nproc: int, device: str) -> None:
     """The checks the job makes of its allocation (``SLURM_*`` in ``env``) when it starts; ``ctx-plugin launch``
     runs them on the allocation an sbatch line asks for."""
-    _check_tasks(env, job.nodes, job.device)
-    _check_cores(env, job.nproc_per_node, job.device)
+    _check_tasks(env, nodes, device)
+    _check_cores(env, nproc, device)
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -196,8 +196,7 @@ def plan_job(framework: str, argv: list[str], env=os.environ) -> Job:
     if device == "cuda" and gpus and nproc > gpus:
         raise ValueError(f"--nproc-per-node {nproc} is more than the {gpus} GPUs of each node")
     if in_job:
-        _check_tasks(env, nodes, device)
-        _check_cores(env, nproc, device)
+        check_allocation(env, nodes, nproc, device)
     extra = {"megatron_lm": args.megatron_lm} if framework == "megatron" else {"ds_config": args.ds_config}
     summary = CHECKS[framework](rest, world=nodes * nproc, device=device, **extra)
     if framework == "megatron":

@@ -146,7 +146,7 @@ def launch(line: list[str], *, dry_run: bool) -> int:
     job = plan_job(framework, [*job_args, *rest], env=env)
     if job.nodes != nodes:
         raise ValueError(f"the job script's --nodes {job.nodes} disagrees with sbatch's {nodes}")
-    check_allocation(env, job)                  # what the job checks of its allocation when it starts
+    check_allocation(env, job.nodes, job.nproc_per_node, job.device)     # as the job checks it when it starts
     print(f"ctx-plugin launch: {job.summary} ({job.nproc_per_node} {job.device} processes per node)")
     if dry_run:
         print(f"ctx-plugin launch: would run: {shlex.join(line)}\n"

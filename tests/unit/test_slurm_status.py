@@ -144,20 +144,22 @@ RANK = """import signal, sys, time
 from pathlib import Path
 out = Path(sys.argv[1])
 def stop(signum, frame):
+    time.sleep(float(sys.argv[3]))        # finishing its step and saving
     out.write_text(f"signal {signum}")
     sys.exit(0)
-signal.signal(signal.SIGUSR1, stop)
+signal.signal(getattr(signal, sys.argv[2]), stop)
 Path(sys.argv[1] + ".ready").write_text("ready")
 time.sleep(30)
 sys.exit(5)
 """
 
 
-def rank(tmp_path: Path) -> tuple[str, Path]:
-    """A command.sh body running a stand-in rank 0 (exits 0 on SIGUSR1, 5 otherwise); and where it writes."""
+def rank(tmp_path: Path, stop: str = "SIGUSR1", saving_s: float = 0) -> tuple[str, Path]:
+    """A command.sh body running a stand-in rank 0 (on ``stop``, after ``saving_s`` seconds, writes which signal
+    and exits 0; else exits 5); and where it writes."""
     (tmp_path / "rank.py").write_text(RANK)
     out = tmp_path / "rank.out"
-    return f"RANK=0 {sys.executable} {tmp_path}/rank.py {out} &\nwait $!", out
+    return f"RANK=0 {sys.executable} {tmp_path}/rank.py {out} {stop} {saving_s} &\nwait $!", out
 
 
 def test_completed(job):
@@ -368,27 +370,12 @@ def test_sigterm_is_classified_by_slurmctld(job, answer, time_left, word):
     assert "show job -o 4242" in j.args("scontrol")         # asked in every case
 
 
-SAVING_RANK = """import signal, sys, time
-from pathlib import Path
-out = Path(sys.argv[1])
-def stop(signum, frame):
-    time.sleep(0.5)                       # finishing its step and saving
-    out.write_text(f"signal {signum}")
-    sys.exit(0)
-signal.signal(signal.SIGTERM, stop)
-Path(sys.argv[1] + ".ready").write_text("ready")
-time.sleep(30)
-sys.exit(5)
-"""
-
-
 def test_sigterm_to_this_shell_only_reaches_the_ranks(job, tmp_path):
     """`scancel --batch --signal=TERM`, `--signal=B:TERM@<s>`: the job still RUNNING, SLURM ends no step. Stopping
     srun would have it SIGKILL the ranks before they save: they get SIGTERM instead (as the warning's USR1), save
     and stop, and the step ends by itself."""
-    (tmp_path / "saving.py").write_text(SAVING_RANK)
-    out = tmp_path / "saving.out"
-    j = job(f"RANK=0 {sys.executable} {tmp_path}/saving.py {out} &\nwait $!", show_job=show_job("RUNNING", 60))
+    command, out = rank(tmp_path, "SIGTERM", saving_s=0.5)
+    j = job(command, show_job=show_job("RUNNING", 60))
     j.start()
     j.started()
     wait_for(lambda: Path(f"{out}.ready").exists(), 10, "the rank to install its handler")
