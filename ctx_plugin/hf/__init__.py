@@ -13,7 +13,8 @@ per-head attention sinks (``s_aux``) arrive as keywords of the attention interfa
 
 Nothing is dropped silently. :func:`enable` refuses models with attention options ctx_plugin does not implement
 (dropout, chunked attention, non-attention token mixers, attention outside transformers' interface, settings computed
-from a rank's shard: :mod:`ctx_plugin.hf.checks`); before every forward of the model, or of its base model called
+from a rank's shard, encoder-decoders, positions numbered from another origin: :mod:`ctx_plugin.hf.model`,
+:mod:`ctx_plugin.hf.checks`); before every forward of the model, or of its base model called
 directly, or of ``model.forward(...)`` called itself (as PEFT calls it), the inputs are checked once (padding masks,
 caches, position ids, labels, logits_to_keep, inputs of other modalities: :mod:`ctx_plugin.hf.inputs`) and the ranks
 of the context-parallel group share their findings (one small all-reduce), so a problem on any rank is the same
@@ -32,15 +33,15 @@ from ..core.api import cp_attention
 from ..core.compiler import opaque
 from ..core.config import CPConfig
 from ..core.groups import CPGroups
-from ..core.rules import SettingNames, check_heads
 from ..packing import DOCUMENTS_KEYWORD, hf_documents
 from ..recompute import pinning
-from .checks import (Running, bidirectional_overlay, checked_modules, config_problems, encoder_modules,
-                     other_modalities, refuse_generation, refuse_shard_loss, windowed_without_keyword)
+from .checks import (Running, bidirectional_overlay, checked_modules, is_set, other_modalities, refuse_generation,
+                     refuse_shard_loss, windowed_without_keyword)
 from .inputs import InputCheck, check_direct_forward
+from .model import check_model, require_transformers
 
 HONOURED = {"scaling": "softmax scale (default head_dim**-0.5)",
-            "is_causal": "causal or bidirectional (default: the module's is_causal, else causal)",
+            "is_causal": "causal or bidirectional (default: the module's is_causal; a module without one is refused)",
             "dropout": "must be 0: ctx_plugin's attention has no dropout",
             "sliding_window": "sliding-window attention with transformers' masks: causal, the last w keys "
                               "(window (w - 1, 0)); bidirectional by is_causal=False, |i - j| <= w (window (w, w))",
@@ -65,23 +66,8 @@ HARMLESS = {"position_ids": "RoPE is applied before attention; the model's input
             "num_items_in_batch": "loss normalisation, not attention"}
 """Keywords that do not affect attention. Any keyword in none of the three tables is refused by name."""
 
-_LAYER_TYPES = ("full_attention", "attention", "sliding_attention")
-_MODULE_OPTIONS = {"attention_dropout": "attention dropout (set it to 0)"}
 _PASSED_AS = {"sliding_window": "sliding_window", "attn_logit_softcapping": "softcap", "sinks": "s_aux"}
 """Attributes of attention modules and the keyword the model must pass them as (else the attention refuses)."""
-
-
-def _require_transformers():
-    try:
-        import transformers
-    except ImportError as e:
-        raise ImportError("ctx_plugin's Hugging Face integration needs transformers 5: "
-                          "pip install 'ctx-plugin[hf]'") from e
-    return transformers
-
-
-def _set(value) -> bool:
-    return value is not None and value is not False
 
 
 class _Attention:
@@ -110,7 +96,7 @@ class _Attention:
         overlay = bidirectional_overlay(module) and given is not False
         if overlay:
             given = None
-        causal = False if overlay else bool(getattr(module, "is_causal", True) if given is None else given)
+        causal = False if overlay else bool(module.is_causal if given is None else given)
         if torch.is_autocast_enabled(query.device.type):    # as autocast casts sdpa's inputs: q, k come out of
             dtype = torch.get_autocast_dtype(query.device.type)     # RoPE in fp32 next to a bf16 v
             query, key, value = (t.to(dtype) for t in (query, key, value))
@@ -130,7 +116,7 @@ class _Attention:
                              f"inputs; call it on the model (it switches the attention implementation itself)")
         for name, val in kwargs.items():
             if name in MUST_BE_UNSET:
-                if _set(val):
+                if is_set(val):
                     raise ValueError(f"ctx_plugin's attention does not implement {MUST_BE_UNSET[name]} "
                                      f"({name}={val if not isinstance(val, torch.Tensor) else 'a tensor'}); "
                                      f"use a model (config) without it")
@@ -141,6 +127,12 @@ class _Attention:
         if dropout:
             raise ValueError(f"ctx_plugin's attention has no dropout; set the model's attention_dropout to 0 "
                              f"(got dropout={dropout})")
+        if kwargs.get("is_causal") is None and not isinstance(getattr(module, "is_causal", None), bool):
+            raise ValueError(f"{type(module).__name__} passes no is_causal= to the attention interface and has no "
+                             f"is_causal attribute, so whether it attends causally is decided only by the mask its "
+                             f"model builds (a bidirectional one for encoders such as Splinter, ALIGN or CLAP), which "
+                             f"ctx_plugin's attention does not take; ctx_plugin does not guess: use a model whose "
+                             f"attention modules set is_causal (as Llama-style decoders and BERT's do)")
         if attention_mask is not None:
             raise ValueError("ctx_plugin's attention cannot apply an explicit attention mask (padding or custom "
                              "masks); give unpadded, causally-masked sequences (labels of padding = -100)")
@@ -150,7 +142,7 @@ class _Attention:
         for attr, keyword in _PASSED_AS.items():
             val = getattr(module, attr, None)
             if keyword not in kwargs and (isinstance(val, torch.Tensor) or (
-                    not isinstance(val, torch.nn.Module) and _set(val))):
+                    not isinstance(val, torch.nn.Module) and is_set(val))):
                 raise ValueError(f"{type(module).__name__}.{attr} is set but the model does not pass it to the "
                                  f"attention interface as {keyword}=, so ctx_plugin's attention cannot apply it")
         unwindowed = windowed_without_keyword(module, kwargs)
@@ -200,7 +192,7 @@ def hf_window(sliding_window, is_causal: bool | None, causal: bool, overlay: boo
 
 
 def _register(cp_config: CPConfig, groups: CPGroups, name: str | None) -> tuple[str, _Attention]:
-    transformers = _require_transformers()
+    transformers = require_transformers()
     if not isinstance(groups, CPGroups) or groups.config != cp_config:
         raise ValueError("groups must come from ctx_plugin.build_cp_groups(config) for the config passed here")
     name = name or f"ctx_plugin_{cp_config.backend.value}_{id(groups):x}"
@@ -220,91 +212,6 @@ def register(cp_config: CPConfig, groups: CPGroups, name: str | None = None) -> 
     one per groups object, so models with other groups never share it). A model runs it only after
     :func:`enable`, which checks the model; registering alone is for building a model with the name."""
     return _register(cp_config, groups, name)[0]
-
-
-def _unsupported(model, encoders: set[int]) -> list[str]:
-    """The model's attention options ctx_plugin does not implement, from its configs and attention modules (not those
-    of its other-modality ``encoders``: :func:`ctx_plugin.hf.checks.encoder_modules`)."""
-    from transformers import PreTrainedConfig
-
-    found: dict[str, tuple[str, list[str]]] = {}                        # option -> (what it is, where)
-
-    def note(option: str, text: str, where: str) -> None:
-        found.setdefault(option, (text, []))[1].append(where)
-
-    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules()
-                                                  if id(m) not in encoders)]
-               if isinstance(c, PreTrainedConfig) and id(c) not in encoders}
-    for c in configs.values():
-        where = type(c).__name__
-        layer_types = getattr(c, "layer_types", None)
-        if layer_types is not None:
-            other = sorted({t for t in layer_types if t not in _LAYER_TYPES})
-            if other:
-                note("layer_types", f"layer_types with {other} layers (full and sliding-window attention are "
-                     f"implemented; recurrent/linear token mixers and other attention types are not)", where)
-        if getattr(c, "attention_chunk_size", None) is not None:
-            note("attention_chunk_size", f"attention_chunk_size={c.attention_chunk_size} (chunked attention)", where)
-        if getattr(c, "attention_dropout", 0) or 0:
-            note("attention_dropout", f"attention_dropout={c.attention_dropout} (ctx_plugin's attention has no "
-                 f"dropout: set it to 0 before building the model)", where)
-        for option, text in config_problems(c):
-            note(option, text, where)
-    for path, m in model.named_modules():
-        if id(m) in encoders:
-            continue
-        for attr, what in _MODULE_OPTIONS.items():
-            val = getattr(m, attr, None)
-            if attr not in found and (isinstance(val, torch.Tensor) or (
-                    not isinstance(val, torch.nn.Module) and _set(val) and val != 0)):
-                shown = "a tensor" if isinstance(val, torch.Tensor) else repr(val)
-                note(attr, f"{attr}={shown} on attention modules: {what}", path or "the model")
-    return [f"{text}, in {where[0]}" + (f" and {len(where) - 1} more" if len(where) > 1 else "")
-            for text, where in found.values()]
-
-
-def _check_model(model) -> None:
-    from transformers import PreTrainedModel
-
-    tp = getattr(model, "tp_size", None)
-    if tp not in (None, 1):
-        raise ValueError(f"{type(model).__name__} is split by transformers' tensor parallelism (tp_size={tp}): "
-                         f"ctx_plugin's attention is checked and split over context-parallel ranks by the config's "
-                         f"whole heads, not a tensor-parallel rank's share; load the model without tp_plan (DeepSpeed's "
-                         f"ZeRO shards its parameters instead), or train tensor × context parallel with Megatron")
-    encoders = encoder_modules(model)
-    problems = _unsupported(model, encoders)
-    if problems:
-        raise ValueError("ctx_plugin's attention does not implement these options of the model, which change its "
-                         "math: " + "; ".join(problems) + ". Use a model (config) without them")
-    for m in model.modules():
-        if isinstance(m, PreTrainedModel) and id(m) not in encoders and not type(m)._can_set_attn_implementation():
-            raise ValueError(f"{type(m).__name__} does not route attention through transformers' "
-                             f"AttentionInterface, so ctx_plugin cannot replace its attention")
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        raise ValueError(f"{type(model).__name__}.forward takes no position_ids; ctx_plugin needs the model to "
-                         f"take each rank's global token positions")
-
-
-def _check_heads(model, cp_config: CPConfig, cp: int) -> None:
-    """The head split (:func:`ctx_plugin.core.rules.check_heads`) for the model's config, at enable time."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    # a heterogeneous config (per_layer_config) refuses global reads of its per-layer attributes: each layer's
-    layers = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) is True else [config]
-    for heads, kv in dict.fromkeys((getattr(c, "num_attention_heads", None), getattr(c, "num_key_value_heads", None))
-                                   for c in layers):
-        if isinstance(heads, int):
-            check_heads(cp_config, heads, kv or heads, cp, SettingNames(heads="attention heads (num_attention_heads)",
-                                                                        kv_heads="num_key_value_heads"))
-
-
-def check_model(model, cp_config: CPConfig, cp_size: int) -> None:
-    """What :func:`enable` checks of a model before it changes anything: the options ctx_plugin's attention does not
-    implement and the head split over ``cp_size`` ranks (``ValueError`` naming them). Modules and configs only: a
-    model built on the meta device will do (``ctx-plugin launch`` checks a job's model that way)."""
-    _require_transformers()
-    _check_model(model)
-    _check_heads(model, cp_config, cp_size)
 
 
 def enable(model, cp_config: CPConfig, groups: CPGroups, name: str | None = None) -> str:

@@ -20,6 +20,11 @@ import torch
 from ..core.compiler import opaque
 
 
+def is_set(value) -> bool:
+    """An option given a value (neither None nor False)."""
+    return value is not None and value is not False
+
+
 def _rope_types(params) -> list[tuple[str, str]]:
     """(where, rope type) of a ``rope_parameters`` / ``rope_scaling`` value: one dict with ``rope_type`` (or the
     legacy ``type``), or a dict of such dicts per layer type (``{"full_attention": {...}, ...}``)."""

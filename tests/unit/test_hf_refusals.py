@@ -586,7 +586,7 @@ def test_per_layer_head_counts_are_checked_layer_by_layer():
     """A heterogeneous config (transformers' per_layer_config: Gemma-4 with attention_k_eq_v, dots3) refuses a global
     read of num_key_value_heads: each layer's heads are checked (transformers' AmbiguousGlobalPerLayerAttributeError
     before). The config alone: Llama's modules do not build from one."""
-    from ctx_plugin.hf import _check_heads
+    from ctx_plugin.hf.model import _check_heads
 
     config = transformers.LlamaConfig(**{**COMMON, "hidden_size": 48, "num_attention_heads": 12,
                                          "num_key_value_heads": 12}, per_layer_config={1: {"num_key_value_heads": 4}})
