@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="ctx-plugin", description="ctx_plugin: context-parallel attention tools")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a tiny model with context parallelism on local processes and check "
-                                       "its loss against the single-process run (other options: see "
-                                       "python -m ctx_plugin.demo --help)")
+                                       "its loss against the single-process run (its options: ctx-plugin demo "
+                                       "--help)")
     demo.add_argument("--nproc", type=positive_int, default=4, help="number of local processes (ranks), default 4")
     add_demo_arguments(demo)
     memory = sub.add_parser("memory", help="memory per GPU for every recompute preset (and a plot vs. sequence length)")

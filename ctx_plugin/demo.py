@@ -22,11 +22,12 @@ import ctx_plugin
 from ctx_plugin import recompute
 from ctx_plugin.cliargs import nonnegative_float, output_file, positive_float, positive_int, random_seed, tokens
 from ctx_plugin.core.documents import Documents
+from ctx_plugin.core.kernels import kernel_unavailable
 from ctx_plugin.core.rules import SettingNames, check_split, padding_units
 from ctx_plugin.models import DecoderConfig, DecoderLM
 from ctx_plugin.names import Backend, Kernel, Recompute
 from ctx_plugin.packing import shift_labels
-from ctx_plugin.recompute.presets import RecomputeConfig
+from ctx_plugin.recompute.presets import RecomputeConfig, regions
 from ctx_plugin.worker import leave
 
 
@@ -94,6 +95,8 @@ def _peak_memory_mib(device: torch.device) -> float:
 
 
 MODEL = DecoderConfig(vocab=128, hidden=64, heads=4, kv_heads=2, ffn=256, layers=2)
+DTYPE = torch.float32
+"""The demo trains in float32 (its --rtol default is float32's)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -136,8 +139,23 @@ def check(args: argparse.Namespace, world: int) -> None:
     if preset.preset == Recompute.BUDGET:
         raise ValueError("--recompute budget:<GiB> is for real models (ctx_plugin.recompute.resolve picks a preset "
                          "from the memory model); give a preset such as selective or full")
+    try:
+        regions(preset.for_layers, MODEL.layers)
+    except ValueError as e:
+        raise ValueError(f"--recompute {args.recompute}: {e} (the demo's model has {MODEL.layers} layers)") from None
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no GPU is visible; use --device cpu or auto")
+    device = rank_device(args, world)
+    why = kernel_unavailable(Kernel(args.kernel), device, DTYPE, MODEL.head_dim)
+    if why is not None:
+        raise ValueError(f"--kernel {args.kernel} cannot run on the demo's {device.type} ranks ({DTYPE}): {why}")
+
+
+def rank_device(args: argparse.Namespace, world: int, rank: int = 0) -> torch.device:
+    """Rank ``rank``'s device: CUDA for --device cuda, or auto when every one of the ``world`` ranks has a GPU."""
+    gpus = torch.cuda.device_count()
+    use_cuda = args.device == "cuda" or (args.device == "auto" and gpus >= world)
+    return torch.device("cuda", rank % gpus) if use_cuda and gpus else torch.device("cpu")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -151,12 +169,8 @@ def main(argv=None) -> int:
     dist.init_process_group()            # torchrun's env:// rendezvous; gloo for CPU, plus nccl when CUDA exists
     rank, world = dist.get_rank(), dist.get_world_size()
     check(args, world)                   # ctx-plugin demo checked it before starting the ranks; torchrun -m did not
-    gpus = torch.cuda.device_count()
-    use_cuda = args.device == "cuda" or (args.device == "auto" and gpus >= world)
-    if use_cuda and gpus == 0:
-        raise SystemExit("--device cuda was asked for but no GPU is visible")
-    device = torch.device("cuda", rank % gpus) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    device = rank_device(args, world, rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     cp_config = ctx_plugin.CPConfig(backend=args.backend, kernel=args.kernel, ulysses_size=args.ulysses_size)
     cp_groups = ctx_plugin.build_cp_groups(cp_config)                  # every rank shares one sequence
@@ -168,7 +182,7 @@ def main(argv=None) -> int:
     runs = {}
     for name, config, groups in (("reference", ref_config, ref_groups), ("context_parallel", cp_config, cp_groups)):
         torch.manual_seed(args.seed)
-        model = DecoderLM(model_cfg, config, groups).to(device)
+        model = DecoderLM(model_cfg, config, groups).to(device, DTYPE)
         if name == "context_parallel":      # the layers' part of the preset; the loss applies +tile_loss
             recompute.apply(model.blocks, preset.for_layers)
         runs[name] = train(model, config, groups, args.steps, args.batch, args.seq_len, model_cfg.vocab, args.lr,
@@ -191,8 +205,9 @@ def main(argv=None) -> int:
             print(f"{i:>4}  {a:>12.6f}  {b:>16.6f}  {abs(a - b) / abs(b):>9.1e}")
         print(f"throughput: {tokens_per_s:,.0f} tokens/s over {world} ranks; peak memory per rank (MiB): "
               + ", ".join(f"{m.item():.0f}" for m in all_memory))
-        print(("PASS" if ok else "FAIL") + f": loss matches the single-process run within {args.rtol:g} "
-              f"(worst relative difference {worst:.1e})")
+        verdict = "PASS: loss matches the single-process run within" if ok else \
+            "FAIL: loss differs from the single-process run by more than"
+        print(f"{verdict} {args.rtol:g} (worst relative difference {worst:.1e})")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ok": ok, "worst_rel_diff": worst, "cp_losses": cp_losses, "ref_losses": ref_losses,

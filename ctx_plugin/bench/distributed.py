@@ -31,7 +31,7 @@ from ..core.mask import Mask
 from ..names import Kernel
 from ..worker import leave
 from .harness import Shape, attention_step, call_time, ideal_share, median_time
-from .options import add_arguments, configs, settle, shape_from_args
+from .options import add_arguments, configs, distributed_device, settle, shape_from_args
 from .planning import plan_ms
 from .report import row, write_outputs
 from .simulated import SILENT, simulated_groups
@@ -106,9 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     settle(args)
     dist.init_process_group()
     rank, size = dist.get_rank(), dist.get_world_size()
-    use_cuda = args.device != "cpu" and torch.cuda.device_count() >= size and not args.smoke
-    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    device = distributed_device(args, size, rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     shape = shape_from_args(args, device)
     args.ranks = [size]

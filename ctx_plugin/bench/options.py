@@ -128,6 +128,13 @@ def shape_from_args(args: argparse.Namespace, device: torch.device | None = None
                  device=device)
 
 
+def distributed_device(args: argparse.Namespace, size: int, rank: int = 0) -> torch.device:
+    """The device of rank ``rank`` of ``--distributed`` over ``size`` processes (one GPU each when there are enough,
+    not ``--smoke``)."""
+    use_cuda = args.device != "cpu" and torch.cuda.device_count() >= size and not args.smoke
+    return torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+
+
 def configs(args: argparse.Namespace, size: int):
     """(backend label, CPConfig or the reason it cannot run at this size) for every requested backend."""
     for name in args.backends:

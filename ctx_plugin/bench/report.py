@@ -31,17 +31,21 @@ from ..memory.report import need_matplotlib
 from ..names import Kernel
 from .harness import Shape, call_time, ideal_share, rank_times
 from .memory import memory_columns, rank_bytes, single_device_bytes
-from .options import configs, settle, shape_from_args
+from .options import configs, distributed_device, settle, shape_from_args
 from .planning import format_plan_table, plan_ms, plan_rows
 from .profile import format_profile_table, slowest_profile
 
 
 def check(args: argparse.Namespace, argv: list[str]) -> None:
     """:func:`settle`, then ``ValueError`` naming the fix for what cannot run, before any timing or process start:
-    a sequence length some backend cannot split evenly over some N (nothing is rounded), a bad shape, ``--plot``
-    without matplotlib."""
+    a sequence length some backend cannot split evenly over some N (nothing is rounded), a bad shape, a ``--kernel``
+    that cannot run on the device and dtype (the one ``--distributed``'s ranks will use), ``--plot`` without
+    matplotlib."""
     settle(args)
-    shape_from_args(args)
+    shape = shape_from_args(args, distributed_device(args, args.nproc) if args.distributed else None)
+    why = kernel_unavailable(Kernel(args.kernel), shape.device, shape.dtype, shape.head_dim)
+    if why is not None:
+        raise ValueError(f"--kernel {args.kernel} cannot run on {shape.device.type} with --dtype {args.dtype}: {why}")
     for size in args.ranks:
         for _, config in configs(args, size):
             if not isinstance(config, str):

@@ -17,7 +17,8 @@ class CPConfig:
 
     kernel: Kernel = Kernel.AUTO
     """Local attention kernel: ``auto`` (fastest available for the device, dtype and head size), ``torch``,
-    ``sdpa_cudnn``, ``sdpa_flash`` or ``flash_attn``. An explicit kernel that cannot run is an error."""
+    ``sdpa_cudnn``, ``sdpa_flash``, ``sdpa_cpu`` or ``flash_attn`` (:class:`ctx_plugin.names.Kernel`). An explicit
+    kernel that cannot run is an error."""
 
     ulysses_size: int = 1
     """For ``backend="ulysses_ring"``: ranks per Ulysses (all-to-all) group, meant to sit inside one node; the

@@ -204,12 +204,16 @@ class MemoryEstimate:
         return self.host_budget is None or self.host <= self.host_budget
 
 
-def _check(model: ModelSpec, parallel: ParallelSpec, seq_len: int) -> None:
+def check_layout(model: ModelSpec, parallel: ParallelSpec, seq_len: int, names: SettingNames | None = None) -> None:
+    """``ValueError`` for a sequence or heads the layout cannot split, naming the settings as ``names`` does (a
+    command line's flags; default: :func:`estimate`'s argument names)."""
     if not isinstance(model, ModelSpec) or not isinstance(parallel, ParallelSpec):
         raise TypeError("estimate(model=ModelSpec, parallel=ParallelSpec, ...)")
-    check_seq_len(parallel.cp_config, seq_len, parallel.cp, _NAMES)
-    check_tp_heads(model.heads, model.kv_heads, parallel.tp, _TP_NAMES, replicate_kv=False)
-    check_heads(parallel.cp_config, model.heads // parallel.tp, model.kv_heads // parallel.tp, parallel.cp, _NAMES)
+    per_rank = _NAMES if names is None else replace(names, heads=f"{names.heads} per {names.tp} rank",
+                                                    kv_heads=f"{names.kv_heads} per {names.tp} rank")
+    check_seq_len(parallel.cp_config, seq_len, parallel.cp, names or _NAMES)
+    check_tp_heads(model.heads, model.kv_heads, parallel.tp, names or _TP_NAMES, replicate_kv=False)
+    check_heads(parallel.cp_config, model.heads // parallel.tp, model.kv_heads // parallel.tp, parallel.cp, per_rank)
 
 
 def _offloaded(recompute: RecomputeConfig, k, num_layers: int, device: str) -> list[tuple[int, int, int]]:
@@ -238,7 +242,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     change only the attention's FLOPs and so :attr:`MemoryEstimate.recompute_fraction`: every byte is per token
     (q, k, v, out, LSE; padding tokens count like real ones), so memory is the same with or without them."""
     recompute = RecomputeConfig.parse(recompute)
-    _check(model, parallel, seq_len)
+    check_layout(model, parallel, seq_len)
     documents = check_documents(documents)
     e = torch.empty((), dtype=dtype).element_size()
     acc = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()

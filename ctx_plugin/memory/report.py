@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 
 from ..cliargs import output_file, positive_float, positive_int, read_json_object, tokens
-from ..core.rules import SettingNames, check_sequence_parallel, check_tp_heads
+from ..core.config import CPConfig
+from ..core.rules import SettingNames, check_sequence_parallel, check_ulysses_size
 from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig
 from .flops import describe as describe_documents
-from .model import GiB, MemoryEstimate, estimate, resolve
+from .model import GiB, MemoryEstimate, check_layout, estimate, resolve
 from .specs import FAMILIES, MODEL_PRESETS, ModelSpec, ParallelSpec, ZeroSettings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -210,6 +211,12 @@ _FAMILY_TEXT = {"ctx_plugin": "ctx_plugin's own block (ctx_plugin.models)",
 
 def run(args: argparse.Namespace) -> int:
     model = model_from(args.model, getattr(args, "family", None))
+    if args.sequence_parallel and args.tp == 1:
+        raise ValueError("--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel ranks)")
+    if args.ulysses_size != 1 and args.backend != Backend.ULYSSES_RING.value:
+        raise ValueError(f"--ulysses-size applies to --backend ulysses_ring only (got --backend {args.backend})")
+    if args.backend == Backend.ULYSSES_RING.value:
+        check_ulysses_size(CPConfig(backend=args.backend, ulysses_size=args.ulysses_size), args.cp, _NAMES)
     parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
                             sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero,
                             **framework_from(args, [args.zero]),
@@ -218,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--deepspeed-config sizes DeepSpeed's buffers, but this estimate counts the model state as "
                          f"Megatron holds it (ZeRO {parallel.zero_stage}): give --framework deepspeed or --zero 2/3, "
                          f"or drop --deepspeed-config")
-    check_tp_heads(model.heads, model.kv_heads, parallel.tp, _NAMES, replicate_kv=False)
+    check_layout(model, parallel, args.seq_len, _NAMES)
     if parallel.sequence_parallel:
         check_sequence_parallel(parallel.cp_config, args.seq_len, parallel.cp, parallel.tp, _NAMES)
     dtype = DTYPES[args.dtype]

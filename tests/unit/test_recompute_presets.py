@@ -79,8 +79,8 @@ def test_modifier_fields():
 
 @pytest.mark.parametrize("text,message", [
     ("full+sparkle", "unknown recompute modifier 'sparkle'"),
-    ("none+offload:4", "apply to whole-layer checkpoint regions"),
-    ("mlp+recompute_attn", "apply to whole-layer checkpoint regions"),
+    ("none+offload:4", "offload applies to whole-layer checkpoint regions"),
+    ("mlp+recompute_attn", "recompute_attn applies to whole-layer checkpoint regions"),
     ("budget:9+offload:4", "give an explicit full or sqrt preset"),
     ("full+offload", "needs a host-memory budget"),
     ("full+offload:lots", "bad recompute modifier"),
