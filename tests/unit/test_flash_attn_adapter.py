@@ -265,7 +265,7 @@ def fa260_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_sc
     return dq, dk, dv, d
 
 
-# ---------------------------------------------------------------- 2.6.3-2.8: custom ops, window_size_left/right
+# ---------------------------------------------------------------- 2.7-2.8: custom ops, window_size_left/right
 @functools.cache
 def fa27_ops():
     @torch.library.custom_op("ctx_plugin_test_fa27::fwd", mutates_args=("q", "k", "v"))
@@ -351,29 +351,51 @@ def fa27_varlen_ops():
     return fwd, bwd
 
 
+def _fa3_2024_reading(window, causal, seqlen_k):
+    """The mask FlashAttention-3's 2024 builds apply (``hopper/flash_api.cpp`` @ dff976a8 … 1feb711f, the last
+    ``flashattn_hopper_cuda`` build): ``mha_fwd``/``mha_bwd`` set the right side to 0 under causal, then
+    ``set_params_fprop`` clamps each side to seqlen_k and turns -1 into seqlen_k; the kernel masks causally for
+    (seqlen_k, 0), locally (bottom-right, ``col_limit_left/right``) when a side is below seqlen_k, not at all
+    otherwise. Returned as ``(causal, window)`` for :func:`_scores`. The beta stand-in (a vendored copy whose C++ is
+    not known) is given the same reading."""
+    left, right = (seqlen_k if side < 0 else min(seqlen_k, side) for side in (window[0], 0 if causal else window[1]))
+    if left == seqlen_k and right == 0:
+        return True, (-1, -1)                                             # params.is_causal
+    return False, ((left, right) if left < seqlen_k or right < seqlen_k else (-1, -1))   # params.is_local, or none
+
+
+def _fa3_2024_fwd_math(q, k, v, scale, causal, window, softcap=0.0):
+    return _fwd_math(q, k, v, scale, *_fa3_2024_reading(tuple(window), causal, k.shape[1]), softcap)
+
+
+def _fa3_2024_bwd_math(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, window, softcap=0.0):
+    return _bwd_math(dout, q, k, v, out, lse, dq, dk, dv, scale, *_fa3_2024_reading(tuple(window), causal, k.shape[1]),
+                     softcap)
+
+
 # ---------------------------------------------------------------- FA3 beta (flashattn_hopper_cuda): 6 outputs
 def fa3beta_fwd(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, v_descale=None,
                 window_size=(-1, -1), sink_token_length=0, softcap=0.0, num_splits=1, pack_gqa=None):
-    out, lse = _fwd_math(q, k, v, softmax_scale, causal, window_size, softcap)
+    out, lse = _fa3_2024_fwd_math(q, k, v, softmax_scale, causal, window_size, softcap)
     return out, q, k, v, out, lse
 
 
 def fa3beta_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
                 sink_token_length=0, softcap=0.0, deterministic=False):
-    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, softcap)
+    d = _fa3_2024_bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size, softcap)
     return dq, dk, dv, d
 
 
 # ---------------------------------------------------------------- FA3 from 2024 (hopper/ @ 1feb711f): 7 outputs
 def fa3_2024_fwd(q, k, v, softmax_scale, causal, window_size, descale_q=None, descale_k=None, descale_v=None,
                  gqa_parallel=False):
-    out, lse = _fwd_math(q, k, v, softmax_scale, causal, window_size)
+    out, lse = _fa3_2024_fwd_math(q, k, v, softmax_scale, causal, window_size)
     return out, q, k, v, out, lse, _empty(q)
 
 
 def fa3_2024_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size,
                  deterministic=False):
-    d = _bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
+    d = _fa3_2024_bwd_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window_size)
     return dq, dk, dv, d
 
 
@@ -936,8 +958,11 @@ WINDOWS = [("causal-inside", 8, 8, True, (3, 0)), ("causal-left-only", 8, 8, Tru
            ("full-right-only", 8, 8, False, (None, 2)), ("full-left-only", 6, 9, False, (1, None)),
            ("full-sq>sk", 8, 5, False, (1, 4)), ("causal-larger-than-block", 8, 8, True, (20, 0)),
            ("plain-causal", 8, 8, True, (None, None)),
-           # Sq > Sk + 1, not causal: FlashAttention-2 would bound the right side at Sk / unbound a right side >= Sk
-           ("full-left-only-sq>sk+1", 12, 4, False, (1, None)), ("full-right>=sk-sq>sk+1", 12, 4, False, (None, 9))]
+           # Sq > Sk + 1, not causal: FlashAttention-2 would bound the right side at Sk / unbound a right side >= Sk,
+           # the 2024 FA3 builds bound either at Sk
+           ("full-left-only-sq>sk+1", 12, 4, False, (1, None)), ("full-right>=sk-sq>sk+1", 12, 4, False, (None, 9)),
+           # what blocks.band_block(Mask(True, (5, None)), 8, 5, 1, slice(0, 8), slice(0, 3)) gives (packed documents)
+           ("document-block-5x3", 5, 3, False, (0, None))]
 CAP = 1.0
 
 
@@ -999,9 +1024,10 @@ def test_versions_before_the_feature_are_refused_even_with_the_argument(monkeypa
 
 
 def test_flash_attention_2_backward_past_int32_offsets_runs_over_head_chunks(version, monkeypatch):
-    """FlashAttention-2 builds compute dQ offsets in int32 (ctx_plugin.core.kernels.head_chunks): with the limit lowered
-    to fit 2 of 4 heads, the backward runs as two calls on head chunks with their K/V heads, same gradients;
-    FlashAttention-3 runs as one call."""
+    """FlashAttention-2 builds compute dQ offsets in int32 (ctx_plugin.core.kernels.head_chunks) over the accumulator
+    rows of the whole batch (2 sequences of 6 rows, each rounded up to 128): with the limit lowered to fit 2 of 4
+    heads, the backward runs as two calls on head chunks with their K/V heads, same gradients; FlashAttention-3 runs
+    as one call."""
     import ctx_plugin.core.kernels.head_chunks as head_chunks
 
     q, k, v, dout = _inputs(2, seed=1)
@@ -1011,8 +1037,29 @@ def test_flash_attention_2_backward_past_int32_offsets_runs_over_head_chunks(ver
     calls = []
     real = kernel._bwd
     monkeypatch.setattr(kernel, "_bwd", lambda **kw: calls.append(kw["q"].shape[2]) or real(**kw))
-    monkeypatch.setattr(head_chunks, "INT32_LIMIT", 128 * 32 * 3)         # rows rounded to 128, head size to 32
+    monkeypatch.setattr(head_chunks, "INT32_LIMIT", 2 * 128 * 32 * 3)     # rows rounded to 128, head size to 32
     got = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=SCALE)
     assert calls == ([2, 2] if version.generation == 2 else [4])
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("label", ["dense-8300x1", "dense-4x131072-gqa", "dense-2x393216-gqa", "dense-1x700000-d200"])
+def test_flash_attention_2_backward_at_scale_keeps_every_dq_offset_in_int32(monkeypatch, label):
+    """At the sizes where one call's dQ offsets wrap (the batch's rows count, each sequence rounded up to 128), on
+    meta tensors (shapes only): FlashAttention-2 is called on head chunks whose offsets all fit, checked with the
+    kernel's arithmetic emulated by tests/unit/test_head_chunks.py."""
+    from tests.unit.test_head_chunks import AT_SCALE, dq_offsets_wrap, meta_tensors
+
+    _, seq_rows, heads, kv_heads, head_dim, _ = next(c for c in AT_SCALE if c[0] == label)
+    _hide_all(monkeypatch)
+    _install(monkeypatch, next(v for v in VERSIONS if v.label == "2.7-custom-op"))
+    kernel = fa.FlashAttnKernel(torch.device("cpu"))
+    calls = []
+    monkeypatch.setattr(kernel, "_bwd", lambda **kw: calls.append(kw["q"].shape[2]))
+    tensors = meta_tensors(seq_rows, heads, kv_heads, head_dim, varlen=False)
+    grads = kernel.backward(*tensors, causal=False, scale=SCALE)
+    assert [g.shape for g in grads] == [t.shape for t in tensors[1:4]]
+    assert sum(calls) == heads and len(calls) > 1
+    for size in set(calls):
+        assert not dq_offsets_wrap(seq_rows, size, head_dim, varlen=False), size

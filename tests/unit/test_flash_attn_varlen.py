@@ -203,3 +203,54 @@ def test_simulated_runs_with_documents_on_the_flash_attn_kernel(monkeypatch, lab
     monkeypatch.setattr(ctx_plugin.core.api, "select_kernel", select)
     check_packed_run("flash_attn", backend, size, window)
     assert calls and max(calls) >= 2          # the varlen path ran, with calls of several blocks
+
+
+@HEADS
+@MASKS
+def test_flash_attention_2_varlen_backward_past_int32_offsets_runs_over_head_chunks(build, monkeypatch, kv_heads,
+                                                                                   causal, window):
+    """FlashAttention-2's varlen backward computes dQ offsets in int32 over all rows of the call plus 128 per
+    sequence (ctx_plugin.core.kernels.head_chunks): with the limit lowered to fit 2 of 4 heads, it runs as two calls
+    on head chunks with their K/V heads and gives the same gradients as one call; FlashAttention-3 runs as one."""
+    import dataclasses
+
+    import ctx_plugin.core.kernels.head_chunks as head_chunks
+
+    call, tq, tk = _call(causal, window)
+    h = _tensors(tq, tk, 4, kv_heads, torch.float16, seed=kv_heads + 3 * causal)
+    kern = _kernel()
+    out, lse = kern.forward_varlen(*h[:3], call, scale=SCALE)
+    want = kern.backward_varlen(h[3], *h[:3], out, lse, call, scale=SCALE)
+    calls = kern.backward_varlen.__self__
+    real = calls._b.bwd
+    heads = []
+    monkeypatch.setattr(calls, "_b", dataclasses.replace(calls._b, bwd=lambda **kw: heads.append(kw["q"].shape[1])
+                                                         or real(**kw)))
+    monkeypatch.setattr(head_chunks, "INT32_LIMIT", (tq + 128 * len(call.seqs)) * 32 * 3)   # head size 16 → 32
+    got = kern.backward_varlen(h[3], *h[:3], out, lse, call, scale=SCALE)
+    assert heads == ([2, 2] if build.generation == 2 else [4])
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_flash_attention_2_varlen_backward_at_scale_keeps_every_dq_offset_in_int32(monkeypatch):
+    """528,384 rows in 64 sequences, 32 heads of 128 (the offsets of one call wrap), on meta tensors (shapes only):
+    FlashAttention-2's varlen backward is called on head chunks whose offsets all fit, checked with the kernel's
+    arithmetic emulated by tests/unit/test_head_chunks.py."""
+    import dataclasses
+
+    from tests.unit.test_head_chunks import AT_SCALE, _varlen_call, dq_offsets_wrap, meta_tensors
+
+    _, seq_rows, heads, kv_heads, head_dim, _ = next(c for c in AT_SCALE if c[0] == "varlen-528384-rows")
+    _hide_all(monkeypatch)
+    _install(monkeypatch, BY_LABEL["2.7-custom-op"])
+    kern = _kernel()
+    calls = kern.backward_varlen.__self__
+    per_call = []
+    monkeypatch.setattr(calls, "_b", dataclasses.replace(calls._b, bwd=lambda **kw: per_call.append(kw["q"].shape[1])))
+    tensors = meta_tensors(seq_rows, heads, kv_heads, head_dim, varlen=True)
+    grads = kern.backward_varlen(*tensors, _varlen_call(seq_rows), scale=SCALE)
+    assert [g.shape for g in grads] == [t.shape for t in tensors[1:4]]
+    assert sum(per_call) == heads and len(per_call) > 1
+    for size in set(per_call):
+        assert not dq_offsets_wrap(seq_rows, size, head_dim, varlen=True), size

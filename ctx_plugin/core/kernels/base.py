@@ -125,7 +125,8 @@ def fa2_window(sq: int, sk: int, causal: bool, window: Window) -> Window | None:
     Sk. Both are exact for every row only when ``Sq <= Sk + 1`` (a right side of Sk reaches the last key from row
     ``Sq − Sk − 1`` on). A non-causal block with more queries than that whose window bounds the left side, or bounds
     the right side at ``>= Sk`` where some row still sees fewer keys, is a LookupError: run it on a kernel that
-    takes the mask as it is (the torch kernel)."""
+    takes the mask as it is (the torch kernel). The 2024 FlashAttention-3 builds (clamping each side to Sk, an
+    unbounded one set to Sk) apply the sides returned here exactly too, and hide the same keys otherwise."""
     left = None if window[0] is None or window[0] >= sk - 1 else int(window[0])   # reaches key 0 from every row
     right = None if causal or window[1] is None or window[1] >= sq - 1 else int(window[1])
     if left is None and right is None:

@@ -10,8 +10,9 @@ function's signature, and outputs are picked by position 0 (``out``) and by shap
 
 Signatures verified from source (stored public copies, read with the search tool):
 
-* 2.7.0–2.8.3, Dao-AILab/flash-attention ``flash_attn/flash_attn_interface.py`` @ 005300258a22e5fc6be621063c3d5704e82b89d9
-  and the v2.7.0/v2.8.3 tags: ``torch.library.custom_op`` ``flash_attn::…`` (from v2.7.0); fwd ``(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+* 2.7.0–2.8.3, Dao-AILab/flash-attention ``flash_attn/flash_attn_interface.py`` @
+  005300258a22e5fc6be621063c3d5704e82b89d9 and the v2.7.0/v2.8.3 tags: ``torch.library.custom_op``
+  ``flash_attn::…`` (from v2.7.0); fwd ``(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
   window_size_right, softcap, alibi_slopes, return_softmax) -> (out_padded, softmax_lse, S_dmask, rng_state)``;
   bwd ``(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
   window_size_right, softcap, alibi_slopes, deterministic, rng_state=None) -> softmax_d`` (writes dq/dk/dv).
@@ -35,11 +36,18 @@ Signatures verified from source (stored public copies, read with the search tool
 * Varlen (:mod:`.flash_attn_varlen`, which lists signatures, LSE layouts and sources): FA2 >= 2.6.0's
   ``_flash_attn_varlen_forward/_backward`` (LSE ``[H, total_q]`` from v2.6.0, padded before: not bound) and FA3's
   functions above with ``cu_seqlens_q/k`` (2025 builds on); a build without gets no ``forward_varlen``.
-* Windows: FlashAttention-3 reads a left side ``>= Sk - 1`` and a right side ``>= Sq - 1`` as unbounded (exact);
-  FlashAttention-2 reads a side ``>= Sk`` as unbounded and sets an unbounded right side next to a bounded left one
-  to Sk, which hides keys from the first rows of a non-causal block with ``Sq > Sk + 1``: such a block runs on the
-  torch kernel (:func:`.base.fa2_window`), and FA2's varlen calls get a ``max_seqlen_k`` that keeps it exact
+* Windows: FlashAttention-3 from 2025 (``hopper/flash_api.cpp`` @ 7a802796 on) reads a left side ``>= Sk - 1``
+  and a right side ``>= Sq - 1`` as unbounded (exact). FlashAttention-2 reads a side ``>= Sk`` as unbounded and
+  sets an unbounded right side next to a bounded left one to Sk; the 2024 FA3 builds (``set_params_fprop`` @
+  dff976a8 … 1feb711f) clamp each side to Sk and set an unbounded one to Sk. With the mask aligned bottom-right
+  (row a sees keys up to ``a + Sk − Sq + right``) both hide keys from the first rows of a non-causal block with
+  ``Sq > Sk + 1``, so on both such a block runs on the torch kernel (:func:`.base.fa2_window`, whose sides both
+  readings apply exactly), and FA2's varlen calls get a ``max_seqlen_k`` that keeps it exact
   (:func:`.base.fa2_max_seqlen_k`).
+* Builds not told apart (their low-level functions have the signatures of the next commits'): 7b4e68e0
+  (2024-08-29, the first FA3 with windows) passes ``is_causal ? -1 : window_size_left``, dropping the window of
+  causal calls (fixed by dff976a8 the next day); 7f67966c (the first FA3 release) refuses GQA with a RuntimeError
+  ("We do not support MQA/GQA yet"), 74b0761f (three days later) accepts it.
 
 Not run against a real GPU build here: binding and output picking are tested with stand-ins of these signatures.
 """
@@ -230,7 +238,7 @@ def version_info(device: torch.device | None = None) -> FlashAttnInfo | None:
 def _parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
     params = list(inspect.signature(fn).parameters.values())
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) and hasattr(fn, "_init_fn"):
-        # flash-attn >= 2.6.3 and recent FA3 wrap these in torch.library.custom_op; the CustomOpDef shows only
+        # flash-attn >= 2.7.0 and recent FA3 wrap these in torch.library.custom_op; the CustomOpDef shows only
         # (*args, **kwargs), while _init_fn is the decorated function, whose names are the op schema's.
         params = list(inspect.signature(fn._init_fn).parameters.values())
     return params
@@ -344,6 +352,8 @@ class FlashAttnKernel:
         self._fwd, self._fwd_names, self._bwd, self._bwd_names = found.functions
         self.features = found.features
         """The mask features this build applies (see ``unavailable``)."""
+        self._fa2_windows = self.info.generation == 2 or _legacy_fa3(found.module)
+        # Whether windows are read like FlashAttention-2's (also the 2024 FA3 builds'; see the module docstring).
         self.varlen_unavailable = found.varlen if isinstance(found.varlen, str) else None
         """Why this build has no varlen entry point (then ``forward_varlen``/``backward_varlen`` are not defined,
         so :func:`.varlen.has_varlen` is False and block calls run one call per block), or None."""
@@ -354,15 +364,15 @@ class FlashAttnKernel:
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, causal: bool, window: Window,
                softcap: float | None) -> Window | None:
-        """The window to pass, or None where FlashAttention-2 cannot apply it to this block (:func:`.base.fa2_window`:
-        the torch kernel runs it)."""
+        """The window to pass, or None where FlashAttention-2 (or a 2024 FA3 build, which reads windows alike) cannot
+        apply it to this block (:func:`.base.fa2_window`: the torch kernel runs it)."""
         check_block(q, k, causal, window, softcap)
         needed = frozenset({"window"} if is_windowed(window) else ()) | frozenset(
             {"softcap"} if softcap is not None else ())
         if needed - self.features:
             raise ValueError(_lacks(self.info, needed - self.features))
-        if self.info.generation != 2:
-            return window                   # FlashAttention-3 reads a side >= Sk - 1 (right: Sq - 1) as unbounded
+        if not self._fa2_windows:
+            return window                   # FA3 from 2025 reads a side >= Sk - 1 (right: Sq - 1) as unbounded
         try:
             sides = fa2_window(q.shape[1], k.shape[1], causal, window)
         except LookupError:
@@ -387,8 +397,9 @@ class FlashAttnKernel:
         if passed is None:
             return TorchKernel().backward(dout, q, k, v, out, lse, causal=causal, scale=scale, window=window,
                                           softcap=softcap)
-        chunk = fa2_head_chunk(q.shape[1], q.shape[2], k.shape[2], q.shape[3]) if self.info.generation == 2 else None
-        if chunk is not None:       # FlashAttention-2's int32 dQ offsets (head_chunks; fixed in later 2.x only)
+        chunk = (fa2_head_chunk(q.shape[1], q.shape[2], k.shape[2], q.shape[3], batch=q.shape[0])
+                 if self.info.generation == 2 else None)
+        if chunk is not None:       # FlashAttention-2's int32 dQ offsets (head_chunks; wrap in every 2.x release)
             return by_head_chunks(lambda *t: self.backward(*t, causal=causal, scale=scale, window=window,
                                                            softcap=softcap), chunk, dout, q, k, v, out, lse,
                                   head_dim=2, lse_head_dim=1)

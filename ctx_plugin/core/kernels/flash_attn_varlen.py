@@ -42,8 +42,10 @@ the repository, read at the tags and commits named):
   ``_flash_attn_varlen_*`` functions, ``flashattn_hopper_cuda``) get no varlen binding.
 
 Windows and softcap as for the dense path (the kernel's ``features``); the right side of a varlen call's window is
-unbounded or causal (:func:`.varlen.chains`), so it is passed as -1 or 0. Not run on a GPU here: tested against
-stand-ins of these signatures and behaviours (``tests/unit/test_flash_attn_varlen.py``).
+unbounded or causal (:func:`.varlen.chains`), so it is passed as -1 or 0. FlashAttention-2's backward runs over head
+chunks where its 32-bit dQ offsets (``total_q + 128 * sequences`` accumulator rows) would wrap
+(:mod:`.head_chunks`). Not run on a GPU here: tested against stand-ins of these signatures and behaviours
+(``tests/unit/test_flash_attn_varlen.py``).
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from . import flash_attn_support as support
 from .base import accum_dtype, check_block, fa2_max_seqlen_k, is_windowed
 from .flash_attn import (_BWD_TENSORS, _FA3_UNUSED, _FWD_TENSORS, FlashAttnInfo, _lacks, _last_dim_contiguous,
                          _pick, _plan, _settings)
+from .head_chunks import by_head_chunks, fa2_head_chunk
 from .varlen import Varlen
 
 _LENGTHS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
@@ -147,6 +150,11 @@ class VarlenCalls:
                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dq, dk, dv (q's/k's shapes and dtype) given the final ``lse`` ``[H, Tq]`` of every row (handed over as
         contiguous fp32, the memory the kernel reads); 0 for rows without keys and keys without rows."""
+        chunk = (fa2_head_chunk(q.shape[0], q.shape[1], k.shape[1], q.shape[2], sequences=len(batch.seqs))
+                 if self._info.generation == 2 else None)
+        if chunk is not None:       # FlashAttention-2's int32 dQ offsets would wrap (head_chunks)
+            return by_head_chunks(lambda *t: self.backward(*t, batch, scale=scale, softcap=softcap), chunk, dout, q,
+                                  k, v, out, lse, head_dim=1, lse_head_dim=0)
         dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         values = {**self._values(q, k, batch, scale, softcap), "dout": dout, "q": q, "k": k, "v": v, "out": out,

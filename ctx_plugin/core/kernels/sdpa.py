@@ -221,7 +221,7 @@ class FlashKernel(_SdpaKernel):
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, scale: float, window: Window = FULL,
                  softcap: float | None = None):
-        chunk = fa2_head_chunk(q.shape[1], q.shape[2], k.shape[2], q.shape[3])
+        chunk = fa2_head_chunk(q.shape[1], q.shape[2], k.shape[2], q.shape[3], batch=q.shape[0])
         if chunk is not None:       # int32 offsets of the dQ accumulator would wrap (head_chunks)
             return by_head_chunks(lambda *t: self.backward(*t, causal=causal, scale=scale, window=window,
                                                            softcap=softcap), chunk, dout, q, k, v, out, lse,
@@ -271,7 +271,7 @@ class FlashKernel(_SdpaKernel):
                         softcap: float | None = None):
         """``aten::_flash_attention_backward`` over ``batch``: dq of rows without keys is 0 (FlashAttention-2
         accumulates dq into zeros), dk/dv of keys without rows 0 (its backward's early exit writes them)."""
-        chunk = fa2_head_chunk(batch.max_q, q.shape[1], k.shape[1], q.shape[2], sequences=len(batch.seqs))
+        chunk = fa2_head_chunk(q.shape[0], q.shape[1], k.shape[1], q.shape[2], sequences=len(batch.seqs))
         if chunk is not None:       # int32 offsets of the dQ accumulator would wrap (head_chunks)
             return by_head_chunks(lambda *t: self.backward_varlen(*t, batch, scale=scale, softcap=softcap), chunk,
                                   dout, q, k, v, out, lse, head_dim=1, lse_head_dim=0)
