@@ -44,6 +44,7 @@ class Field:
 FIELDS = (
     Field("op", str, 2),
     Field("batch", int), Field("local_seq", int), Field("heads", int), Field("kv_heads", int), Field("head_dim", int),
+    Field("v_head_dim", int),
     Field("shape", str, 8), Field("dim", int),
     Field("dtype", str, 3), Field("device", str, 2), Field("requires_grad", bool),
     Field("backend", str, 2), Field("ulysses_size", int), Field("kernel", str, 2),
@@ -62,7 +63,7 @@ _INT = struct.Struct("<q")
 
 
 def _pack_str(value: str, words: int) -> bytes:
-    raw = value.encode("ascii", "backslashreplace")                  # ASCII: every word ≥ 0
+    raw = value.encode("utf-8")
     room = 8 * words
     if len(raw) > room:          # keep long values distinguishable: a prefix and the CRC-32 of the whole
         raw = raw[:room - 9] + b"~" + f"{zlib.crc32(raw):08x}".encode()
@@ -70,8 +71,8 @@ def _pack_str(value: str, words: int) -> bytes:
 
 
 def _unpack_str(codes: list[int]) -> str | None:
-    raw = b"".join(c.to_bytes(8, "little") for c in codes).rstrip(b"\0")
-    return raw.decode("ascii") if raw else None
+    raw = b"".join(c.to_bytes(8, "little", signed=True) for c in codes).rstrip(b"\0")
+    return raw.decode("utf-8", "replace") if raw else None          # a shortened one may end inside a character
 
 
 def _encode_scalar(kind: type, value) -> int:
@@ -159,16 +160,24 @@ def attention_signature(q, k, v, *, groups: CPGroups, causal, softmax_scale, ker
     q's, k's and v's, since
     a backward on some ranks only would wait on the others' communication)."""
     batch, seq, heads, head_dim = _dims(q, 0, 1, 2, 3)
-    scale = None
+    scale = _number(softmax_scale)            # a bad value is None here (the input check names it)
     if softmax_scale is None and head_dim:
         scale = head_dim ** -0.5
-    elif isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool):
-        scale = float(softmax_scale) if abs(softmax_scale) < 1e300 else None   # bad values: the input check
     return {"op": "cp_attention", "batch": batch, "local_seq": seq, "heads": heads, "kv_heads": _dims(k, 2)[0],
-            "head_dim": head_dim, "kernel": kernel, "causal": causal if isinstance(causal, bool) else None,
-            "softmax_scale": scale, "window": _window(window), "sinks": _sinks(sinks), "documents": documents,
-            "softcap": float(softcap) if isinstance(softcap, (int, float)) and not isinstance(softcap, bool) else None,
+            "head_dim": head_dim, "v_head_dim": _dims(v, 3)[0], "kernel": kernel,
+            "causal": causal if isinstance(causal, bool) else None, "softmax_scale": scale, "window": _window(window),
+            "sinks": _sinks(sinks), "documents": documents, "softcap": _number(softcap),
             **_common(q, groups, error, (q, k, v, sinks))}
+
+
+def _number(value) -> float | None:
+    """``value`` as a float when it is an int or float that has one (not a bool, not an int past float's range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def _window(window) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
 from ..names import Part
 from .block_calls import Accumulator, backward_blocks, forward_blocks
@@ -32,7 +33,7 @@ from .kernels import AttentionKernel, accum_dtype
 from .layouts import Contiguous, Zigzag
 from .mask import Mask
 from .profiling import span
-from .ring import refuse_double_backward
+from .ring import autocast_off, refuse_double_backward
 from .sinks import apply_sinks, sink_grad
 
 
@@ -73,7 +74,7 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: RankGroup, counter: Obse
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, kernel: AttentionKernel, group: RankGroup, counter: Observers, mask: Mask,
-                scale: float):
+                scale: float, check_group: dist.ProcessGroup | None):
         kv = _gather_kv(k, v, group, counter, mask.documents)
         chunks = _query_chunks(group.rank, group.size, q.shape[1], mask)
         if mask.documents is None:      # the chunks cover every row, in order
@@ -91,17 +92,18 @@ class AllGatherAttention(torch.autograd.Function):
             out, lse = apply_sinks(out, lse, sinks)
             out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (kernel, group, counter, mask, scale)
+        ctx.args = (kernel, group, counter, mask, scale, check_group)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        refuse_double_backward("all-gather attention")
+        kernel, group, counter, mask, scale, check_group = ctx.args
+        refuse_double_backward("all-gather attention", check_group, counter)
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        kernel, group, counter, mask, scale = ctx.args
         dout = dout.contiguous()
-        dq, dkv = _local_backward(kernel, dout, q, _gather_kv(k, v, group, counter, mask.documents), out, lse,
-                                  _query_chunks(group.rank, group.size, q.shape[1], mask), mask, scale)
+        with autocast_off(dout.device):                            # as in the forward (cp_attention)
+            dq, dkv = _local_backward(kernel, dout, q, _gather_kv(k, v, group, counter, mask.documents), out, lse,
+                                      _query_chunks(group.rank, group.size, q.shape[1], mask), mask, scale)
         acc = dkv.dtype
         if group.size > 1:   # back to sharded order (one copy), then each rank receives the sum of its own rows
             two, b, s, hkv, d = dkv.shape
@@ -111,8 +113,9 @@ class AllGatherAttention(torch.autograd.Function):
             mine = reduce_scatter(torch.empty((n, two, b, hkv, d), dtype=acc, device=sharded.device),
                                   sharded.view(group.size, n, two, b, hkv, d), group, counter, "reduce_scatter_dkv")
             dkv = mine.permute(1, 2, 0, 3, 4)                            # [2, B, n, Hkv, D] (a view)
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None, None
+        with autocast_off(dout.device):
+            dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None, None, None
 
 
 def _local_backward(kernel: AttentionKernel, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,

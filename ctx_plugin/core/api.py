@@ -7,8 +7,6 @@ every rank instead of hanging or computing garbage.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 import torch.distributed as dist
@@ -23,7 +21,8 @@ from .documents import Documents, check_documents
 from .groups import CPGroups
 from .kernels import select_kernel
 from .layouts import Layout, shard_layout
-from .mask import Mask
+from .mask import Mask, finite
+from .ring import autocast_off
 from .rules import SettingNames, check_documents_fit, check_heads, check_seq_len
 
 
@@ -116,7 +115,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     with :func:`shard_sequence` (same config). Returns this rank's output rows, q's shape and dtype (v's head_dim).
     v may be narrower or wider than q and k (multi-latent attention): the narrower side runs padded with zero
     columns (exact; memory and K/V traffic of the wider one). ``softmax_scale`` defaults to q's
-    ``head_dim ** -0.5``. Differentiable in q, k, v and ``sinks``.
+    ``head_dim ** -0.5``. Differentiable in q, k, v and ``sinks``. Under autocast the inputs are cast as autocast
+    casts torch's own attention's (:func:`autocast_inputs`), and the output has that dtype.
 
     ``window=(left, right)``: global query position i sees keys i − left .. i + right (``None`` sides unbounded;
     intersected with causality), flash-attn's sliding window. ``softcap=c``: scaled scores s become
@@ -136,6 +136,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
     _check_groups(groups)
     kernel = error = mask = v_dim = None
     doc_code = _document_code(None, given=documents is not None)
+    q, k, v = given = autocast_inputs(q, k, v)
     try:                # this rank's own checks; the ranks then agree on their outcome before communicating
         _check_setup(config, groups)
         _check_qkv(q, k, v)
@@ -146,7 +147,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5
         elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-                or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+                or not finite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
         q, k, v, v_dim = _one_width(q, k, v)
         check_seq_len(config, q.shape[1] * groups.size, groups.size, _GLOBAL)
@@ -160,7 +161,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
         error = e
     if error is not None and groups.check_group is None:
         raise error
-    signature = agreement.attention_signature(q, k, v, groups=groups, causal=causal, softmax_scale=softmax_scale,
+    signature = agreement.attention_signature(*given, groups=groups, causal=causal, softmax_scale=softmax_scale,
                                               kernel=None if kernel is None else kernel.name, error=error,
                                               window=window if mask is None else mask.window, softcap=softcap,
                                               sinks=sinks, documents=doc_code)
@@ -172,11 +173,27 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: C
             agreement.check(groups, signature)
             if error is not None:       # the same error on every rank (they agreed on it)
                 raise error
-            return run_backend(q, k, v, config=config, groups=groups, kernel=kernel, mask=mask,
-                               scale=float(softmax_scale), sinks=sinks)
+            with autocast_off(q.device):       # the kernels compute in their accumulation dtype
+                return run_backend(q, k, v, config=config, groups=groups, kernel=kernel, mask=mask,
+                                   scale=float(softmax_scale), sinks=sinks)
 
     out = pinning.run(compute)
     return out if v_dim is None else out[..., :v_dim]
+
+
+def autocast_inputs(q, k, v) -> tuple:
+    """q, k, v as autocast casts the inputs of torch's own attention (``scaled_dot_product_attention`` runs in its
+    lower precision): under autocast on their device, floating tensors other than float64 in its dtype; else as
+    given. The attention then computes as its kernels do (autocast off inside, every kernel alike)."""
+    try:
+        active = isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type)
+    except RuntimeError:            # a device autocast does not know (meta)
+        active = False
+    if not active:
+        return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in (q, k, v))
 
 
 def _document_code(docs: Documents | None, *, given: bool = True) -> str:

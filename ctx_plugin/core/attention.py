@@ -28,7 +28,7 @@ def run_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CP
     their gradient back)."""
     counter = active_observers()
     if config.backend == Backend.ALLGATHER:
-        return AllGatherAttention.apply(q, k, v, sinks, kernel, groups.ring, counter, mask, scale)
+        return AllGatherAttention.apply(q, k, v, sinks, kernel, groups.ring, counter, mask, scale, groups.check_group)
     ulysses = groups.ulysses
     if ulysses.size > 1:
         copies = kv_replicas(k.shape[2], ulysses.size)
@@ -38,5 +38,6 @@ def run_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CP
             per_rank = q.shape[2] // ulysses.size
             sinks = sinks[ulysses.rank * per_rank:(ulysses.rank + 1) * per_rank]
         q, k, v = (AllToAll.apply(t, ulysses, counter, True) for t in (q, k, v))
-    out = RingAttention.apply(q, k, v, sinks, kernel, ring_layout(config), groups.ring, counter, mask, scale)
+    out = RingAttention.apply(q, k, v, sinks, kernel, ring_layout(config), groups.ring, counter, mask, scale,
+                              groups.check_group)
     return AllToAll.apply(out, ulysses, counter, False) if ulysses.size > 1 else out

@@ -50,9 +50,18 @@ def check_softcap(softcap) -> float | None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be None or a positive finite number, got {type(softcap).__name__}")
-    if not math.isfinite(softcap) or softcap <= 0:
+    if not finite(softcap) or softcap <= 0:
         raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r} (None turns it off)")
     return float(softcap)
+
+
+def finite(value: int | float) -> bool:
+    """Whether a number is finite as a float (an int past float's range is not: ``math.isfinite`` raises
+    OverflowError for it)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)

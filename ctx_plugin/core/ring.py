@@ -17,7 +17,10 @@ merge (:mod:`ctx_plugin.core.sinks`). Forward saves only q, k, v, out and lse (a
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 
 from ..names import Part
 from .block_calls import Accumulator, backward_blocks, forward_blocks, plan_calls
@@ -137,12 +140,33 @@ def _whole_block(kernel: AttentionKernel, layout: RingLayout, n: int, sk: int, b
     return blk if blk.q == whole and blk.k == slice(0, sk, None) else None
 
 
-def refuse_double_backward(what: str) -> None:
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device``'s type, where the attention runs its kernels (they compute in their accumulation
+    dtype; :func:`ctx_plugin.core.api.autocast_inputs` casts the inputs once, as autocast casts torch's own
+    attention's); nothing on a device autocast does not know (meta)."""
+    try:
+        return torch.autocast(device.type, enabled=False)
+    except RuntimeError:
+        return contextlib.nullcontext()
+
+
+def refuse_double_backward(what: str, check_group: dist.ProcessGroup | None,
+                           counter: Observers) -> None:
     """Raises in an attention backward that runs with ``create_graph=True``: its communication and fused kernels
-    have no derivative of their own, so a second-order gradient through it would be silently wrong."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(f"{what} has no second derivative: a backward with create_graph=True (double backward, "
-                           f"e.g. gradient penalties or Hessian-vector products) cannot pass through "
+    have no derivative of their own, so a second-order gradient through it would be silently wrong. With a check
+    group (:attr:`ctx_plugin.core.groups.CPGroups.check_group`) the ranks agree first (one all-reduce of one word,
+    recorded as ``"agree"``), so a rank whose backward alone has it does not leave the others waiting in the
+    backward's communication: every rank raises."""
+    mine = anyone = torch.is_grad_enabled()
+    if check_group is not None:
+        flag = torch.tensor([int(mine)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=check_group)
+        counter.record("agree")
+        anyone = bool(flag.item())
+    if anyone:
+        where = "" if mine else " on another rank of the context-parallel group"
+        raise RuntimeError(f"{what} has no second derivative: a backward with create_graph=True{where} (double "
+                           f"backward, e.g. gradient penalties or Hessian-vector products) cannot pass through "
                            f"ctx_plugin's context-parallel attention; compute higher-order terms without it")
 
 
@@ -152,20 +176,21 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, kernel: AttentionKernel, layout: RingLayout, group: RankGroup,
-                counter: Observers, mask: Mask, scale: float):
+                counter: Observers, mask: Mask, scale: float, check_group: dist.ProcessGroup | None):
         out, lse = ring_forward(q, k, v, kernel=kernel, layout=layout, group=group, counter=counter, mask=mask,
                                 scale=scale, sinks=sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (kernel, layout, group, counter, mask, scale)
+        ctx.args = (kernel, layout, group, counter, mask, scale, check_group)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        refuse_double_backward("ring attention")
+        kernel, layout, group, counter, mask, scale, check_group = ctx.args
+        refuse_double_backward("ring attention", check_group, counter)
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        kernel, layout, group, counter, mask, scale = ctx.args
         dout = dout.contiguous()
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, kernel=kernel, layout=layout, group=group,
-                                   counter=counter, mask=mask, scale=scale)
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq, dk, dv, dsinks, None, None, None, None, None, None
+        with autocast_off(dout.device):                            # as in the forward (cp_attention)
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, kernel=kernel, layout=layout, group=group,
+                                       counter=counter, mask=mask, scale=scale)
+            dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None

@@ -97,9 +97,7 @@ class _Attention:
         if overlay:
             given = None
         causal = False if overlay else bool(module.is_causal if given is None else given)
-        if torch.is_autocast_enabled(query.device.type):    # as autocast casts sdpa's inputs: q, k come out of
-            dtype = torch.get_autocast_dtype(query.device.type)     # RoPE in fp32 next to a bf16 v
-            query, key, value = (t.to(dtype) for t in (query, key, value))
+        # under autocast cp_attention casts q, k (out of RoPE in fp32) and v as autocast casts sdpa's inputs
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), config=self.cp_config,
                            groups=self.groups, causal=causal, softmax_scale=scaling,
                            window=hf_window(kwargs.get("sliding_window"), given, causal,

@@ -22,10 +22,11 @@ def _cfg(backend: str = "zigzag", kernel: str = "torch", **kw) -> ctx_plugin.CPC
     return ctx_plugin.CPConfig(backend=backend, kernel=kernel, **kw)
 
 
-def _qkv(seq: int = 8, heads: int = 4, kv_heads: int = 2, dtype=torch.float64, grad: bool = True):
+def _qkv(seq: int = 8, heads: int = 4, kv_heads: int = 2, dtype=torch.float64, grad: bool = True, dk: int = 8,
+         dv: int = 8):
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, seq, h, 8, generator=g, dtype=dtype).requires_grad_(grad)
-               for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(2, seq, h, d, generator=g, dtype=dtype).requires_grad_(grad)
+               for h, d in ((heads, dk), (kv_heads, dk), (kv_heads, dv)))
     return q, k, v
 
 
@@ -40,10 +41,10 @@ def _disagreeing_calls(rank: int, world: int) -> dict:
     def groups(cfg):
         return groups_for[cfg]
 
-    def attention(cfg=None, *, causal=True, scale=None, sinks=None, **shape):
+    def attention(cfg=None, *, causal=True, scale=None, sinks=None, softcap=None, **shape):
         cfg = cfg or _cfg()
         return lambda: ctx_plugin.cp_attention(*_qkv(**shape), config=cfg, groups=groups(cfg), causal=causal,
-                                               softmax_scale=scale, sinks=sinks)
+                                               softmax_scale=scale, sinks=sinks, softcap=softcap)
 
     def gather(seq):
         return lambda: ctx_plugin.gather_sequence(torch.randn(2, seq, 3), config=_cfg(), groups=groups(_cfg()))
@@ -61,6 +62,13 @@ def _disagreeing_calls(rank: int, world: int) -> dict:
         "scale": attention(scale=either(None, 0.25)),
         "heads": attention(heads=either(4, 2)),
         "kv_heads": attention(kv_heads=either(2, 1)),
+        # widths that differ between q/k and v are padded to one before the kernels: compared as given
+        "head_dim": attention(dk=either(8, 4), scale=0.25),
+        "v_head_dim": attention(dv=either(8, 4)),
+        # an int past float's range: this rank's own check fails (not an OverflowError of its own)
+        "huge_scale": attention(scale=either(0.25, 10 ** 400)),
+        "huge_softcap": attention(softcap=either(5.0, 10 ** 400)),
+        "double_backward": _backward(groups(_cfg()), create_graph=odd),
         "kernel": attention(_cfg(kernel=either("torch", "sdpa_cpu"))),
         "requires_grad": attention(grad=either(True, False)),
         # q, k, v need no gradient anywhere; the sinks on one rank only (its backward alone would communicate)
@@ -77,6 +85,15 @@ def _disagreeing_calls(rank: int, world: int) -> dict:
         calls["two_ranks_two_fields"] = attention(dtype=torch.float32 if rank == 1 else torch.float64,
                                                   seq=4 if rank == 3 else 8)
     return calls
+
+
+def _backward(groups, *, create_graph: bool):
+    """A forward every rank agrees on, then a backward with create_graph on some ranks only."""
+    def call():
+        q, k, v = _qkv()
+        out = ctx_plugin.cp_attention(q, k, v, config=groups.config, groups=groups)
+        out.sum().backward(create_graph=create_graph)
+    return call
 
 
 def outcome(call) -> dict:

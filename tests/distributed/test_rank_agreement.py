@@ -1,6 +1,6 @@
 """Ranks that disagree about a call end in one clear ValueError on every rank, within seconds, naming each
 differing field and each rank's value; ranks that agree get unchanged results, and the check costs one small
-all-reduce per call (none with check_ranks=False, none during a pinned recompute replay).
+all-reduce per call and one per backward (none with check_ranks=False, none during a pinned recompute replay).
 
 Spawned gloo ranks, one launch per world size (2 and 4); at world 4 only rank 2 differs (and, in one case,
 ranks 1 and 3 in different fields)."""
@@ -26,6 +26,10 @@ CASES = {
     "scale": {"softmax_scale": (SCALE, "0.25")},
     "heads": {"heads": ("4", "2")},
     "kv_heads": {"kv_heads": ("2", "1")},
+    "head_dim": {"head_dim": ("8", "4")},
+    "v_head_dim": {"v_head_dim": ("8", "4")},
+    "huge_scale": {"softmax_scale": ("0.25", "-"), "kernel": ("torch", "-"), "input_check": ("ok", None)},
+    "huge_softcap": {"softcap": ("5.0", "-"), "kernel": ("torch", "-"), "input_check": ("ok", None)},
     "kernel": {"kernel": ("torch", "sdpa_cpu")},
     "requires_grad": {"requires_grad": ("True", "False")},
     "sinks_requires_grad": {"requires_grad": ("False", "True")},
@@ -101,6 +105,26 @@ def test_configs_building_different_groups_are_one_error_before_any_subgroup(wor
         f"{prefix}check_ranks: {same}: True; {odd}: False); pass the same CPConfig on every rank"
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_double_backward_on_one_rank_is_an_error_on_every_rank(world):
+    """create_graph=True on one rank only: every rank's backward agrees first and raises, none waits on the odd
+    one's refusal in the ring's communication."""
+    odd = odd_rank(world)
+    for rank, res in enumerate(results(world)):
+        r = res["disagree"]["double_backward"]
+        assert r["error"] is not None and r["error"].startswith("RuntimeError: ring attention has no second "
+                                                                "derivative"), f"rank {rank}: {r['error']}"
+        assert r["seconds"] < SECONDS and r["probe"] == world
+        assert ("on another rank of the context-parallel group" in r["error"]) == (rank != odd), r["error"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_huge_numbers_are_the_odd_ranks_value_error(world):
+    for case, name in (("huge_scale", "softmax_scale"), ("huge_softcap", "softcap")):
+        check = _fields(_message(world, case))["input_check"]
+        assert f"ValueError: {name} must be" in check and "positive finite number" in check, check
+
+
 def test_invalid_shard_on_one_rank_names_its_error():
     fields = _fields(_message(2, "invalid_local_seq"))
     assert "positive multiple of 4" in fields["input_check"], fields
@@ -129,7 +153,7 @@ def test_agreeing_ranks_pass_with_unchanged_results_and_one_check_per_call(world
         assert r["same"], f"rank {rank}: results differ with the check on and off"
         assert r["err"] < 1e-10, f"rank {rank}: relative error {r['err']:.1e} against the float64 reference"
         assert r["on_fwd"] == {"all_reduce": 1, "all_gather": 0, "counter": 1}, r["on_fwd"]
-        assert r["on_bwd"] == {"all_reduce": 0, "all_gather": 0, "counter": 0}, r["on_bwd"]
+        assert r["on_bwd"] == {"all_reduce": 1, "all_gather": 0, "counter": 1}, r["on_bwd"]   # create_graph agreed
         assert r["off_fwd"] == r["off_bwd"] == {"all_reduce": 0, "all_gather": 0, "counter": 0}
         assert (r["gather_checks_on"], r["gather_checks_off"]) == (4, 0), "gather_sequence: one check per call"
 
@@ -137,7 +161,8 @@ def test_agreeing_ranks_pass_with_unchanged_results_and_one_check_per_call(world
 def test_no_check_during_pinned_replay():
     for res in results(2):
         for preset, r in res["replay"].items():
+            # one check per attention run and one per attention backward (create_graph agreed)
             if preset == "core_attn":   # re-runs the attention, and so its check, in backward on every rank
-                assert r == {"agree": 2 * LAYERS, "runs": 2 * LAYERS}, preset
+                assert r == {"agree": 3 * LAYERS, "runs": 2 * LAYERS}, preset
             else:
-                assert r == {"agree": LAYERS, "runs": LAYERS}, preset
+                assert r == {"agree": 2 * LAYERS, "runs": LAYERS}, preset

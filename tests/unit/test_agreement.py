@@ -17,14 +17,14 @@ from ctx_plugin.bench.counting import CommCounter
 from ctx_plugin.core.agreement import FIELDS, LENGTH, NONE, agreed, decode, digest, disagreement, encode
 
 FULL = {"op": "cp_attention", "batch": 2, "local_seq": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128,
-        "shape": "(2, 4096, 32, 128)", "dim": 1, "dtype": "torch.bfloat16", "device": "cuda", "requires_grad": True,
-        "backend": "ulysses_ring", "ulysses_size": 2, "kernel": "sdpa_cudnn", "causal": False,
+        "v_head_dim": 128, "shape": "(2, 4096, 32, 128)", "dim": 1, "dtype": "torch.bfloat16", "device": "cuda",
+        "requires_grad": True, "backend": "ulysses_ring", "ulysses_size": 2, "kernel": "sdpa_cudnn", "causal": False,
         "softmax_scale": 128 ** -0.5, "window": "-,-", "softcap": 50.0, "sinks": "-", "documents": "-",
         "input_check": "ok"}
 # A second value for every field, to check that each one tells two ranks apart.
 OTHER = {"op": "gather_sequence", "batch": 1, "local_seq": 4095, "heads": 16, "kv_heads": 1, "head_dim": 64,
-         "shape": "(2, 4096, 32, 127)", "dim": -1, "dtype": "torch.float16", "device": "cpu", "requires_grad": False,
-         "backend": "zigzag", "ulysses_size": 1, "kernel": "flash_attn", "causal": True,
+         "v_head_dim": 32, "shape": "(2, 4096, 32, 127)", "dim": -1, "dtype": "torch.float16", "device": "cpu",
+         "requires_grad": False, "backend": "zigzag", "ulysses_size": 1, "kernel": "flash_attn", "causal": True,
          "softmax_scale": math.nextafter(128 ** -0.5, 1.0), "window": "4095,-", "softcap": 30.0, "sinks": "torch.float32",
          "documents": "1000:0123456789abcdef", "input_check": "ValueError: no"}
 
@@ -73,7 +73,9 @@ def test_long_and_non_ascii_strings_stay_distinct():
     a, b = "ValueError: " + "x" * 300 + "a", "ValueError: " + "x" * 300 + "b"
     da, db = decode(encode({"input_check": a}))["input_check"], decode(encode({"input_check": b}))["input_check"]
     assert da != db and da.startswith("ValueError: xxx") and len(da) == 8 * 32
-    assert decode(encode({"input_check": "1 × 2"}))["input_check"] == "1 \\xd7 2"
+    assert decode(encode({"input_check": "1 × 2 ≥ 0"}))["input_check"] == "1 × 2 ≥ 0"       # as written
+    cut = decode(encode({"input_check": "×" * 200}))["input_check"]       # shortened inside a character: kept valid
+    assert cut.startswith("××") and cut != decode(encode({"input_check": "×" * 201}))["input_check"]
 
 
 def test_unknown_field_is_a_programming_error():
