@@ -78,14 +78,17 @@ def _value(x) -> str:
     return str(getattr(x, "name", x))
 
 
-def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True) -> MegatronCPSettings:
+def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True,
+                       entry_point: bool = True) -> MegatronCPSettings:
     """Validates the ``--cp-*`` flags against Megatron's and returns the settings (ValueError otherwise).
 
     Call it once per run, on the arguments as the user gave them and Megatron completed them (after
     ``validate_args`` and ``set_global_variables``: ``budget:<GiB>`` is resolved from ``data_parallel_size`` and
     ``padded_vocab_size``), never on arguments it has already written recompute fields into. With
     ``resolve_budget=False`` a ``budget:`` preset is checked but returned unresolved (``megatron_recompute``
-    None): for checks made before the vocabulary is known (``ctx-plugin launch``)."""
+    None): for checks made before the vocabulary is known (``ctx-plugin launch``). ``entry_point=False``: the
+    ``--spec`` layer spec alone, without ctx_plugin's entry point, where nothing writes Megatron's recompute fields,
+    so Megatron's own ``--recompute-*`` flags apply as given (ctx_plugin's layer presets are refused there)."""
     for flag in ("cp_no_rank_check", "cp_pad_documents"):
         if not isinstance(getattr(args, flag, False), bool):
             raise ValueError(f"--{flag.replace('_', '-')} is a switch: True or False, got {getattr(args, flag)!r}")
@@ -114,6 +117,10 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     kv_heads = (args.num_query_groups if getattr(args, "group_query_attention", False) and args.num_query_groups
                 else args.num_attention_heads) // tp
     check_seq_len(cp_config, args.seq_length, cp, _NAMES)
+    if cp > 1 and args.seq_length % (2 * cp):   # validate_args asserts it first in a job; ctx-plugin launch checks here
+        raise ValueError(f"--seq-length must be a multiple of 2 × --context-parallel-size = {2 * cp}, got "
+                         f"{args.seq_length}: Megatron-LM's validate_args asserts it for every backend (--cp-backend "
+                         f"{cp_config.backend} alone would take it)")
     if getattr(args, "sequence_parallel", False):
         check_sequence_parallel(cp_config, args.seq_length, cp, tp, _NAMES)
     check_heads(cp_config, heads, max(kv_heads, 1), cp, _NAMES)
@@ -126,7 +133,7 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True)
     check_data_options(args)
     if getattr(args, "window_size", None) is not None:
         window(args.window_size, causal=True)           # GPT models' attention is causal
-    recompute = _recompute(args, resolve_budget)
+    recompute = _recompute(args, resolve_budget, entry_point)
     megatron_fields = None
     layers = recompute.for_layers
     if layers.preset != Recompute.BUDGET:       # +tile_loss is the loss's: spec.prepare_model installs it on the model
@@ -188,7 +195,7 @@ def _own_equivalent(args: argparse.Namespace) -> str:
     return "selective (or core_attn, mlp)"
 
 
-def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfig:
+def _recompute(args: argparse.Namespace, resolve_budget: bool, entry_point: bool) -> RecomputeConfig:
     try:
         recompute = RecomputeConfig.parse(args.cp_recompute)
     except TypeError as e:            # a namespace built in code: the flag error all the same
@@ -200,7 +207,7 @@ def _recompute(args: argparse.Namespace, resolve_budget: bool) -> RecomputeConfi
     if own and recompute.preset != Recompute.NONE:
         raise ValueError(f"--cp-recompute {recompute} and {', '.join(own)} both set what to recompute; keep one "
                          f"(--cp-recompute maps onto Megatron's fields where Megatron can express it)")
-    if own:          # --cp-recompute none writes Megatron's fields too: its own flags would be dropped
+    if own and entry_point:  # --cp-recompute none writes Megatron's fields too: its own flags would be dropped
         raise ValueError(f"{', '.join(own)}: ctx_plugin sets Megatron's recompute fields from --cp-recompute "
                          f"(default none), so Megatron's own flags would be dropped; use --cp-recompute "
                          f"{_own_equivalent(args)} instead (its full presets keep the context-parallel attention "

@@ -66,6 +66,10 @@ MODEL_OPTIONS: tuple[Refused, ...] = (
     Refused("external_cuda_graph", _truthy, "it captures CUDA graphs of the layers (Transformer Engine's "
             "make_graphed_callables), which replay ctx_plugin's attention without its host-side work per call",
             "drop it"),
+    Refused("overlap_moe_expert_parallel_comm", _truthy, "it runs Megatron's combined 1F1B schedule, which calls the "
+            "model's layers piece by piece (build_schedule_plan: attention, MLP and the experts' dispatch apart) "
+            "past the model's forward, so the recompute presets ctx_plugin applies to whole layers and MLPs and the "
+            "packed documents of --reset-attention-mask batches would be skipped", "drop it"),
     Refused("flash_decode", _truthy, "flash decoding is an inference path that bypasses the core attention; "
             "ctx_plugin's attention is for training", "drop it"),
     Refused("position_embedding_type", lambda v: v == "mrope", "multimodal RoPE takes its positions from "

@@ -67,7 +67,8 @@ def layer_spec(model_config=None, vp_stage=None) -> ModuleSpec:
                          "parser never got ctx_plugin's); run through python -m ctx_plugin.megatron.pretrain_gpt, apply "
                          "patches/megatron-core-0.19-extra-args-entry-points.patch, or pass "
                          "extra_args_provider=ctx_plugin.megatron.args.add_arguments to Megatron's pretrain")
-    settings = run.settings if run is not None else settings_from_args(args)   # the entry point's, computed once
+    # the entry point's, computed once; without it Megatron applies its own --recompute-* flags
+    settings = run.settings if run is not None else settings_from_args(args, entry_point=False)
     _check_seams(args, settings)
     if getattr(model_config, "transformer", None) is not None:
         # megatron.training.models.gpt's GPTModelConfig: the spec Megatron itself would build for it (MoE blocks,

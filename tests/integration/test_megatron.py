@@ -299,6 +299,19 @@ def test_spec_alone_with_megatrons_zigzag_layout(monkeypatch, backend):
     assert core.module is CPCoreAttention and core.params["cp_config"].backend == backend
 
 
+@pytest.mark.parametrize("own", [["--recompute-granularity", "selective"],
+                                 ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                  "--recompute-num-layers", "1"]])
+def test_spec_alone_leaves_megatrons_own_recompute_flags_to_megatron(monkeypatch, own):
+    """Without the entry point nothing writes Megatron's recompute fields, so its own --recompute-* flags apply as
+    given (the entry point refuses them for --cp-recompute, which writes those fields; --spec alone refuses that)."""
+    from megatron.training import global_vars
+
+    spec = _layer_spec(monkeypatch, "--cp-backend", "zigzag", "--no-create-attention-mask-in-dataloader", *own)
+    assert spec.submodules.self_attention.submodules.core_attention.params["cp_config"].backend == "zigzag"
+    assert global_vars.get_args().recompute_granularity == own[1]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--cp-backend", "striped", "--no-create-attention-mask-in-dataloader"],
      "--cp-backend striped holds other tokens on each rank than the zigzag chunks"),

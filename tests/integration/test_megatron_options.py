@@ -25,7 +25,7 @@ REFUSED = {"attention_dropout": 0.1, "qk_clip": True,
            "fp8_dot_product_attention": True, "fp8_multi_head_attention": True, "use_kitchen_attention": True,
            "flash_attention_version": 3, "batch_invariant_mode": True, "deterministic_mode": True, "flash_decode": True,
            "position_embedding_type": "mrope", "cuda_graph_impl": "transformer_engine", "enable_cuda_graph": True,
-           "external_cuda_graph": True}
+           "external_cuda_graph": True, "overlap_moe_expert_parallel_comm": True}
 
 
 def _config(*, init_method_std: float = 0.02, **fields) -> TransformerConfig:

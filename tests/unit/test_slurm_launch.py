@@ -253,12 +253,14 @@ def test_megatron_stop_and_resume_flags(tmp_path):
     (good(attention_dropout=None), r"no dropout; set --attention-dropout 0 \(got 0\.1\)"),
     (good(seq_length="30"), r"--seq-length must be a positive multiple of 4, got 30 \(zigzag over --context-parallel-size 2\)"),
     (good(context_parallel_size="8", seq_length="24"), "must be a positive multiple of 16, got 24"),
+    (good(seq_length="30") + ["--cp-backend", "ring"], r"--seq-length must be a multiple of 2 × "
+                                                       r"--context-parallel-size = 4, got 30: Megatron-LM's validate"),
     (GOOD + ["--cp-backend", "ulysses_ring", "--cp-ulysses-size", "3"], "must divide --context-parallel-size 2"),
     (GOOD + ["--cp-comm-type", "a2a"], "--cp-comm-type a2a conflicts"),
     (GOOD + ["--attention-backend", "flash"], "--attention-backend flash would replace"),
     (GOOD + ["--cp-recompute", "bogus"], "unknown recompute preset 'bogus'"),
     (GOOD + ["--cp-recompute", "full", "--recompute-granularity", "full"], "both set what to recompute"),
-], ids=["dropout-default", "seq-unit", "seq-unit-cp8", "ulysses-size", "comm-type", "attention-backend",
+], ids=["dropout-default", "seq-unit", "seq-unit-cp8", "megatron-seq-unit", "ulysses-size", "comm-type", "attention-backend",
         "recompute-preset", "recompute-twice"])
 def test_megatron_cp_checks_still_run(argv, message):
     with pytest.raises(ValueError, match=message):
