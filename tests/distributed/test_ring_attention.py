@@ -73,18 +73,18 @@ def test_hybrid_reduces_to_ring_and_ulysses():
 def test_communication_counts():
     """Forward: P−1 K/V rotations for the ring family, 4 all-to-alls (q, k, v, out) for Ulysses, 4
     all-to-alls and P/u−1 rotations for the hybrid, one K/V all-gather for allgather, each after one rank-agreement
-    check (agreement.py). Backward mirrors it, without the check."""
+    check (agreement.py). Backward mirrors it, after one agreement on whether any rank runs it with create_graph."""
     p = 4
     configs = [(b.value, 1) for b in (*RING_BACKENDS, Backend.ULYSSES, Backend.ALLGATHER)] + [("ulysses_ring", 2)]
     ring = {"fwd_p2p": p - 1, "fwd": {"agree": 1, "ring_kv": p - 1}, "bwd_p2p": 2 * p - 1,
-            "bwd": {"ring_kv": p - 1, "ring_dkv": p}}
+            "bwd": {"agree": 1, "ring_kv": p - 1, "ring_dkv": p}}
     r = p // 2
     want = {**{f"{b}-u1": ring for b in RING_BACKENDS},
-            "ulysses-u1": {"fwd_p2p": 0, "fwd": {"agree": 1, "a2a": 4}, "bwd_p2p": 0, "bwd": {"a2a": 4}},
+            "ulysses-u1": {"fwd_p2p": 0, "fwd": {"agree": 1, "a2a": 4}, "bwd_p2p": 0, "bwd": {"agree": 1, "a2a": 4}},
             "allgather-u1": {"fwd_p2p": 0, "fwd": {"agree": 1, "allgather_kv": 1}, "bwd_p2p": 0,
-                             "bwd": {"allgather_kv": 1, "reduce_scatter_dkv": 1}},
+                             "bwd": {"agree": 1, "allgather_kv": 1, "reduce_scatter_dkv": 1}},
             "ulysses_ring-u2": {"fwd_p2p": r - 1, "fwd": {"agree": 1, "a2a": 4, "ring_kv": r - 1}, "bwd_p2p": 2 * r - 1,
-                                "bwd": {"a2a": 4, "ring_kv": r - 1, "ring_dkv": r}}}
+                                "bwd": {"agree": 1, "a2a": 4, "ring_kv": r - 1, "ring_dkv": r}}}
     for rank, res in enumerate(run_spawned("tests.distributed.cases:count_exchanges", p, {"configs": configs})):
         assert res == want, f"rank {rank}"
 
