@@ -1,5 +1,6 @@
 """Real blocks of every family measured against the memory model (one process, CPU): what the layers keep for
-backward, and the activation peak of a whole step (layers, final norm, LM head, cross-entropy, backward)."""
+backward, and the activation peak of a whole step (layers, final norm, LM head, cross-entropy — tiled with
+``+tile_loss`` — backward)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ from ctx_plugin.memory import ModelSpec, ParallelSpec, estimate, layer_activatio
 from ctx_plugin.memory.blocks import layer_terms
 from ctx_plugin.memory.specs import HF_MODEL_TYPES
 from ctx_plugin.memory.measure import step_bytes
+from ctx_plugin.tiled_loss import lm_loss_sum
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, BATCH = 64, 160, 3, 4, 2, 2
 CFG = ctx_plugin.CPConfig(kernel="sdpa_cpu")    # a flash-style kernel: no score matrices, as on GPUs
@@ -98,12 +100,13 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
     """Measured and modelled bytes: ``layers`` (kept by the decoder layers on the device), ``peak`` (a step's
     device activations) and ``host`` (offloaded after the forward)."""
     groups = ctx_plugin.build_cp_groups(CFG)
+    config = recompute.RecomputeConfig.parse(preset)
     torch.manual_seed(0)
     build = _ctx if family == "ctx_plugin" else lambda v, d, g: _hf(kind, v, d, g)
     model, layers, run_layers, head = build(vocab, dtype, groups)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")       # core_attn warns by design
-        recompute.apply(layers, preset)
+        recompute.apply(layers, config.for_layers)     # +tile_loss is the loss's (below)
     x0 = torch.randn(batch, seq_len, HIDDEN, dtype=dtype, requires_grad=True)
     pos = torch.arange(seq_len)
     labels = torch.randint(0, vocab, (batch * seq_len,))
@@ -126,8 +129,10 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
         p.grad = torch.zeros_like(p)  # gradients accumulate in place: only their per-operator temporaries count
 
     def step():
-        logits = head(run_layers(x0 * 1.0, pos))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels)
+        hidden = run_layers(x0 * 1.0, pos)
+        if config.tile_loss:           # +tile_loss: the head and loss over chunks (ctx_plugin.tiled_loss)
+            return lm_loss_sum(hidden, labels.view(batch, seq_len), head, tokens=config.loss_tokens)
+        return F.cross_entropy(head(hidden).flatten(0, 1).float(), labels)
 
     gc.collect()
     gc.disable()     # tensors freed by reference counting only: a cyclic collection mid-step would move the peak

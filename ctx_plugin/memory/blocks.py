@@ -56,7 +56,9 @@ class LayerTerms:
     mlp_inner: int    # the MLP's intermediates (what the mlp preset and +tile_mlp drop)
     selective: int    # kept under selective
     sel_working: int  # re-materialised at once while a selective layer is recomputed
-    sel_mlp: int      # the MLP's part of sel_working (a +tile_mlp layer re-materialises one chunk's instead)
+    sel_mlp: int      # the MLP's part of sel_working (a +tile_mlp layer re-materialises one chunk's instead; the
+                      # rest is alive at the layer's norm backward)
+    mlp_outs: int     # the MLP's projection outputs selective caches (what +tile_mlp drops from a selective layer)
     x_in_none: int    # part of ``none`` that is the layer input itself (not re-materialised by a region's recompute)
     bwd_temps: int    # a layer's backward temporaries at its worst moment (the MLP's), beyond what it kept
     mlp_temps: int    # the MLP backward temporaries alone (per token: scales with a +tile_mlp chunk)
@@ -67,7 +69,9 @@ class LayerTerms:
     chunk_copies: int  # contiguous copies of a strided +tile_mlp chunk: of its input by each projection reading it,
                        # of its output's gradient by backward (chunks of [b, s, h] with b > 1 are strided)
     head: int         # the final norm's kept tensors (the LM head's input among them)
-    norm_bwd: int     # the final norm's backward temporaries beyond the kept activations
+    norm_bwd: int     # a norm's backward temporaries beyond its kept tensors and its output's slot (which its
+                      # incoming gradient takes): the final norm's, and each layer's (the peak of a recomputed
+                      # layer whose MLP is tiled)
     grad: int         # the gradient flowing between layers
 
     @property
@@ -132,7 +136,8 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                           sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,
                           shared=2 * t * d * e, head=norm, norm_bwd=4 * t * m.hidden * 4 - t * 4, grad=grad,
                           mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
-                          first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e)
+                          first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e,
+                          mlp_outs=t * up * e + x)
     megatron = m.family == "megatron"
     stats_e = e if megatron and device == "cpu" else acc  # torch's LayerNorm keeps its statistics in e on CPU
     stats = t * (1 if m.norm == "rms" else 2) * stats_e
@@ -164,4 +169,4 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                       norm_bwd=norm_bwd, grad=grad, mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
                       first_weight=up * m.hidden * e,
                       chunk_copies=0 if megatron else 2,     # Megatron's chunks: contiguous ([s, b, h])
-                      sel_mlp=inner - t * up * e)
+                      sel_mlp=inner - t * up * e, mlp_outs=t * up * e + x)

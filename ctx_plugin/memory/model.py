@@ -9,12 +9,14 @@ norm's backward
 temporaries, (c) during the layers' backward, what the layers not yet done keep, the working set re-materialised
 by the current layer or region (region presets: its layers' ``none`` tensors but the pinned attention and the
 region input; ``mlp``: the MLP's intermediates; ``selective``: the norms and activations), the MLP backward's
-temporaries and the incoming gradient. Modifiers: ``+tile_loss`` (one chunk's logits), ``+tile_mlp`` (no MLP
-intermediates kept; one chunk's in backward), ``+recompute_attn`` (regions keep only their input; the attention
-runs twice per step), ``+offload`` / ``+offload_attn`` (region inputs, and pins by elements, in ``host`` memory;
-during a region's backward its copies back — its input only while recomputed, unless a norm keeps it — and the
-previous region's, prefetched). Held to measured bytes as the presets are (``+tile_mlp``: the last chunk's backward
-with the earlier chunks' input gradients and the MLP weights' gradients summed over chunks).
+temporaries and the incoming gradient, or once the MLP is done its norm's backward temporaries and two gradients.
+Modifiers: ``+tile_loss`` (one chunk's logits; over several, the head-weight gradients autograd sums and the
+chunks' hidden gradients), ``+tile_mlp`` (no MLP intermediates kept; one chunk's in backward),
+``+recompute_attn`` (regions keep only their input; the attention runs twice per step), ``+offload`` /
+``+offload_attn`` (region inputs, and pins by elements, in ``host`` memory; during a region's backward its copies
+back — its input only while recomputed, unless a norm keeps it — and the previous region's, prefetched). Held to
+measured bytes as the presets are (``+tile_mlp``: the last chunk's backward with the earlier chunks' input
+gradients and the MLP weights' gradients summed over chunks).
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def layer_activations(m: ModelSpec, p: ParallelSpec, recompute: RecomputeConfig,
     if preset == Recompute.MLP:
         return [k.none - k.mlp_inner] * m.layers
     if preset == Recompute.SELECTIVE:
-        return [k.selective - (k.mlp_inner // 2 + k.x if recompute.tile_mlp else 0)] * m.layers  # + down's out
+        return [k.selective - (k.mlp_outs if recompute.tile_mlp else 0)] * m.layers
     if preset == Recompute.BUDGET:
         raise ValueError(f"resolve {recompute} first (ctx_plugin.recompute.resolve)")
     pins = 0 if recompute.recompute_attention else k.pins
@@ -75,9 +77,11 @@ def layer_activations(m: ModelSpec, p: ParallelSpec, recompute: RecomputeConfig,
 def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[int], chunk_inner: int,
                    chunk_temps: tuple[int, int], in_flight: list[int]) -> int:
     """Activations alive at the worst moment of the layers' backward: what the layers not yet done keep, the
-    recomputed working set of the current layer or region, its backward temporaries and the incoming gradient.
-    ``chunk_temps``: a +tile_mlp chunk's backward temporaries in a layer that is not recomputed, and in one that is
-    (``selective``, regions). ``in_flight``: offloaded bytes back on the device while each region runs backward."""
+    recomputed working set of the current layer or region and the incoming gradient, with either the MLP
+    backward's temporaries or, once the MLP is done (its intermediates freed: the peak when +tile_mlp leaves one
+    chunk's), the MLP norm's backward temporaries. ``chunk_temps``: a +tile_mlp chunk's backward temporaries in a
+    layer that is not recomputed, and in one that is (``selective``, regions). ``in_flight``: offloaded bytes back
+    on the device while each region runs backward."""
     tiled = recompute.tile_mlp
     inner, (temps, temps_rec) = (chunk_inner, chunk_temps) if tiled else (0, (k.bwd_temps,) * 2)
     preset = recompute.preset
@@ -87,12 +91,17 @@ def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[
         working = inner
     kept = sum(per_layer)
     peak = kept + working + (temps_rec if preset == Recompute.SELECTIVE else temps) + k.grad
-    per_layer_rec = k.none - (k.mlp_inner if tiled else 0) - k.pins    # a tiled MLP's chunks: one at a time
+    # the norm's backward: its output's slot holds the incoming gradient, the layer's output gradient waits
+    norm = k.grad + k.norm_bwd
+    peak = max(peak, kept + (k.sel_working - k.sel_mlp if preset == Recompute.SELECTIVE else 0) + norm)
+    per_layer_rec = k.none - k.mlp_inner - k.pins    # the MLP's intermediates: a tiled MLP's one chunk at a time
     if recompute.recompute_attention:
         per_layer_rec += k.pins
     for (start, stop), back in zip(regions(recompute, m.layers), in_flight or [0] * m.layers):
-        rec = (stop - start) * per_layer_rec - k.x_in_none + inner
-        peak = max(peak, sum(per_layer[:stop]) + rec + temps_rec + k.grad + back)
+        n = stop - start      # the last layer's MLP backward (its intermediates, the others' untiled), then its norm's
+        rec = n * per_layer_rec - k.x_in_none + back + (0 if tiled else (n - 1) * k.mlp_inner)
+        peak = max(peak, sum(per_layer[:stop]) + rec + max((inner if tiled else k.mlp_inner) + temps_rec + k.grad,
+                                                           norm))
     return peak + k.shared
 
 
@@ -150,7 +159,10 @@ class MemoryEstimate:
     cp_buffers: int
     """Transient context-parallel communication buffers of one attention call."""
     logits_peak: int
-    """At the loss: the logits' fp32 copy, the saved log-softmax and its gradient (one chunk's with +tile_loss)."""
+    """At the loss: the logits' fp32 copy, the saved log-softmax and its gradient; with +tile_loss one chunk's, and
+    from the second chunk on the sum of the head-weight gradients so far and the hidden gradients done (autograd
+    sums the chunks' weight gradients out of place before accumulating them: three at its additions; Megatron's
+    gradient-accumulation fusion writes them into ``main_grad`` instead, less than counted)."""
     recompute_flops: float
     """Extra FLOPs of recomputation per micro batch on one rank (the attention's too with +recompute_attn; the
     planner times them)."""
@@ -286,13 +298,17 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     if recompute.tile_loss:
         loss_tokens = min(t, recompute.loss_tokens or auto_tokens(vocab))
         extra += 2 * t * model.hidden * vocab      # the head's forward runs again, chunk by chunk, in backward
+    logits = loss_tokens * vocab * 3 * acc
+    if loss_tokens < t:     # chunks: their head-weight gradients summed (out of place) before accumulation, and
+        head_grad, hidden_grad = vocab * model.hidden * e, model.hidden * e      # the chunks' hidden gradients
+        logits = max(logits + head_grad + (t - loss_tokens) * hidden_grad, 3 * head_grad + t * hidden_grad)
     passes = 2 if preset == Recompute.CORE_ATTN or recompute.recompute_attention else 1
     return MemoryEstimate(params=state.params, grads=state.grads, optimizer=state.optimizer,
                           framework_buffers=state.extra, step_peak=state.step,
                           framework=parallel.runs_on, activations=activations,
                           per_layer=per_layer, recompute_peak=max(backward - activations, k.norm_bwd, 0),
                           cp_buffers=cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc, device),
-                          logits_peak=loss_tokens * vocab * 3 * acc, recompute_flops=extra, step_flops=step,
+                          logits_peak=logits, recompute_flops=extra, step_flops=step,
                           host=sum(host),
                           host_budget=None if recompute.offload_gib is None else int(recompute.offload_gib * GiB),
                           attention_passes=passes, family=model.family)
