@@ -35,9 +35,8 @@ from ..hf import loss as hf_loss
 from ..names import Recompute
 from ..recompute import RecomputeConfig, apply
 from ..recompute.apply import refuse_hf_checkpointing
-from .config import (SECTION, ContextParallelSection, _load_config, _refuse_curriculum, _refuse_deepcompile,
-                     _refuse_ds_checkpointing, _refuse_model_parallel, _refuse_patched_linear,
-                     _refuse_summed_gradients, _zero_config, batch_sizes, check_data_parallel_size, parse_section)
+from .config import (SECTION, ContextParallelSection, _load_config, _refuse_ds_checkpointing, _refuse_patched_linear,
+                     _zero_config, batch_sizes, parse_section, split_config, world_config)
 from .data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, step_tokens, tiled_causal_lm_loss
 
 __all__ = ["SECTION", "ContextParallelMPU", "ContextParallelSection", "ShardedLoader", "batch_sizes", "causal_lm_loss",
@@ -220,18 +219,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                     model_parameters=model_parameters, training_data=training_data,
                                     lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
                                     collate_fn=collate_fn, config=config)
-    section = parse_section(config.pop(SECTION))
-    _refuse_curriculum(config)
-    _refuse_deepcompile(config)
-    _refuse_summed_gradients(config)
-    _refuse_model_parallel(config, model)
+    section, config = split_config(config, model)
     if mpu is not None:
         raise ValueError(f'"{SECTION}" builds the process groups itself; do not pass mpu=')
-    own_sp = config.get("sequence_parallel_size", 1)
-    if type(own_sp) is not int or own_sp not in (1, section.size):
-        raise ValueError(f'"sequence_parallel_size" ({own_sp}) disagrees with "{SECTION}.size" ({section.size}); '
-                         f'drop "sequence_parallel_size": the "{SECTION}" section is the one switch')
-    config.pop("sequence_parallel_size", None)
     if attention is None and not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"{type(model).__name__} is not a Hugging Face model (no set_attn_implementation), so "
                          f'ctx_plugin cannot switch its attention, yet "{SECTION}" shards its sequences: pass '
@@ -252,10 +242,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     deepspeed.init_distributed(dist_init_required=dist_init_required)
     _set_device(args)
     world = dist.get_world_size()
-    if world % section.size:
-        raise ValueError(f'"{SECTION}.size" ({section.size}) must divide the number of ranks ({world})')
-    config = batch_sizes(config, world=world, size=section.size)
-    check_data_parallel_size(config, world // section.size)
+    config = world_config(config, section, world)
     cp, alone = _cp_group(section.size)
     groups = build_cp_groups(section.cp_config, group=cp)
     if attention is not None:

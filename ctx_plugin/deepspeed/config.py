@@ -89,14 +89,14 @@ def _load_config(config, args) -> dict:
     if config is None:
         config = from_args
     if isinstance(config, (str, Path)):
-        config = _read_config(config)
+        config = read_config(config)
     if not isinstance(config, dict):
         raise TypeError("ctx_plugin.deepspeed.initialize needs config= as a dict or a JSON path (or "
                         "args.deepspeed_config)")
     return dict(config)
 
 
-def _read_config(config: str | Path) -> dict:
+def read_config(config: str | Path) -> dict:
     """A config given as a string, read as ``deepspeed.initialize`` reads it: a file (hjson: JSON that may hold
     comments and trailing commas), else base64-encoded JSON; a key given twice in one object is an error."""
     import hjson                  # DeepSpeed's own reader (one of its requirements)
@@ -119,6 +119,34 @@ def _read_config(config: str | Path) -> dict:
             return decoded
     raise ValueError(f"config={str(config)[:80]!r} is neither a file nor base64-encoded JSON: give the DeepSpeed "
                      "config as a dict, a path to an existing JSON file or base64 (what deepspeed.initialize takes)")
+
+
+def split_config(config: dict, model=None) -> tuple[ContextParallelSection, dict]:
+    """The ``"context_parallel"`` section of a DeepSpeed config that has one, and the rest of the config, after the
+    refusals that need no process group: curriculum learning, deepcompile, summed gradients, model parallelism, a
+    ``"sequence_parallel_size"`` other than the section's (then dropped). ``model`` None leaves out what needs the
+    model (the launcher's check, before the job builds it)."""
+    config = dict(config)
+    section = parse_section(config.pop(SECTION))
+    _refuse_curriculum(config)
+    _refuse_deepcompile(config)
+    _refuse_summed_gradients(config)
+    _refuse_model_parallel(config, model)
+    own_sp = config.pop("sequence_parallel_size", 1)
+    if type(own_sp) is not int or own_sp not in (1, section.size):
+        raise ValueError(f'"sequence_parallel_size" ({own_sp}) disagrees with "{SECTION}.size" ({section.size}); '
+                         f'drop "sequence_parallel_size": the "{SECTION}" section is the one switch')
+    return section, config
+
+
+def world_config(config: dict, section: ContextParallelSection, world: int) -> dict:
+    """The config for ``world`` ranks: the section's size dividing them, the batch sizes (:func:`batch_sizes`) and
+    ``"data_parallel_size"`` (:func:`check_data_parallel_size`, dropped)."""
+    if world % section.size:
+        raise ValueError(f'"{SECTION}.size" ({section.size}) must divide the number of ranks ({world})')
+    config = batch_sizes(config, world=world, size=section.size)
+    check_data_parallel_size(config, world // section.size)
+    return config
 
 
 def _zero_config(config: dict, recompute: RecomputeConfig) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 from pathlib import Path
 
 from ..core.rules import SettingNames, check_sequence_parallel, check_tp_heads
@@ -178,37 +177,28 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
                " (chosen when the job starts: the tokenizer gives the vocabulary size)"))
 
 
-def _batch_check(config: dict, world: int, size: int) -> None:
-    """The batch rule ``ctx_plugin.deepspeed.initialize`` applies, checked early: ``train_batch_size`` = micro ×
-    accumulation × data-parallel replicas (the ranks of one context-parallel group share each sample)."""
-    from ..deepspeed.config import batch_sizes
-
-    if config.get("train_batch_size") is None and config.get("train_micro_batch_size_per_gpu") is None:
-        raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu")
-    batch_sizes(config, world=world, size=size)
-
-
 def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: str) -> str:
     """Checks a DeepSpeed job: the config file and its ``"context_parallel"`` section for ``world`` ranks, and
     the program (``script.py ...`` or ``-m module ...``) that ``torchrun`` starts; returns the layout."""
-    from ..deepspeed.config import SECTION, _refuse_curriculum, _refuse_ds_checkpointing, parse_section
+    from ..deepspeed.config import SECTION, read_config, _refuse_ds_checkpointing, split_config, world_config
 
     path = _file(ds_config, "--ds-config")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--ds-config {ds_config}: not valid JSON ({e})") from None
+    try:         # as ctx_plugin.deepspeed.initialize (and DeepSpeed) read it: hjson, no key twice
+        config = read_config(path)
+    except ValueError as e:
+        raise ValueError(f"--ds-config {ds_config}: not a valid DeepSpeed config file ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"--ds-config {ds_config}: a DeepSpeed config is a JSON object, got {type(config).__name__}")
     if SECTION not in config:
         raise ValueError(f'--ds-config {ds_config} has no "{SECTION}" section: add one to switch context '
                          f'parallelism on (see README, DeepSpeed)')
-    section = parse_section(config[SECTION])
+    section, config = split_config(config)        # the refusals initialize makes before it builds any group
     if world % section.size:
         raise ValueError(f'{world} ranks (nodes × processes per node) are not a multiple of "{SECTION}.size" '
                          f"{section.size}")
-    _batch_check(config, world, section.size)
-    _refuse_curriculum(config)
+    if config.get("train_batch_size") is None and config.get("train_micro_batch_size_per_gpu") is None:
+        raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu")
+    config = world_config(config, section, world)
     if not program:
         raise ValueError("give the training program after '--': a script (train.py ...) or a module (-m name ...)")
     given = next((a for a in program if _names_deepspeed_config(a.split("=", 1)[0])), None)

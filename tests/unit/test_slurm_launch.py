@@ -342,7 +342,14 @@ def test_deepspeed_script_program(tmp_path, ds_config):
 
 
 @pytest.mark.parametrize("config,message", [
-    ("{not json", "not valid JSON"),
+    ("{not json", "not a valid DeepSpeed config file"),
+    ('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4, "context_parallel": {"size": 2}}',
+     r"key\(s\) \['train_micro_batch_size_per_gpu'\] more than once"),
+    ({**GOOD_DS, "gradient_allreduce_op": "sum"}, "summed gradients would be scaled by the context-parallel ranks"),
+    ({**GOOD_DS, "sequence_parallel_size": 4}, r'"sequence_parallel_size" \(4\) disagrees with "context_parallel.size"'),
+    ({**GOOD_DS, "compile": {"deepcompile": True}}, r'"compile.deepcompile" cannot be combined with "context_parallel"'),
+    ({**GOOD_DS, "tensor_parallel": {"autotp_size": 2}}, r'"tensor_parallel.autotp_size" 2 cannot be combined'),
+    ({**GOOD_DS, "data_parallel_size": 2}, r'"data_parallel_size" \(2\) disagrees with the 1 data-parallel replica'),
     ({"train_micro_batch_size_per_gpu": 2}, 'has no "context_parallel" section'),
     ({"train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 2, "bakend": "ring"}},
      r"unknown key\(s\) \['bakend'\]"),
@@ -362,11 +369,19 @@ def test_deepspeed_script_program(tmp_path, ds_config):
      r'"data_efficiency.data_sampling.curriculum_learning" cannot be combined with "context_parallel"'),
     ({**GOOD_DS, "activation_checkpointing": {"cpu_checkpointing": True}},
      r"\"activation_checkpointing\" \['cpu_checkpointing'\] has no effect on a Hugging Face model"),
-], ids=["json", "no-section", "unknown-key", "world", "batch-3-1", "batch-gas", "batch-6-2", "no-batch", "ambiguous",
+], ids=["json", "key-twice", "summed", "sequence-parallel", "deepcompile", "autotp", "data-parallel-size",
+        "no-section", "unknown-key", "world", "batch-3-1", "batch-gas", "batch-6-2", "no-batch", "ambiguous",
         "curriculum", "ds-checkpointing"])
 def test_deepspeed_config_errors(config, message, ds_config, model_json):
     with pytest.raises(ValueError, match=message):
         deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(config))
+
+
+@needs_hf
+def test_deepspeed_config_is_read_as_deepspeed_reads_it(ds_config, model_json):
+    """hjson, as ctx_plugin.deepspeed.initialize and DeepSpeed read a config file: comments and trailing commas."""
+    text = '{\n  // one replica\n  "train_micro_batch_size_per_gpu": 2,\n  "context_parallel": {"size": 2,},\n}\n'
+    assert "CP 2" in deepspeed(["-m", "ctx_plugin.train_hf", "--model", str(model_json)], ds_config(text))
 
 
 def test_deepspeed_missing_config(tmp_path, model_json):
