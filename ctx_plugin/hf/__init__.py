@@ -156,11 +156,13 @@ class _Attention:
         documents = hf_documents(kwargs, query.shape[2] * self.groups.size)
         if documents is None and running.module is not None:   # a layer that drops the forward's keywords
             documents = running.documents                        # (StableLM, Nemotron): the check's
-        elif documents is None and running.documents is not None and pinning.state().mode != "replay":
+            if documents is not None:
+                running.drops_keywords.add(module)
+        elif documents is None and module in running.drops_keywords and pinning.state().mode != "replay":
             raise ValueError(f"{type(module).__name__} runs its attention again outside the model's forward (a "
-                             f"recomputation in backward: gradient_checkpointing_enable(), +recompute_attn) without "
-                             f"the packed documents, which its layer does not pass on; ctx_plugin cannot tell which "
-                             f"forward's documents it recomputes: turn that recomputation off (ctx_plugin's full, "
+                             f"recomputation in backward: gradient_checkpointing_enable(), +recompute_attn), and its "
+                             f"layer does not pass the packed documents on; ctx_plugin cannot tell which forward's "
+                             f"documents (if any) it recomputes: turn that recomputation off (ctx_plugin's full, "
                              f"sqrt or core_attn presets keep the attention), or pack no documents")
         return documents
 

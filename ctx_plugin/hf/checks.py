@@ -14,6 +14,7 @@ Both are refused by :func:`config_problems` (at :func:`ctx_plugin.hf.enable`), n
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -156,10 +157,13 @@ class Running:
     def __init__(self):
         self.module = None
         self.documents = None
-        """The packed documents the check read for the latest forward (None: none), which the model's attention
+        """The packed documents the check read for the forward under way (None: none), which the model's attention
         calls apply also when the model does not pass them on (StableLM and Nemotron decoder layers call their
-        attention without the forward's keywords); kept after the forward ends, so that such a layer's attention
-        run again in backward (a recomputation, which has only these and cannot tell whose they are) is refused."""
+        attention without the forward's keywords)."""
+        self.drops_keywords: weakref.WeakSet = weakref.WeakSet()
+        """Attention modules seen called without the documents of a forward that had some: their attention run
+        again outside a forward (a recomputation in backward) is refused, since it cannot tell whose documents, if
+        any, it recomputes (the latest forward's may be another micro batch's)."""
         self.calls = 0
         """Calls into ctx_plugin's attention during this forward: a forward that finishes without any ran its
         attention some other way (GIT's text layers hard-code theirs), on each rank's shard alone."""

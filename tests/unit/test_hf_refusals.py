@@ -420,11 +420,47 @@ def test_packed_documents_of_layers_that_drop_keywords_under_recomputation(mode)
     got = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=8,
                 max_length_k=8).logits
     if mode in ("hf_checkpointing", "full+recompute_attn"):
-        with pytest.raises(ValueError, match="runs its attention again outside the model's forward .* without the "
-                                             "packed documents"):
+        with pytest.raises(ValueError, match="runs its attention again outside the model's forward .* its layer does "
+                                             "not pass the packed documents on"):
             (got * weights).sum().backward()
         return
     (got * weights).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("model_type,first", [("stablelm", "packed"), ("llama", "packed"), ("llama", "unpacked")])
+def test_two_forwards_then_one_backward_recompute_the_right_documents(model_type, first):
+    """A packed and an unpacked micro batch forward before one backward (pipeline schedules) under
+    full+recompute_attn: a layer that drops the documents (StableLM) cannot tell whose it recomputes, whichever
+    forward came last: refused; Llama passes them on, so both recompute their own and the gradients are HF's sdpa's
+    on each document alone and on the unpacked sequence (float64)."""
+    from ctx_plugin import recompute
+
+    extra = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2} if model_type == "stablelm" else {}
+    config = transformers.AutoConfig.for_model(model_type, **COMMON, **extra)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().train()
+    model = copy.deepcopy(ref)
+    cphf.enable(model, *_one_rank())
+    recompute.apply(model.model.layers, "full+recompute_attn")
+    cu = [0, 5, 8, 16]
+    ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])[None]
+    bounds = torch.tensor(cu, dtype=torch.int32)
+    weights = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    packed = dict(input_ids=ids[:1], position_ids=pos, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=8,
+                  max_length_k=8)
+    whole = dict(input_ids=ids[1:], position_ids=torch.arange(16)[None])
+    order = [(packed, weights[:1]), (whole, weights[1:])]
+    loss = sum((model(**call).logits * w).sum() for call, w in (order if first == "packed" else order[::-1]))
+    if model_type == "stablelm":
+        with pytest.raises(ValueError, match="its layer does not pass the packed documents on"):
+            loss.backward()
+        return
+    loss.backward()
+    alone = torch.cat([ref(input_ids=ids[:1, a:b], use_cache=False).logits for a, b in zip(cu, cu[1:])], 1)
+    ((alone * weights[:1]).sum() + (ref(input_ids=ids[1:], use_cache=False).logits * weights[1:]).sum()).backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
 
