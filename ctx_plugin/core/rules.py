@@ -73,9 +73,10 @@ def check_seq_len(config: CPConfig, seq_len: int, cp: int, names: SettingNames =
     """ValueError naming the fix when a global sequence of ``seq_len`` tokens cannot be split over ``cp`` ranks."""
     unit = sequence_unit(config, cp)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0 or seq_len % unit:
+        alone = ", or use backend ring, which splits nothing over one rank" if cp == 1 else ""
         raise ValueError(f"{names.seq_len} must be a positive multiple of {unit}, got {seq_len!r} ({config.backend} "
                          f"over {names.cp} {cp}); pad the sequence (and mask the padding out of the loss) to a "
-                         f"multiple of {unit}")
+                         f"multiple of {unit}{alone}")
 
 
 def check_sequence_parallel(config: CPConfig, seq_len: int, cp: int, tp: int, names: SettingNames = API) -> None:
@@ -139,7 +140,8 @@ def check_documents_fit(config: CPConfig, documents: Documents, cp: int, names: 
                 f"over {names.cp} {cp} splits every document over the ranks ({shard_layout(config).name} layout); "
                 f"pad each document to a multiple of {unit} with ctx_plugin.core.documents.pad_documents(lengths, "
                 f"{doc_unit}, total_unit={seq_unit}) and pad_tokens (labels -100 on the padding), or use a backend "
-                f"that cuts documents anywhere (ring, ulysses)")
+                f"that cuts documents anywhere (ring, ulysses)" + (" (over one rank ring splits nothing)" if cp == 1
+                                                                   else ""))
 
 
 def check_heads(config: CPConfig, heads: int, kv_heads: int, cp: int, names: SettingNames = API) -> None:

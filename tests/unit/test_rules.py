@@ -63,3 +63,14 @@ def test_check_split_order():
     with pytest.raises(ValueError, match="5 query heads"):
         check_split(config, 6, seq_len=24, heads=5)
     check_split(config, 6, seq_len=24, heads=6, kv_heads=1)
+
+
+def test_one_rank_names_the_layout_that_takes_any_length():
+    """Zigzag's unit of 2 holds at one rank too (its layout splits every sequence in two chunks); the message then
+    names ring, whose unit over one rank is 1, and only then."""
+    with pytest.raises(ValueError, match="multiple of 2, got 31 .*, or use backend ring, which splits nothing"):
+        check_seq_len(CPConfig(), 31, 1)
+    with pytest.raises(ValueError) as e:
+        check_seq_len(CPConfig(), 31, 2)
+    assert "backend ring" not in str(e.value)
+    check_seq_len(CPConfig(backend="ring"), 31, 1)
