@@ -146,6 +146,10 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True,
                          "it to the decoder's layers only, so the multi-token-prediction layers would run without it "
                          "(Megatron checkpoints them only under its own full recompute); drop --mtp-num-layers, or "
                          "use --cp-recompute none, attn_out, mlp or core_attn (Megatron's own fields)")
+    if megatron_fields is None and layers.preset != Recompute.BUDGET:       # ctx_plugin recomputes the layers
+        from .moe_state import check_router_recompute
+
+        check_router_recompute(args, layers)
     padding = None
     if getattr(args, "cp_pad_documents", False):
         from .mask_documents import document_padding

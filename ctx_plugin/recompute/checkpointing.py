@@ -8,7 +8,7 @@ masks in the recomputation) of its positional tensor arguments' devices only.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -104,19 +104,21 @@ class Region:
 
     def _contexts(self, hooks=None):
         if not self.pinned:
-            return pinning.unpinned(), Reusable(pinning.unpinned)
+            return pinning.unpinned(), Reusable(lambda: _entered(pinning.unpinned(), pinning.recomputation()))
         # One Recording per forward run (several may be in flight before their backwards); the recompute context
         # is entered once per backward (more than once with retain_graph=True), so it is built anew each time.
         run = Recording(once=self.selective, hooks=hooks)    # hooks: how the attention keeps its tensors (offload)
         record = pinning.recording(run)
         if not self.selective:
-            return record, Reusable(partial(pinning.replaying, run))
+            return record, Reusable(lambda: _entered(pinning.replaying(run), pinning.recomputation()))
         saved = SavedOutputs(self.policy)      # in-place collectives on saved outputs (sees each op before SAC)
         sac_fwd, sac_recompute = selective_contexts(saved.policy)
-        return _entered(sac_fwd, saved, record), Reusable(lambda: _entered(pinning.replaying(run), sac_recompute))
+        return _entered(sac_fwd, saved, record), Reusable(
+            lambda: _entered(pinning.replaying(run), sac_recompute, pinning.recomputation()))
 
     def _call(self, position: int, *args, **kwargs):
-        with _restored_if_cut_short(self.layers[position]):
+        layer = self.layers[position]
+        with _restored_if_cut_short(layer), _tensors_restored(layer) if pinning.state().recomputing else nullcontext():
             return self.forwards[position](*args, **kwargs)
 
     def run(self, *args, **kwargs):
@@ -229,6 +231,35 @@ def _restored_if_cut_short(layer: nn.Module):
             del state[name]
         state.update(before)
         raise
+
+
+def tensor_holders(layer: nn.Module) -> list:
+    """The layer's modules and the plain objects they hold (not modules, tensors or classes: megatron-core's MoE
+    token dispatcher is one), whose tensor attributes a recomputation must leave as it found them."""
+    modules = list(layer.modules())
+    plain = [v for m in modules for v in vars(m).values() if hasattr(v, "__dict__")
+             and not isinstance(v, (nn.Module, torch.Tensor, type)) and not callable(v)]
+    return modules + list({id(v): v for v in plain}.values())
+
+
+@contextmanager
+def _tensors_restored(layer: nn.Module):
+    """A layer's recomputation leaves the tensors its modules keep as attributes as it found them, whether it runs
+    to the end or stops early (:func:`_restored_if_cut_short`): a module that keeps an intermediate tensor on itself
+    until its next forward (megatron-core's MoE token dispatcher keeps the routing probabilities) would otherwise keep
+    the recomputed one, and the recomputed autograd graph behind it (back through the region), alive after the
+    region's backward, which never runs that graph. Tensor attributes only (:func:`tensor_holders`): other
+    bookkeeping that modules' hooks keep (ZeRO-3's counters) is theirs to balance."""
+    holders = tensor_holders(layer)
+    before = [{k: v for k, v in vars(h).items() if isinstance(v, torch.Tensor)} for h in holders]
+    try:
+        yield
+    finally:
+        for h, kept in zip(holders, before):
+            state = vars(h)
+            for name in [k for k, v in state.items() if isinstance(v, torch.Tensor) and k not in kept]:
+                del state[name]
+            state.update(kept)
 
 
 def _aliases(out: torch.Tensor, x) -> bool:

@@ -82,6 +82,10 @@ class PinState:
     """True while the CP attention runs inside a recording region (its ops are never cached for replay)."""
     recompute_core: bool = False
     """``core_attn``: attention calls checkpoint themselves."""
+    recomputing: bool = False
+    """True while a region recomputes its layers in backward (:func:`recomputation`): what the layers' modules
+    keep on themselves is put back after each layer (:mod:`ctx_plugin.recompute.checkpointing`), and framework
+    modules with running state undo what they add (megatron-core's MoE router: :mod:`ctx_plugin.megatron.spec`)."""
 
 
 _STATE: ContextVar[PinState] = ContextVar("ctx_plugin_attention_pins", default=PinState())
@@ -132,6 +136,11 @@ def unpinned() -> AbstractContextManager:
     recomputation: attention calls run plainly (their tensors saved by the region's checkpoint, their
     communication repeated in backward), whatever mode an enclosing region had set."""
     return _entered(mode=None, cursor=None)
+
+
+def recomputation() -> AbstractContextManager:
+    """A region's recomputation in backward (:attr:`PinState.recomputing`)."""
+    return _entered(recomputing=True)
 
 
 def recomputing_core() -> AbstractContextManager:

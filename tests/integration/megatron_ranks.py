@@ -35,6 +35,11 @@ VARIANTS = {   # name: (TransformerConfig fields, GPTModel arguments, qk_layerno
     "moe": ({"add_bias_linear": False, "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.1,
              "moe_z_loss_coeff": 0.01, "moe_token_dispatcher_type": "allgather",
              "moe_router_load_balancing_type": "aux_loss"}, {}, False),
+    # the same with the expert bias (sigmoid scores): the router counts its tokens per expert in a buffer
+    "moe_bias": ({"add_bias_linear": False, "num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.1,
+                  "moe_z_loss_coeff": 0.01, "moe_token_dispatcher_type": "allgather",
+                  "moe_router_load_balancing_type": "aux_loss", "moe_router_enable_expert_bias": True,
+                  "moe_router_score_function": "sigmoid"}, {}, False),
 }
 
 
