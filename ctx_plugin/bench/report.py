@@ -70,9 +70,9 @@ def row(shape: Shape, label: str, size: int, pass_: str, kernel: str, times: lis
             "rank_ms": [t * 1e3 for t in times], **documents, **extra}
 
 
-def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
-    """Every row, each also announced on stderr as it finishes (:func:`progress`)."""
-    rows, started = [], time.perf_counter()
+def run_simulated(args: argparse.Namespace, shape: Shape, rows: list[dict]) -> None:
+    """Every row, appended to ``rows`` and announced on stderr as it finishes (:func:`progress`)."""
+    started = time.perf_counter()
     for pass_ in args.passes:
         backward = pass_ == "fwd+bwd"
         full, kernel = call_time(shape, Kernel(args.kernel), backward, args.reps, windowed=False)   # ideal_time's
@@ -82,7 +82,6 @@ def run_simulated(args: argparse.Namespace, shape: Shape) -> list[dict]:
             for label, config in configs(args, size):
                 rows.append(_one_row(args, shape, label, config, size, pass_, full, kernel, single))
                 progress(started, row_summary(rows[-1]))
-    return rows
 
 
 def _one_row(args, shape: Shape, label: str, config, size: int, pass_: str, full: float, kernel: str,
@@ -307,8 +306,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
     if args.compare_kernels:
         print(compare_kernels(args, shape))
-    rows = run_simulated(args, shape)
-    write_outputs(args, shape, rows, "simulated ranks, one device: each rank's compute alone, its receive buffers "
-                                     "filled from its own send buffers; no transfer time, NCCL contention or "
-                                     "rank-agreement check")
+    rows: list[dict] = []
+    mode = ("simulated ranks, one device: each rank's compute alone, its receive buffers filled from its own send "
+            "buffers; no transfer time, NCCL contention or rank-agreement check")
+    try:
+        run_simulated(args, shape, rows)
+    except KeyboardInterrupt:       # a time limit's SIGINT (launch/gpu_check.sh): the rows measured still come out
+        print(f"ctx_plugin bench: interrupted after {len(rows)} rows", file=sys.stderr)
+        write_outputs(args, shape, rows, mode + "; interrupted: the rows measured before it")
+        return 124
+    write_outputs(args, shape, rows, mode)
     return 1 if any("failed" in r for r in rows) else 0

@@ -168,12 +168,12 @@ def test_sdpa_flash_backward_split_over_heads_is_exact(monkeypatch):
 
 def test_sdpa_flash_backward_beyond_int32_offsets():
     """524,416 query rows × 32 heads of 128 (past 2^31 dQ offsets): the last rows' dQ against the torch kernel on
-    those rows alone (about 60 GiB; about 30 s on an H200: 2.3 PFLOP forward, 5.6 backward at FlashAttention-2's
+    those rows alone (about 50 GiB; about 30 s on an H200: 2.3 PFLOP forward, 5.6 backward at FlashAttention-2's
     rates)."""
     from ctx_plugin.core.kernels.sdpa import FlashKernel
 
-    if torch.cuda.get_device_properties(0).total_memory < 80 * 2**30:
-        pytest.skip("needs 80 GiB of GPU memory")
+    if torch.cuda.mem_get_info()[0] < 64 * 2**30:       # an H100 80GB has 79.6 GiB in all
+        pytest.skip("needs 64 GiB of free GPU memory")
     torch.manual_seed(0)
     s, tail = 524_416, 64
     q = torch.randn(1, s, 32, 128, device="cuda", dtype=torch.bfloat16)

@@ -85,6 +85,27 @@ def test_flops_and_efficiency_arithmetic():
         Shape(seq_len=0)
 
 
+def test_a_run_cut_off_at_a_time_limit_writes_the_rows_it_measured(tmp_path, capsys, monkeypatch):
+    """launch/gpu_check.sh sends SIGINT at a step's limit: the table, JSON and plot of the rows done come out, and the
+    exit status is timeout's 124."""
+    from ctx_plugin.bench import report
+
+    done = []
+    measure = report._one_row
+
+    def until_the_third(*args, **kwargs):
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append(measure(*args, **kwargs))
+        return done[-1]
+    monkeypatch.setattr(report, "_one_row", until_the_third)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--smoke", "--passes", "fwd", "--json", str(out)]) == 124
+    captured = capsys.readouterr()
+    assert "interrupted after 2 rows" in captured.err and "interrupted: the rows measured before it" in captured.out
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(done))
+
+
 def test_cli_smoke_simulated(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--smoke", "--passes", "fwd", "--json", str(out)]) == 0
