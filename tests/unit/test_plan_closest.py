@@ -61,6 +61,7 @@ def test_the_cli_names_the_closest_with_its_modifiers(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("nothing fits"))
     assert "ulysses cp=8 tp=1 dp=1 with recompute full+tile_loss+tile_mlp+recompute_attn+offload:" in line
     assert ", optimizer offload, which needs 217.2 GiB > 75 GiB" in line and "sqrt" not in line
+    assert "+offload:105, optimizer offload" in line, line     # what the host leaves, to 3 significant digits
 
 
 def test_without_modifiers_or_when_something_fits_the_misfits_are_the_plain_presets():
