@@ -91,8 +91,9 @@ def _check_model(model) -> None:
     if tp not in (None, 1):
         raise ValueError(f"{type(model).__name__} is split by transformers' tensor parallelism (tp_size={tp}): "
                          f"ctx_plugin's attention is checked and split over context-parallel ranks by the config's "
-                         f"whole heads, not a tensor-parallel rank's share; load the model without tp_plan (DeepSpeed's "
-                         f"ZeRO shards its parameters instead), or train tensor × context parallel with Megatron")
+                         f"whole heads, not a tensor-parallel rank's share; load the model without tp_plan "
+                         f"(DeepSpeed's ZeRO shards its parameters instead), or train tensor × context parallel with "
+                         f"Megatron")
     if getattr(model.config, "is_encoder_decoder", False) is True:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder model: its decoder's cross-attention to the "
                          f"encoder's states is not attention over one sequence, and ctx_plugin does not split it; "
@@ -125,8 +126,8 @@ def _check_heads(model, cp_config: CPConfig, cp: int) -> None:
 
 def check_model(model, cp_config: CPConfig, cp_size: int) -> None:
     """What :func:`ctx_plugin.hf.enable` checks of a model before it changes anything: the options ctx_plugin's
-    attention does not implement and the head split over ``cp_size`` ranks (``ValueError`` naming them). Modules and configs only: a
-    model built on the meta device will do (``ctx-plugin launch`` checks a job's model that way)."""
+    attention does not implement and the head split over ``cp_size`` ranks (``ValueError`` naming them). Modules and
+    configs only: a model built on the meta device will do (``ctx-plugin launch`` checks a job's model that way)."""
     require_transformers()
     _check_model(model)
     _check_heads(model, cp_config, cp_size)

@@ -163,8 +163,9 @@ def _check_unused(args: argparse.Namespace) -> None:
                          "deepspeed, --zero 2 or 3, or --modifiers (optimizer offload), or drop --deepspeed-config")
     host = ["--" + name.replace("_", "-") for name in _host_given(args)]
     if host and not offload:
-        raise ValueError(f"{', '.join(host)} describe{'' if len(host) > 1 else 's'} the host for offload, which --seq-len "
-                         f"searches only with --modifiers: add --modifiers, or drop {'them' if len(host) > 1 else 'it'}")
+        many = len(host) > 1
+        raise ValueError(f"{', '.join(host)} describe{'' if many else 's'} the host for offload, which --seq-len "
+                         f"searches only with --modifiers: add --modifiers, or drop {'them' if many else 'it'}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -96,8 +96,9 @@ class RecomputeConfig:
         if region_only and preset not in _REGION_PRESETS:
             hint = (" (budget:<GiB> chooses among presets by itself; give an explicit full or sqrt preset with it)"
                     if preset == Recompute.BUDGET else "")
-            raise ValueError(f"+{' and +'.join(region_only)} appl{'y' if len(region_only) > 1 else 'ies'} to whole-layer checkpoint regions: use them with "
-                             f"full, full:uniform:N, full:block:N or sqrt, not {preset.value!r}{hint}")
+            verb, them = ("apply", "them") if len(region_only) > 1 else ("applies", "it")
+            raise ValueError(f"+{' and +'.join(region_only)} {verb} to whole-layer checkpoint regions: use {them} "
+                             f"with full, full:uniform:N, full:block:N or sqrt, not {preset.value!r}{hint}")
         if self.offload_gib is not None:
             _positive_gib(self.offload_gib, "+offload:<GiB>")
         if self.offload_attention:

@@ -13,7 +13,7 @@ from ctx_plugin.recompute.sac import selective_contexts
 # sac.py patches torch's cached mode where this torch has the internals it reads (torch 2.13, constraints.txt); on
 # another (torch 2.11 on the GPU machine) it hands over torch's own contexts, which these tests compare against
 pytestmark = pytest.mark.skipif(not hasattr(torch.utils.checkpoint, "_RECOMPUTE"),
-                                reason="this torch lacks the checkpoint internals ctx_plugin's selective contexts patch")
+                                reason="this torch lacks the checkpoint internals that sac.py patches")
 
 
 def _policy(ctx, op, *args, **kwargs):

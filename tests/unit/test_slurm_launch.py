@@ -260,7 +260,8 @@ def test_megatron_stop_and_resume_flags(tmp_path):
     (GOOD + ["--attention-backend", "flash"], "--attention-backend flash would replace"),
     (GOOD + ["--cp-recompute", "bogus"], "unknown recompute preset 'bogus'"),
     (GOOD + ["--cp-recompute", "full", "--recompute-granularity", "full"], "both set what to recompute"),
-], ids=["dropout-default", "seq-unit", "seq-unit-cp8", "megatron-seq-unit", "ulysses-size", "comm-type", "attention-backend",
+], ids=["dropout-default", "seq-unit", "seq-unit-cp8", "megatron-seq-unit",
+        "ulysses-size", "comm-type", "attention-backend",
         "recompute-preset", "recompute-twice"])
 def test_megatron_cp_checks_still_run(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -346,8 +347,10 @@ def test_deepspeed_script_program(tmp_path, ds_config):
     ('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4, "context_parallel": {"size": 2}}',
      r"key\(s\) \['train_micro_batch_size_per_gpu'\] more than once"),
     ({**GOOD_DS, "gradient_allreduce_op": "sum"}, "summed gradients would be scaled by the context-parallel ranks"),
-    ({**GOOD_DS, "sequence_parallel_size": 4}, r'"sequence_parallel_size" \(4\) disagrees with "context_parallel.size"'),
-    ({**GOOD_DS, "compile": {"deepcompile": True}}, r'"compile.deepcompile" cannot be combined with "context_parallel"'),
+    ({**GOOD_DS, "sequence_parallel_size": 4},
+     r'"sequence_parallel_size" \(4\) disagrees with "context_parallel.size"'),
+    ({**GOOD_DS, "compile": {"deepcompile": True}},
+     r'"compile.deepcompile" cannot be combined with "context_parallel"'),
     ({**GOOD_DS, "tensor_parallel": {"autotp_size": 2}}, r'"tensor_parallel.autotp_size" 2 cannot be combined'),
     ({**GOOD_DS, "data_parallel_size": 2}, r'"data_parallel_size" \(2\) disagrees with the 1 data-parallel replica'),
     ({"train_micro_batch_size_per_gpu": 2}, 'has no "context_parallel" section'),
