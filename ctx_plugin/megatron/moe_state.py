@@ -1,8 +1,9 @@
 """megatron-core's MoE router under ctx_plugin's recompute regions.
 
-The router's forward adds to running state: the token counts of the expert bias (``local_tokens_per_expert``), those
-of the global auxiliary loss (``global_tokens_per_expert``, ``ga_steps``) and the per-layer losses of the MoE metrics
-tracker (``get_moe_metrics_tracker()``). megatron-core skips that when autograd is off, which is how its own
+The router's forward adds to running state in its buffers — the token counts of the expert bias
+(``local_tokens_per_expert``), those of the global auxiliary loss (``global_tokens_per_expert``, ``ga_steps``), the
+quantile balancing's (``qb_beta_accum``, ``qb_beta_count``) — and to the per-layer losses of the MoE metrics tracker
+(``get_moe_metrics_tracker()``). megatron-core skips that when autograd is off, which is how its own
 (reentrant) recompute runs; ctx_plugin's regions recompute with autograd on (a non-reentrant checkpoint), so a
 recomputed router would add its tokens and losses a second time. :func:`keep_router_state` undoes what a router adds
 while a region recomputes (:attr:`ctx_plugin.recompute.pinning.PinState.recomputing`). The global auxiliary loss
@@ -14,9 +15,6 @@ from __future__ import annotations
 import torch
 
 from ..recompute import pinning
-
-_COUNTS = ("local_tokens_per_expert", "global_tokens_per_expert", "ga_steps")
-
 
 def _load_balancing(args) -> list[str]:
     kind = getattr(args, "moe_router_load_balancing_type", None) or []
@@ -39,7 +37,7 @@ def check_router_recompute(args, recompute) -> None:
 
 def keep_router_state(layers) -> None:
     """Hooks on every ``TopKRouter`` in ``layers``: a forward that runs while a region recomputes leaves the router's
-    counts and the metrics tracker as it found them."""
+    buffers (its running counts; small) and the metrics tracker as it found them."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     for module in layers.modules():
@@ -62,8 +60,7 @@ class _RouterState:
             return
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-        counts = [(t, t.clone()) for t in (getattr(module, name, None) for name in _COUNTS)
-                  if isinstance(t, torch.Tensor)]
+        counts = [(t, t.clone()) for t in module.buffers(recurse=False)]
         metrics = get_moe_metrics_tracker().metrics
         self.saved.append((counts, metrics, {name: entry.values.clone() for name, entry in metrics.items()}))
 

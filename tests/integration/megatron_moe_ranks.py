@@ -1,6 +1,6 @@
 """megatron-core's MoE router under ctx_plugin's recompute presets, on one spawned gloo rank (its running state does
-not depend on the context-parallel size): per preset, one step's loss and gradients, the router's expert-bias token
-counts, the MoE metrics tracker's per-layer losses and which modules' tensor attributes backward replaced."""
+not depend on the context-parallel size): per (variant, preset), one step's gradients, the router's buffers (its
+running counts), the MoE metrics tracker's per-layer losses and which modules' tensor attributes backward replaced."""
 from __future__ import annotations
 
 import warnings
@@ -19,20 +19,21 @@ def router_state(rank: int, world: int, payload: dict) -> dict:
 
     out = {}
     with model_parallel(), _cpu_shims():
-        for preset in payload["presets"]:
+        for variant, preset in payload["cases"]:
             get_moe_metrics_tracker().metrics.clear()
-            model, _ = cp_model(1, ctx_plugin.CPConfig(backend="zigzag", kernel="torch"), "rope", "moe_bias", preset)
+            model, _ = cp_model(1, ctx_plugin.CPConfig(backend="zigzag", kernel="torch"), "rope", variant, preset)
             batch = _batch(False)
             logits = model(batch["tokens"], batch["position_ids"], None)
             kept = _tensor_attributes(model)
             F.cross_entropy(logits.transpose(1, 2), batch["labels"]).backward()
             after = _tensor_attributes(model)
             replaced = sorted(name for name, value in after.items() if kept.get(name) is not value)
-            out[preset] = {"grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters()},
-                           "counts": [m.local_tokens_per_expert.tolist() for m in model.modules()
-                                      if isinstance(m, TopKRouter)],
-                           "metrics": {n: e.values.tolist() for n, e in get_moe_metrics_tracker().metrics.items()},
-                           "replaced": replaced}
+            routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+            out[f"{variant}|{preset}"] = {
+                "grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters()},
+                "counts": [[b.tolist() for b in m.buffers(recurse=False)] for m in routers],
+                "metrics": {n: e.values.tolist() for n, e in get_moe_metrics_tracker().metrics.items()},
+                "replaced": replaced}
     return out
 
 

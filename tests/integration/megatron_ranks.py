@@ -40,6 +40,10 @@ VARIANTS = {   # name: (TransformerConfig fields, GPTModel arguments, qk_layerno
                   "moe_z_loss_coeff": 0.01, "moe_token_dispatcher_type": "allgather",
                   "moe_router_load_balancing_type": "aux_loss", "moe_router_enable_expert_bias": True,
                   "moe_router_score_function": "sigmoid"}, {}, False),
+    # quantile balancing instead of the auxiliary loss: the router accumulates a quantile per micro batch
+    "moe_qb": ({"add_bias_linear": False, "num_moe_experts": 4, "moe_router_topk": 2,
+                "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "quantile_balancing"},
+               {}, False),
 }
 
 

@@ -16,21 +16,24 @@ import torch  # noqa: E402
 from tests.distributed.harness import run_spawned  # noqa: E402
 
 PRESETS = ["none", "selective", "full", "full:uniform:2", "sqrt", "full+offload_attn:1"]
+# the expert bias (with the auxiliary and z losses: the metrics tracker) under every preset; quantile balancing
+CASES = [("moe_bias", p) for p in PRESETS] + [("moe_qb", "none"), ("moe_qb", "full")]
 _results: dict = {}
 
 
 def results() -> dict:
     if not _results:
-        _results.update(run_spawned("tests.integration.megatron_moe_ranks:router_state", 1, {"presets": PRESETS},
+        _results.update(run_spawned("tests.integration.megatron_moe_ranks:router_state", 1, {"cases": CASES},
                                     timeout_s=600)[0])
     return _results
 
 
-@pytest.mark.parametrize("preset", PRESETS[1:])
-def test_a_recomputed_router_leaves_its_state_and_the_gradients_as_without_a_preset(preset):
-    got, want = results()[preset], results()["none"]
-    assert got["counts"] == want["counts"] and any(sum(c) for c in want["counts"]), (got["counts"], want["counts"])
-    assert got["metrics"].keys() == want["metrics"].keys() and got["metrics"]
+@pytest.mark.parametrize("variant,preset", [c for c in CASES if c[1] != "none"])
+def test_a_recomputed_router_leaves_its_state_and_the_gradients_as_without_a_preset(variant, preset):
+    got, want = results()[f"{variant}|{preset}"], results()[f"{variant}|none"]
+    assert got["counts"] == want["counts"] and any(torch.tensor(b).abs().sum() for r in want["counts"] for b in r), \
+        (got["counts"], want["counts"])
+    assert got["metrics"].keys() == want["metrics"].keys() and (got["metrics"] or variant == "moe_qb")
     for name, values in want["metrics"].items():
         assert torch.allclose(torch.tensor(got["metrics"][name]), torch.tensor(values), rtol=1e-12, atol=0), name
     assert got["replaced"] == want["replaced"], "a module kept a tensor its recomputation made"
