@@ -41,6 +41,8 @@ class SettingNames:
     heads: str = "query heads"
     kv_heads: str = "kv_heads"
     tp: str = "tensor-parallel size"
+    backend: str = "backend"
+    sequence_parallel: str = "sequence_parallel"
 
 
 API = SettingNames()

@@ -139,11 +139,11 @@ def split_config(config: dict, model=None) -> tuple[ContextParallelSection, dict
     return section, config
 
 
-def world_config(config: dict, section: ContextParallelSection, world: int) -> dict:
-    """The config for ``world`` ranks: the section's size dividing them, the batch sizes (:func:`batch_sizes`) and
-    ``"data_parallel_size"`` (:func:`check_data_parallel_size`, dropped)."""
+def world_config(config: dict, section: ContextParallelSection, world: int, ranks: str = "the number of ranks") -> dict:
+    """The config for ``world`` ranks (``ranks``: what the caller calls them): the section's size dividing them, the
+    batch sizes (:func:`batch_sizes`) and ``"data_parallel_size"`` (:func:`check_data_parallel_size`, dropped)."""
     if world % section.size:
-        raise ValueError(f'"{SECTION}.size" ({section.size}) must divide the number of ranks ({world})')
+        raise ValueError(f'"{SECTION}.size" ({section.size}) must divide {ranks} ({world})')
     config = batch_sizes(config, world=world, size=section.size)
     check_data_parallel_size(config, world // section.size)
     return config

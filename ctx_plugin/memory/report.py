@@ -9,17 +9,16 @@ from pathlib import Path
 import torch
 
 from ..cliargs import output_file, positive_float, positive_int, read_json_object, tokens
-from ..core.config import CPConfig
-from ..core.rules import SettingNames, check_sequence_parallel, check_ulysses_size
+from ..core.rules import SettingNames, check_sequence_parallel
 from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig
 from .flops import describe as describe_documents
 from .model import GiB, MemoryEstimate, check_layout, estimate, resolve
-from .specs import FAMILIES, MODEL_PRESETS, ModelSpec, ParallelSpec, ZeroSettings
+from .specs import FAMILIES, MODEL_PRESETS, ModelSpec, ParallelSpec, ZeroSettings, check_parallel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _NAMES = SettingNames(seq_len="--seq-len", cp="--cp", tp="--tp", ulysses_size="--ulysses-size", heads="query heads",
-                      kv_heads="K/V heads")
+                      kv_heads="K/V heads", backend="--backend", sequence_parallel="--sequence-parallel")
 
 
 def table_presets(layers: int) -> list[RecomputeConfig]:
@@ -211,12 +210,7 @@ _FAMILY_TEXT = {"ctx_plugin": "ctx_plugin's own block (ctx_plugin.models)",
 
 def run(args: argparse.Namespace) -> int:
     model = model_from(args.model, getattr(args, "family", None))
-    if args.sequence_parallel and args.tp == 1:
-        raise ValueError("--sequence-parallel needs --tp > 1 (it splits the sequence over the tensor-parallel ranks)")
-    if args.ulysses_size != 1 and args.backend != Backend.ULYSSES_RING.value:
-        raise ValueError(f"--ulysses-size applies to --backend ulysses_ring only (got --backend {args.backend})")
-    if args.backend == Backend.ULYSSES_RING.value:
-        check_ulysses_size(CPConfig(backend=args.backend, ulysses_size=args.ulysses_size), args.cp, _NAMES)
+    check_parallel(Backend(args.backend), args.ulysses_size, args.cp, args.tp, args.sequence_parallel, _NAMES)
     parallel = ParallelSpec(cp=args.cp, backend=args.backend, ulysses_size=args.ulysses_size, tp=args.tp,
                             sequence_parallel=args.sequence_parallel, dp=args.dp, zero_stage=args.zero,
                             **framework_from(args, [args.zero]),

@@ -12,7 +12,7 @@ from ..core.config import CPConfig
 from ..core.rules import SettingNames, check_ulysses_size
 from ..names import Backend, Framework, parse_enum
 
-_NAMES = SettingNames(cp="cp")
+_NAMES = SettingNames(cp="cp", tp="tp")
 
 FAMILIES = ("ctx_plugin", "hf", "megatron")
 
@@ -277,6 +277,21 @@ class ZeroSettings:
                    sub_group_size=parsed.sub_group_size)
 
 
+def check_parallel(backend: Backend, ulysses_size: int, cp: int, tp: int, sequence_parallel: bool,
+                   names: SettingNames = _NAMES) -> None:
+    """ValueError for a layout whose settings do not go together, named as ``names`` says (:class:`ParallelSpec`'s
+    fields, or a command line's flags): sequence parallelism without tensor parallelism, a Ulysses size off the
+    hybrid backend or not dividing the CP size."""
+    if sequence_parallel and tp == 1:
+        raise ValueError(f"{names.sequence_parallel} needs {names.tp} > 1 (it splits the sequence over the "
+                         f"tensor-parallel ranks)")
+    if backend == Backend.ULYSSES_RING:
+        check_ulysses_size(CPConfig(backend=backend, ulysses_size=ulysses_size), cp, names)
+    elif ulysses_size != 1:
+        raise ValueError(f"{names.ulysses_size} applies to {names.backend} ulysses_ring only (got {names.backend} "
+                         f"{backend.value})")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelSpec:
     """How one training step is spread over GPUs."""
@@ -309,8 +324,7 @@ class ParallelSpec:
         _positive(self, "cp", "ulysses_size", "tp", "dp")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel needs tp > 1")
+        check_parallel(self.backend, self.ulysses_size, self.cp, self.tp, self.sequence_parallel)
         if self.framework is not None:
             object.__setattr__(self, "framework", parse_enum(Framework, self.framework, "framework"))
         if self.framework == Framework.MEGATRON and self.zero_stage > 1:
@@ -323,10 +337,6 @@ class ParallelSpec:
         if self.grad_dtype is not None and self.grad_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"grad_dtype must be torch.float32, torch.bfloat16, torch.float16 or None, got "
                             f"{self.grad_dtype!r}")
-        if self.backend == Backend.ULYSSES_RING:
-            check_ulysses_size(self.cp_config, self.cp, _NAMES)
-        elif self.ulysses_size != 1:
-            raise ValueError("ulysses_size applies to backend='ulysses_ring' only")
 
     @property
     def cp_config(self) -> CPConfig:

@@ -180,7 +180,7 @@ def check_megatron(argv: list[str], *, world: int, device: str, megatron_lm: str
 def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: str) -> str:
     """Checks a DeepSpeed job: the config file and its ``"context_parallel"`` section for ``world`` ranks, and
     the program (``script.py ...`` or ``-m module ...``) that ``torchrun`` starts; returns the layout."""
-    from ..deepspeed.config import SECTION, read_config, _refuse_ds_checkpointing, split_config, world_config
+    from ..deepspeed.config import SECTION, _refuse_ds_checkpointing, read_config, split_config, world_config
 
     path = _file(ds_config, "--ds-config")
     try:         # as ctx_plugin.deepspeed.initialize (and DeepSpeed) read it: hjson, no key twice
@@ -193,12 +193,9 @@ def check_deepspeed(program: list[str], *, world: int, device: str, ds_config: s
         raise ValueError(f'--ds-config {ds_config} has no "{SECTION}" section: add one to switch context '
                          f'parallelism on (see README, DeepSpeed)')
     section, config = split_config(config)        # the refusals initialize makes before it builds any group
-    if world % section.size:
-        raise ValueError(f'{world} ranks (nodes × processes per node) are not a multiple of "{SECTION}.size" '
-                         f"{section.size}")
     if config.get("train_batch_size") is None and config.get("train_micro_batch_size_per_gpu") is None:
         raise ValueError("the DeepSpeed config sets neither train_batch_size nor train_micro_batch_size_per_gpu")
-    config = world_config(config, section, world)
+    config = world_config(config, section, world, ranks="the ranks (nodes × processes per node)")
     if not program:
         raise ValueError("give the training program after '--': a script (train.py ...) or a module (-m name ...)")
     given = next((a for a in program if _names_deepspeed_config(a.split("=", 1)[0])), None)

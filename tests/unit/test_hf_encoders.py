@@ -5,7 +5,6 @@ enable. References: HF's own eager / sdpa attention, float64, one rank."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 
@@ -13,24 +12,12 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-import ctx_plugin  # noqa: E402
 import ctx_plugin.hf as cphf  # noqa: E402
+from tests.unit.test_hf_refusals import _one_rank, _quiet  # noqa: E402,F401  (_quiet: autouse fixture)
 
 ENCODER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=64, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0,
                initializer_range=0.2)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def _one_rank():
-    cfg = ctx_plugin.CPConfig(backend="ring", kernel="torch")
-    return cfg, ctx_plugin.build_cp_groups(cfg)
 
 
 def _inputs(n=12):

@@ -357,7 +357,7 @@ def test_deepspeed_script_program(tmp_path, ds_config):
     ({"train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 2, "bakend": "ring"}},
      r"unknown key\(s\) \['bakend'\]"),
     ({"train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 4}},
-     r'2 ranks .* not a multiple of "context_parallel.size" 4'),
+     r'"context_parallel.size" \(4\) must divide the ranks \(nodes × processes per node\) \(2\)'),
     ({"train_batch_size": 3, "train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": 2}},
      r'"train_batch_size" \(3\) must be .*: a multiple of train_micro_batch_size_per_gpu \(2\) × 1'),
     ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
