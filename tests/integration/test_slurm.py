@@ -374,7 +374,8 @@ def test_bad_layout_job_says_so(cluster, tmp_path):
                   str(tmp_path / "bad"), "--ds-config", str(config), "--", str(tmp_path / "exit3.py"))
     cluster.wait(bad)
     status = _status(tmp_path / "bad")
-    assert status["word"] == "failed" and "not a multiple" in status["reason"]
+    assert status["word"] == "failed" and \
+        '"context_parallel.size" (2) must divide the ranks (nodes × processes per node) (3)' in status["reason"]
 
 
 def test_warning_to_the_step_counts_as_the_warning(cluster, tmp_path):
