@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         torch.manual_seed(args.seed)
         model = DecoderLM(model_cfg, config, groups).to(device, DTYPE)
         if name == "context_parallel":      # the layers' part of the preset; the loss applies +tile_loss
-            recompute.apply(model.blocks, preset.for_layers)
+            recompute.apply(model.blocks, preset.for_layers, final_norm=model.norm)
         runs[name] = train(model, config, groups, args.steps, args.batch, args.seq_len, model_cfg.vocab, args.lr,
                            args.seed, recompute=preset if name == "context_parallel" else None,
                            documents=args.documents or 0, document_unit=document_unit(cp_config, world))

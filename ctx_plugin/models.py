@@ -81,17 +81,18 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        acc = torch.promote_types(x.dtype, torch.float32)      # fp32 statistics; float64 stays float64
+        rstd = torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (x.float() * rstd).to(x.dtype) * weight
+        return (x.to(acc) * rstd).to(x.dtype) * weight
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        xhat = x.float() * rstd
-        g = grad.float() * weight.float()
+        xhat = x.to(rstd.dtype) * rstd
+        g = grad.to(rstd.dtype) * weight.to(rstd.dtype)
         dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        dw = (grad.float() * xhat).flatten(0, -2).sum(0)
+        dw = (grad.to(rstd.dtype) * xhat).flatten(0, -2).sum(0)
         return dx.to(x.dtype), dw.to(weight.dtype), None
 
 

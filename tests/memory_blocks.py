@@ -104,9 +104,10 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
     torch.manual_seed(0)
     build = _ctx if family == "ctx_plugin" else lambda v, d, g: _hf(kind, v, d, g)
     model, layers, run_layers, head = build(vocab, dtype, groups)
+    final_norm = model["norm"] if family == "ctx_plugin" else model.model.norm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")       # core_attn warns by design
-        recompute.apply(layers, config.for_layers)     # +tile_loss is the loss's (below)
+        recompute.apply(layers, config.for_layers, final_norm=final_norm)     # +tile_loss is the loss's (below)
     x0 = torch.randn(batch, seq_len, HIDDEN, dtype=dtype, requires_grad=True)
     pos = torch.arange(seq_len)
     labels = torch.randint(0, vocab, (batch * seq_len,))
@@ -144,11 +145,12 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
     m = spec(family, vocab, qk_norm=family == "hf" and HF_MODEL_TYPES[kind])
     est = estimate(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=batch, dtype=dtype, device="cpu")
     k = layer_terms(m, ParallelSpec(), seq_len, batch, dtype, "cpu")
-    layers_model = est.activations - k.shared - k.head         # the layers' on the device (less what is offloaded)
+    head = k.head - (k.norm_drop if config.tile_mlp else 0)     # the final norm's kept (+tile_mlp chunks it)
+    layers_model = est.activations - k.shared - head            # the layers' on the device (less what is offloaded)
     assert est.host or layers_model == sum(layer_activations(m, ParallelSpec(), preset, seq_len=seq_len,
                                                              micro_batch=batch, dtype=dtype, device="cpu"))
     if family == "hf":            # HF's model runs the final norm (its output is the result) and builds cos/sin
-        layers_model += k.shared + k.head - k.x
+        layers_model += k.shared + head - k.x
     model_peak = est.activations + max(est.logits_peak, est.recompute_peak + est.cp_buffers)
     return {"activations": est.activations, "layers": kept, "layers_model": layers_model, "peak": peak,
             "peak_model": model_peak, "host": host, "host_model": est.host}

@@ -35,6 +35,7 @@ from ..hf import loss as hf_loss
 from ..names import Recompute
 from ..recompute import RecomputeConfig, apply
 from ..recompute.apply import refuse_hf_checkpointing
+from ..recompute.tiling import layer_norms
 from .config import (SECTION, ContextParallelSection, _load_config, _refuse_ds_checkpointing, _refuse_patched_linear,
                      _zero_config, batch_sizes, parse_section, split_config, world_config)
 from .data import ShardedLoader, causal_lm_loss, lm_loss, shard_batch, step_tokens, tiled_causal_lm_loss
@@ -75,10 +76,13 @@ class ContextParallelMPU:
         return dist.group.WORLD
 
 
-def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+def _decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.ModuleList, torch.nn.Module | None]:
+    """The model's decoder layers and its final norm (the one norm next to them, Hugging Face's ``model.norm``;
+    None when there is not exactly one)."""
     for name, module in model.named_modules():
         if name.endswith("layers") and isinstance(module, torch.nn.ModuleList):
-            return module
+            norms = layer_norms(model.get_submodule(name.rpartition(".")[0]))
+            return module, norms[0] if len(norms) == 1 else None
     raise ValueError("cannot find the model's decoder layers (a ModuleList named '...layers') to apply the "
                      "recompute preset to")
 
@@ -232,7 +236,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if attention is None:
         _refuse_ds_checkpointing(config)
     layer_preset = section.recompute.for_layers          # +tile_loss is the loss's (lm_loss / tiled_causal_lm_loss)
-    layers = None if layer_preset == RecomputeConfig() else _decoder_layers(model)
+    layers, final_norm = (None, None) if layer_preset == RecomputeConfig() else _decoder_layers(model)
     if layers is not None:
         refuse_hf_checkpointing(layers, layer_preset)
     if section.recompute.tile_loss and attention is None:
@@ -252,7 +256,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if section.size > 1:
         _require_cp_attention(model, groups)
     if layers is not None:
-        apply(layers, layer_preset)
+        apply(layers, layer_preset, final_norm=final_norm)
     if section.recompute.preset == Recompute.SELECTIVE:
         model.register_forward_pre_hook(_refuse_patched_linear)
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(

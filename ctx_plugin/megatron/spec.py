@@ -228,8 +228,8 @@ def prepare_model(model, settings: MegatronCPSettings, groups_provider: GroupsPr
     if settings.megatron_recompute is None:
         from .moe_state import keep_router_state
 
-        recompute_presets.apply(model.decoder.layers, settings.recompute.for_layers,
-                                sequence_dim=0)           # Megatron's hidden states are [s, b, h]
+        recompute_presets.apply(model.decoder.layers, settings.recompute.for_layers, sequence_dim=0,  # [s, b, h]
+                                final_norm=getattr(model.decoder, "final_layernorm", None))   # None: not this stage
         keep_router_state(model.decoder.layers)           # MoE routers recomputed with autograd on
     if settings.recompute.tile_loss:
         from .loss import use_tiled_loss

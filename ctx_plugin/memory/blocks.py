@@ -72,6 +72,9 @@ class LayerTerms:
     norm_bwd: int     # a norm's backward temporaries beyond its kept tensors and its output's slot (which its
                       # incoming gradient takes): the final norm's, and each layer's (the peak of a recomputed
                       # layer whose MLP is tiled)
+    norm_drop: int    # what a norm no longer keeps when +tile_mlp chunks it: all but its input and its output
+    sel_norm_drop: int  # what a selective layer's recomputation no longer re-materialises when its norms are tiled
+                        # (hf: and the input norm's input, which the region keeps anyway)
     grad: int         # the gradient flowing between layers
 
     @property
@@ -135,6 +138,7 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                           selective=selective,
                           sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,
                           shared=2 * t * d * e, head=norm, norm_bwd=4 * t * m.hidden * 4 - t * 4, grad=grad,
+                          norm_drop=norm - 2 * x, sel_norm_drop=2 * (norm - 2 * x) + x - x_in_none,
                           mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
                           first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e,
                           mlp_outs=t * up * e + x)
@@ -166,7 +170,9 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                       core_extra=qkv + q_k_out - pins + lse,
                       mlp_inner=inner, selective=selective, sel_working=none - selective + x, x_in_none=x_in_none,
                       bwd_temps=mlp_temps, mlp_temps=mlp_temps, shared=0, head=norm,
-                      norm_bwd=norm_bwd, grad=grad, mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
+                      norm_bwd=norm_bwd, norm_drop=norm - 2 * x, sel_norm_drop=2 * (norm - 2 * x), grad=grad,
+                      mlp_weights=mlp_weights,
+                      last_weight=f * m.hidden * e,
                       first_weight=up * m.hidden * e,
                       chunk_copies=0 if megatron else 2,     # Megatron's chunks: contiguous ([s, b, h])
                       sel_mlp=inner - t * up * e, mlp_outs=t * up * e + x)

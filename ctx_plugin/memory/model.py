@@ -53,7 +53,8 @@ def layer_activations(m: ModelSpec, p: ParallelSpec, recompute: RecomputeConfig,
     tensors are still counted here: :func:`estimate` moves them to ``host``). ``device``: see :func:`estimate`."""
     recompute = RecomputeConfig.parse(recompute)
     k = layer_terms(m, p, seq_len, micro_batch, dtype, device)
-    tiled = k.mlp_inner if recompute.tile_mlp else 0      # the tiled MLP keeps only its input (kept anyway)
+    # the tiled MLP keeps only its input (kept anyway), the tiled norms their input and output
+    tiled = k.mlp_inner + 2 * k.norm_drop if recompute.tile_mlp else 0
     none = k.none - tiled
     preset = recompute.preset
     if preset in (Recompute.NONE, Recompute.ATTN_OUT):
@@ -61,7 +62,7 @@ def layer_activations(m: ModelSpec, p: ParallelSpec, recompute: RecomputeConfig,
     if preset == Recompute.CORE_ATTN:
         return [none - k.lse + k.core_extra] * m.layers
     if preset == Recompute.MLP:
-        return [k.none - k.mlp_inner] * m.layers
+        return [k.none - k.mlp_inner - (tiled - k.mlp_inner if recompute.tile_mlp else 0)] * m.layers
     if preset == Recompute.SELECTIVE:
         return [k.selective - (k.mlp_outs if recompute.tile_mlp else 0)] * m.layers
     if preset == Recompute.BUDGET:
@@ -74,32 +75,39 @@ def layer_activations(m: ModelSpec, p: ParallelSpec, recompute: RecomputeConfig,
     return sizes
 
 
+def _input_kept(k, recompute: RecomputeConfig) -> int:
+    """Bytes of the layer input that its own tensors keep (a tiled input norm keeps it whatever its dtype)."""
+    return k.x if recompute.tile_mlp else k.x_in_none
+
+
 def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[int], chunk_inner: int,
-                   chunk_temps: tuple[int, int], in_flight: list[int]) -> int:
+                   chunk_temps: tuple[int, int], in_flight: list[int], norm_bwd: int) -> int:
     """Activations alive at the worst moment of the layers' backward: what the layers not yet done keep, the
     recomputed working set of the current layer or region and the incoming gradient, with either the MLP
     backward's temporaries or, once the MLP is done (its intermediates freed: the peak when +tile_mlp leaves one
     chunk's), the MLP norm's backward temporaries. ``chunk_temps``: a +tile_mlp chunk's backward temporaries in a
     layer that is not recomputed, and in one that is (``selective``, regions). ``in_flight``: offloaded bytes back
-    on the device while each region runs backward."""
+    on the device while each region runs backward. ``norm_bwd``: a layer norm's backward beyond its kept tensors
+    (a +tile_mlp chunk's recomputation and temporaries, and the earlier chunks' input gradients)."""
     tiled = recompute.tile_mlp
+    drop = k.sel_norm_drop if tiled else 0      # what a selective layer's tiled norms do not re-materialise
     inner, (temps, temps_rec) = (chunk_inner, chunk_temps) if tiled else (0, (k.bwd_temps,) * 2)
     preset = recompute.preset
-    working = {Recompute.MLP: k.mlp_inner, Recompute.SELECTIVE: k.sel_working - (k.sel_mlp if tiled else 0)
+    working = {Recompute.MLP: k.mlp_inner, Recompute.SELECTIVE: k.sel_working - (k.sel_mlp + drop if tiled else 0)
                }.get(preset, 0) + inner
     if preset == Recompute.MLP and tiled:
         working = inner
     kept = sum(per_layer)
     peak = kept + working + (temps_rec if preset == Recompute.SELECTIVE else temps) + k.grad
     # the norm's backward: its output's slot holds the incoming gradient, the layer's output gradient waits
-    norm = k.grad + k.norm_bwd
-    peak = max(peak, kept + (k.sel_working - k.sel_mlp if preset == Recompute.SELECTIVE else 0) + norm)
-    per_layer_rec = k.none - k.mlp_inner - k.pins    # the MLP's intermediates: a tiled MLP's one chunk at a time
+    norm = k.grad + norm_bwd
+    peak = max(peak, kept + (k.sel_working - k.sel_mlp - drop if preset == Recompute.SELECTIVE else 0) + norm)
+    per_layer_rec = k.none - k.mlp_inner - k.pins - 2 * k.norm_drop * tiled   # tiled: one MLP chunk at a time
     if recompute.recompute_attention:
         per_layer_rec += k.pins
     for (start, stop), back in zip(regions(recompute, m.layers), in_flight or [0] * m.layers):
         n = stop - start      # the last layer's MLP backward (its intermediates, the others' untiled), then its norm's
-        rec = n * per_layer_rec - k.x_in_none + back + (0 if tiled else (n - 1) * k.mlp_inner)
+        rec = n * per_layer_rec - _input_kept(k, recompute) + back + (0 if tiled else (n - 1) * k.mlp_inner)
         peak = max(peak, sum(per_layer[:stop]) + rec + max((inner if tiled else k.mlp_inner) + temps_rec + k.grad,
                                                            norm))
     return peak + k.shared
@@ -281,10 +289,13 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
         gpu_layers[start] -= freed
     host = [held for held, _, _ in offloaded]   # pinned blocks on CUDA
     sent = [sent for _, sent, _ in offloaded]   # in a region's backward: its copies back (its input only while the
-    in_flight = [b - k.x + k.x_in_none + (sent[j - 1] if j else 0)     # recomputation, unless a norm keeps it)
-                 for j, b in enumerate(sent)]                          # and the previous region's, prefetched
-    activations = sum(gpu_layers) + k.shared + k.head
-    backward = _backward_peak(model, recompute, k, gpu_layers, chunk_inner, chunk_temps, in_flight)
+    in_flight = [b - k.x + _input_kept(k, recompute) + (sent[j - 1] if j else 0)   # recomputation, unless a norm
+                 for j, b in enumerate(sent)]                       # keeps it) and the previous region's, prefetched
+    activations = sum(gpu_layers) + k.shared + k.head - (k.norm_drop if recompute.tile_mlp else 0)
+    norm_bwd = k.norm_bwd
+    if recompute.tile_mlp:     # a norm chunk's recomputed tensors (all but its input) and temporaries, and the
+        norm_bwd = (k.norm_drop + k.x + k.norm_bwd) * mlp_chunk // t + (chunks - 1) * k.x * mlp_chunk // t
+    backward = _backward_peak(model, recompute, k, gpu_layers, chunk_inner, chunk_temps, in_flight, norm_bwd)
     spans = [stop - start for start, stop in regions(recompute, model.layers)]
     full_step, mlp, attn = layer_flops(model, parallel, t, seq_len, documents)
     vocab = ceil_div(model.vocab, parallel.tp)
@@ -306,7 +317,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     return MemoryEstimate(params=state.params, grads=state.grads, optimizer=state.optimizer,
                           framework_buffers=state.extra, step_peak=state.step,
                           framework=parallel.runs_on, activations=activations,
-                          per_layer=per_layer, recompute_peak=max(backward - activations, k.norm_bwd, 0),
+                          per_layer=per_layer, recompute_peak=max(backward - activations, norm_bwd, 0),
                           cp_buffers=cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc, device),
                           logits_peak=logits, recompute_flops=extra, step_flops=step,
                           host=sum(host),

@@ -6,11 +6,11 @@ PyTorch's selective-checkpoint policy. Every region pins the CP attention (see
 :mod:`ctx_plugin.recompute.pinning`), so only ``core_attn`` and the ``+recompute_attn`` modifier ever re-run
 attention — and with it, its communication — in backward.
 
-Modifiers applied here: ``+tile_mlp[:<tokens>]`` replaces every layer's ``.mlp`` forward by the chunked,
-per-chunk-checkpointed one of :mod:`ctx_plugin.recompute.tiling` (with any preset; under ``mlp`` it replaces the
-plain MLP checkpoint); ``+recompute_attn`` (``full``/``sqrt``) leaves the attention unpinned inside the regions;
-``+offload:<GiB>`` / ``+offload_attn:<GiB>`` (``full``/``sqrt``) keep each region's input (and the pinned attention's
-tensors) in host memory until backward (:mod:`ctx_plugin.recompute.offload`).
+Modifiers applied here: ``+tile_mlp[:<tokens>]`` replaces every layer's ``.mlp`` forward, and its norms', by the
+chunked, per-chunk-checkpointed one of :mod:`ctx_plugin.recompute.tiling` (with any preset; under ``mlp`` it
+replaces the plain MLP checkpoint); ``+recompute_attn`` (``full``/``sqrt``) leaves the attention unpinned inside
+the regions; ``+offload:<GiB>`` / ``+offload_attn:<GiB>`` (``full``/``sqrt``) keep each region's input (and the
+pinned attention's tensors) in host memory until backward (:mod:`ctx_plugin.recompute.offload`).
 ``+tile_loss`` belongs to the loss (pass ``config.for_layers`` here).
 """
 from __future__ import annotations
@@ -28,9 +28,15 @@ from . import pinning
 from .offload import HostOffload, attach, detach
 from .presets import RecomputeConfig, regions
 from .checkpointing import Region, tiled_selective_policy
-from .tiling import TilingState, check_mlp, tiled_forward
+from .tiling import TilingState, check_mlp, check_norms, layer_norms, tiled_forward
 
 _ORIGINAL = "_ctx_plugin_original_forward"
+
+
+def _parts(layer: nn.Module) -> list[nn.Module]:
+    """The modules of ``layer`` whose forward :func:`apply` may replace: the layer, its MLP and its norms."""
+    mlp = getattr(layer, "mlp", None)
+    return [layer, *([mlp] if isinstance(mlp, nn.Module) else []), *layer_norms(layer)]
 
 
 def _hf_checkpointing(layer: nn.Module) -> bool:
@@ -107,20 +113,25 @@ def _refuse_running_stats(layers: list[nn.Module], config: RecomputeConfig) -> N
                                  f"{'' if config.tile_mlp or preset == Recompute.MLP else ', mlp'})")
 
 
-def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequence_dim: int = 1) -> None:
+def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequence_dim: int = 1,
+          final_norm: nn.Module | None = None) -> None:
     """Applies ``config`` to ``layers`` (in the order the model calls them), in place.
 
     The pinned attention's record/replay state is context-scoped (:mod:`ctx_plugin.recompute.pinning`), so
     no groups are needed: the regions pin whatever ``cp_attention`` calls run inside them. ``budget:<GiB>`` must
     first be resolved with :func:`ctx_plugin.recompute.resolve`. ``sequence_dim``: the sequence dimension of
     the hidden states the layers' MLPs get, for ``+tile_mlp`` (1 for ``[batch, seq, hidden]`` models, 0 for
-    Megatron's ``[seq, batch, hidden]``). ``+tile_loss`` is refused: the loss applies it,
-    the layers take ``config.for_layers``."""
+    Megatron's ``[seq, batch, hidden]``). ``final_norm``: the model's norm after the layers (Hugging Face's
+    ``model.model.norm``, Megatron's ``decoder.final_layernorm``), chunked with the layers' norms under
+    ``+tile_mlp`` (its fp32 backward temporaries are otherwise as large as a layer's norm's; pass the same to
+    :func:`remove`). ``+tile_loss`` is refused: the loss applies it, the layers take ``config.for_layers``."""
     config = RecomputeConfig.parse(config)
     layers = list(layers)
     if not all(isinstance(layer, nn.Module) for layer in layers):
         raise TypeError("layers must be torch.nn.Module objects")
-    if any(hasattr(m, _ORIGINAL) for layer in layers for m in (layer, getattr(layer, "mlp", None)) if m is not None):
+    if final_norm is not None and not isinstance(final_norm, nn.Module):
+        raise TypeError(f"final_norm must be a torch.nn.Module or None, got {type(final_norm).__name__}")
+    if any(hasattr(m, _ORIGINAL) for m in [*(m for layer in layers for m in _parts(layer)), *_final(final_norm)]):
         raise ValueError("a recompute preset is already applied to these layers; call "
                          "ctx_plugin.recompute.remove(layers) first")
     preset = config.preset
@@ -139,6 +150,8 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
     if config.tile_mlp:
         for i, layer in enumerate(layers):
             check_mlp(getattr(layer, "mlp", None), i)
+            check_norms(layer, i)
+        check_norms(final_norm, "final")
     elif preset == Recompute.MLP:
         missing = [i for i, layer in enumerate(layers) if not isinstance(getattr(layer, "mlp", None), nn.Module)]
         if missing:
@@ -147,11 +160,16 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
     tiling = TilingState()
     for i, layer in enumerate(layers):            # +tile_mlp: every preset; under `mlp` it replaces the checkpoint
         if config.tile_mlp:
-            tiled = tiled_forward(layer.mlp, layer.mlp.forward, tokens=config.mlp_tokens, sequence_dim=sequence_dim,
-                                  state=tiling)
-            patch(layer.mlp, tiled, index=i)
+            for part in (layer.mlp, *layer_norms(layer)):
+                tiled = tiled_forward(part, part.forward, tokens=config.mlp_tokens, sequence_dim=sequence_dim,
+                                      state=tiling)
+                patch(part, tiled, index=i)
         elif preset == Recompute.MLP:
             patch(layer.mlp, _checkpointed_module(layer.mlp), index=i)
+    if config.tile_mlp and final_norm is not None:      # outside the layers: HF's checkpointing never covers it
+        setattr(final_norm, _ORIGINAL, final_norm.forward)
+        final_norm.forward = tiled_forward(final_norm, final_norm.forward, tokens=config.mlp_tokens,
+                                           sequence_dim=sequence_dim, state=tiling)
     if preset in (Recompute.NONE, Recompute.ATTN_OUT, Recompute.MLP):
         return      # nothing else is recomputed; the CP attention already keeps only q, k, v, out and LSE
     if preset == Recompute.CORE_ATTN:
@@ -176,11 +194,15 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
             patch(layers[start + position], partial(region.later, position), index=start + position)
 
 
-def remove(layers: Sequence[nn.Module]) -> None:
-    """Undoes :func:`apply` on ``layers`` (no-op for layers without a preset)."""
+def _final(final_norm: nn.Module | None) -> list[nn.Module]:
+    return [] if final_norm is None else [final_norm]
+
+
+def remove(layers: Sequence[nn.Module], *, final_norm: nn.Module | None = None) -> None:
+    """Undoes :func:`apply` on ``layers`` and ``final_norm`` (no-op for those without a preset)."""
     for layer in layers:
         detach(layer)
-        for module in (layer, getattr(layer, "mlp", None)):
-            if module is not None and hasattr(module, _ORIGINAL):
-                del module.forward           # the instance attribute; the class's forward shows again
-                delattr(module, _ORIGINAL)
+    for module in [*(m for layer in layers for m in _parts(layer)), *_final(final_norm)]:
+        if hasattr(module, _ORIGINAL):
+            del module.forward           # the instance attribute; the class's forward shows again
+            delattr(module, _ORIGINAL)

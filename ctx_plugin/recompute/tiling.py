@@ -1,5 +1,5 @@
-"""Tiled MLP (the ``+tile_mlp[:<tokens>]`` recompute modifier): a layer's MLP run over chunks of the sequence,
-each chunk recomputed in backward (Arctic Long Sequence Training's TiledMLP).
+"""Tiled MLP (the ``+tile_mlp[:<tokens>]`` recompute modifier): a layer's MLP and norms run over chunks of the
+sequence, each chunk recomputed in backward (Arctic Long Sequence Training's TiledMLP, extended to the norms).
 
 Each chunk runs under its own non-reentrant ``torch.utils.checkpoint``: the forward keeps only the MLP's input
 (the chunks are views of it: one copy), and backward recomputes one chunk's MLP and runs its backward before the
@@ -26,6 +26,15 @@ scattered back), all ranks using the same chunks because their shards have the s
 exact per chunk. MoE layers (an ``experts`` or ``router`` submodule, or a module class named as a mixture of
 experts) are refused: routing statistics and auxiliary losses are computed over the tokens of a call, so chunking
 changes them.
+
+The layer's own norms (:func:`layer_norms`: its direct submodules that are torch's ``LayerNorm``/``RMSNorm`` or a
+class named ``...LayerNorm``/``...RMSNorm``, as Hugging Face's, Megatron's and ctx_plugin's) are chunked the same
+way: per token over the hidden dimension, so exact, and with them an eager norm's fp32 copies (Hugging Face's
+``LlamaRMSNorm`` keeps four bytes per element of its input in fp32 besides its normalised input) and its fp32
+backward temporaries (several tokens × hidden fp32 tensors) exist for one chunk at a time; the norm keeps its input
+and its consumer keeps its output. At long sequences those temporaries otherwise bound a recomputed layer's
+backward once the MLP is tiled. Norms not over the hidden dimension alone (a torch norm over several dimensions,
+a norm with parameters that are not vectors) are refused.
 """
 from __future__ import annotations
 
@@ -73,6 +82,30 @@ def _mixture_of_experts(mlp: nn.Module) -> str | None:
     return None
 
 
+_NORM_CLASSES = ("LayerNorm", "RMSNorm")
+
+
+def layer_norms(layer: nn.Module) -> list[nn.Module]:
+    """The norms of ``layer`` that ``+tile_mlp`` chunks: its direct submodules that are torch's LayerNorm/RMSNorm or
+    whose class is named ``...LayerNorm``/``...RMSNorm`` (Megatron's ``IdentityOp`` placeholders are not)."""
+    return [m for m in layer.children()
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith(_NORM_CLASSES)]
+
+
+def check_norms(layer: nn.Module | None, index: int | str) -> None:
+    """A ValueError for a norm of ``layer`` that does not normalise each token over the last dimension alone
+    (``index`` "final": ``layer`` is the model's final norm itself, or None)."""
+    for norm in (layer_norms(layer) if index != "final" else [layer] if layer is not None else []):
+        shape = getattr(norm, "normalized_shape", None)
+        wide = isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) and len(shape) != 1
+        if wide or any(p.dim() != 1 for p in norm.parameters()):
+            what = f"normalized_shape {tuple(shape)}" if wide else "parameters that are not vectors"
+            whose = "the final norm" if index == "final" else f"layer {index}'s norms"
+            raise ValueError(f"+tile_mlp chunks {whose} over the sequence, but its "
+                             f"{type(norm).__name__} normalises over more than the last dimension ({what}), which "
+                             "chunking would change; drop +tile_mlp for this model")
+
+
 def chunk_sizes(tokens: int, per_chunk: int) -> list[int]:
     """Balanced chunk sizes of ``tokens`` tokens with at most ``per_chunk`` each."""
     n = max(1, math.ceil(tokens / per_chunk))
@@ -80,8 +113,8 @@ def chunk_sizes(tokens: int, per_chunk: int) -> list[int]:
 
 
 def tiled_forward(mlp: nn.Module, forward, *, tokens: int | None, sequence_dim: int, state: TilingState):
-    """The replacement ``mlp.forward``: ``forward`` (the original) over chunks of the sequence, each chunk
-    checkpointed. ``tokens``: tokens per chunk, ``None`` for the input width."""
+    """The replacement ``mlp.forward`` (or a norm's): ``forward`` (the original) over chunks of the sequence, each
+    chunk checkpointed. ``tokens``: tokens per chunk, ``None`` for the input width."""
 
     def run(hidden_states, *args, **kwargs):
         extra = [name for name, value in [*enumerate(args, 1), *kwargs.items()] if isinstance(value, torch.Tensor)]
@@ -117,14 +150,14 @@ def _join(mlp: nn.Module, outs: list, sequence_dim: int):
     if isinstance(outs[0], torch.Tensor):
         return torch.cat(outs, dim=sequence_dim) if len(outs) > 1 else outs[0]
     if not isinstance(outs[0], (tuple, list)) or not outs[0] or not isinstance(outs[0][0], torch.Tensor):
-        raise ValueError(f"+tile_mlp: {type(mlp).__name__} returned {type(outs[0]).__name__}; it tiles MLPs that "
-                         "return the hidden states (or a tuple starting with them)")
+        raise ValueError(f"+tile_mlp: {type(mlp).__name__} returned {type(outs[0]).__name__}; it tiles MLPs and norms "
+                         "that return the hidden states (or a tuple starting with them)")
     params = {id(p) for p in mlp.parameters()}
     for position in range(1, len(outs[0])):
         values = [out[position] for out in outs]
         if not all(v is values[0] for v in values) or not (values[0] is None or id(values[0]) in params):
             raise ValueError(f"+tile_mlp: output {position} of {type(mlp).__name__} depends on the tokens (router "
-                             "logits?); it tiles MLPs whose other outputs are None or their own parameters (as "
-                             "Megatron's bias); drop +tile_mlp for this model")
+                             "logits, a fused norm's residual?); it tiles MLPs and norms whose other outputs are "
+                             "None or their own parameters (as Megatron's bias); drop +tile_mlp for this model")
     first = torch.cat([out[0] for out in outs], dim=sequence_dim) if len(outs) > 1 else outs[0][0]
     return type(outs[0])([first, *outs[0][1:]])

@@ -78,11 +78,14 @@ def test_tiled_mlp(case):
 
 @pytest.mark.parametrize("case", ["ctx_plugin-full+tile_mlp-bf16", "ctx_plugin-sqrt+tile_mlp+recompute_attn-bf16",
                                   "ctx_plugin-selective+tile_mlp-bf16", "hf-full+tile_mlp-bf16",
-                                  "hf-selective+tile_mlp-bf16"])
+                                  "hf-selective+tile_mlp-bf16", "hf-sqrt+tile_mlp-fp32",
+                                  "ctx_plugin-sqrt+tile_mlp+offload:1-bf16"])
 def test_tiled_mlp_norm_backward_peak(case):
-    """+tile_mlp at 512 tokens, where one chunk's MLP backward is small: the peak is a recomputed layer's MLP-norm
-    backward (its fp32 temporaries next to the layer's or region's re-materialised norms, RoPE and attention, and two
-    gradients), exact in practice (leaving it out under-estimated by 5–30%)."""
+    """+tile_mlp at 512 tokens in 8 chunks, where one chunk's MLP backward is small: the peak is a recomputed layer's
+    MLP-norm backward, the norm chunked too (one chunk's recomputation and fp32 temporaries and the earlier chunks'
+    input gradients next to the layer's or region's re-materialised tensors — the tiled norms keep only their input
+    and output — and two gradients), exact in practice (the untiled norm's temporaries over-estimated it by 25–45%,
+    leaving the norm's backward out under-estimated it by 5–30%)."""
     family, preset, dtype = case.split("-")
     _check(measure(family, preset, DTYPES[dtype], vocab=16, seq_len=512, batch=1), case)
 
@@ -102,7 +105,9 @@ MEGATRON_PEAK = [("none", "bf16", 16, "rms", False, True), ("none", "fp32", 16, 
                  ("full", "bf16", 16, "rms", False, True), ("full:block:2", "bf16", 16, "rms", False, True),
                  ("none", "bf16", 256, "rms", False, True), ("none", "bf16", 16, "layer", False, True),
                  ("selective", "fp32", 16, "layer", False, True), ("full", "fp32", 16, "layer", False, True),
-                 ("selective+tile_mlp", "bf16", 16, "rms", False, True)]
+                 ("selective+tile_mlp", "bf16", 16, "rms", False, True),
+                 ("full+tile_mlp", "bf16", 16, "rms", False, True),
+                 ("none+tile_mlp", "fp32", 16, "layer", False, True)]
 MEGATRON_KEPT = [("none", "bf16", 16, "rms", True, True), ("full", "bf16", 16, "rms", True, True),
                  ("selective+tile_mlp", "bf16", 16, "rms", True, True),
                  ("none", "bf16", 16, "layer", True, False), ("sqrt", "bf16", 16, "rms", False, True)]

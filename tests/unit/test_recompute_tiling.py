@@ -91,6 +91,31 @@ def test_tile_mlp_fp32_and_automatic_chunks():
     assert seen == [(2, 8), (2, 7), (2, 7)]
 
 
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_norms_run_in_chunks(norm):
+    """+tile_mlp chunks the layer's norms too (ctx_plugin's RMSNorm, torch's LayerNorm): each runs once per chunk,
+    in the forward and again in backward (its recomputation), exact in float64 (the LayerNorm's bias included)."""
+    from unittest import mock
+
+    from ctx_plugin.models import RMSNorm
+
+    c = DecoderConfig(hidden=8, ffn=24, layers=2, heads=2, kv_heads=1, norm=norm)
+    cls = RMSNorm if norm == "rms" else nn.LayerNorm
+    seen, original = [], cls.forward
+
+    def forward(self, x):
+        seen.append(tuple(x.shape[:-1]))
+        return original(self, x)
+
+    with mock.patch.object(cls, "forward", forward):
+        want = _grads(None, c=c)
+        _compare(_grads("none+tile_mlp:9", c=c), want, 1e-12)
+    untiled = [(2, SEQ)] * 2 * c.layers
+    assert seen[:len(untiled)] == untiled
+    chunks = [(2, 8), (2, 7), (2, 7)]
+    assert seen[len(untiled):] == chunks * 2 * c.layers + chunks[::-1] * 2 * c.layers, seen[len(untiled):]
+
+
 def _hf_llama(groups):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -276,6 +301,37 @@ def test_refusals():
         layers[0](torch.randn(1, 4, 4))
     recompute.remove(layers)
     assert "forward" not in vars(layers[0].mlp)
+
+
+class _NormLayer(_Layer):
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__(nn.Linear(4, 4))
+        self.input_layernorm = norm
+
+    def forward(self, x):
+        return super().forward(self.input_layernorm(x))
+
+
+class _WideRMSNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 4))
+
+
+def test_norms_that_chunking_would_change_are_refused():
+    with pytest.raises(ValueError, match=r"layer 0's norms over the sequence, but its LayerNorm normalises over "
+                                         r"more than the last dimension \(normalized_shape \(4, 4\)\)"):
+        recompute.apply([_NormLayer(nn.LayerNorm((4, 4)))], "full+tile_mlp")
+    with pytest.raises(ValueError, match=r"its _WideRMSNorm .* \(parameters that are not vectors\)"):
+        recompute.apply([_NormLayer(_WideRMSNorm())], "none+tile_mlp")
+    layers = [_NormLayer(nn.RMSNorm(4))]
+    recompute.apply(layers, "none+tile_mlp:2")
+    assert "forward" in vars(layers[0].input_layernorm)
+    with pytest.raises(ValueError, match="already applied"):
+        recompute.apply(layers, "none")
+    recompute.remove(layers)
+    assert "forward" not in vars(layers[0].input_layernorm) and "forward" not in vars(layers[0].mlp)
+    recompute.apply(layers, "none")         # removed: applies again
 
 
 def test_mixtures_of_experts_without_an_experts_attribute_are_refused():
