@@ -191,6 +191,13 @@ def binding(p: Prediction, cluster: Cluster) -> str:
     gib = 2**30
     gpu_over = p.memory_bytes / cluster.gpu_bytes
     host_over = p.host_bytes / cluster.host_bytes_per_rank
+    budget = p.recompute.offload_gib
+    budget_over = 0.0 if budget is None or p.estimate.fits_host else p.estimate.host / (budget * gib)
+    if host_over <= 1 < budget_over and budget_over > gpu_over:     # the node has room, the budget stated has not
+        over = (p.estimate.host - budget * gib) / 2**20
+        return (f"host memory binds: {p.estimate.host / gib:,.2f} GiB of activations offloaded per rank > its "
+                f"+offload:{budget:g} budget (the host memory a rank has left, to 3 significant digits): "
+                f"{over:,.2f} MiB ({100 * (budget_over - 1):.2f}%) over")
     if host_over > gpu_over:
         node = p.host_bytes * cluster.gpus_per_node / gib
         room = cluster.host_memory_gib - cluster.host_reserve_gib

@@ -20,7 +20,6 @@ of equal predicted time the one that recomputes less (selective's elementwise re
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -33,7 +32,7 @@ from ..names import Backend, Framework, Recompute
 from ..recompute.presets import RecomputeConfig, candidates
 from .frameworks import check_search, runnable_stages
 from .predict import NAMES, Cluster, Prediction, check_heads_split, predict
-from .variants import Checker, Config, Setting, fitting, significant, stage_order
+from .variants import Checker, Config, Setting, fitting, stage_order
 
 
 def divisors(n: int) -> list[int]:
@@ -256,10 +255,7 @@ def explain(winner: Prediction, plans: list[Prediction], *, untried: Iterable[st
         advice = "add nodes"
         if tries:
             advice += ", try " + (tries[0] if len(tries) == 1 else ", ".join(tries[:-1]) + " or " + tries[-1])
-        shown = closest.recompute        # its offload budget: what the host leaves, shown to 3 significant digits
-        if shown.offload_gib is not None:
-            shown = replace(shown, offload_gib=significant(shown.offload_gib, math.floor))
-        return (f"nothing fits: the closest is {closest.layout} with recompute {shown}"
+        return (f"nothing fits: the closest is {closest.layout} with recompute {closest.recompute}"
                 f"{', optimizer offload' if closest.offload_optimizer else ''}, which {closest.reason}"
                 f"{_host_too(closest)}; {advice}, or shorten the sequence")
     fitting = [p for p in plans if p.fits]

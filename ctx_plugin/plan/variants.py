@@ -21,7 +21,7 @@ Only what a framework runs is tried (:mod:`ctx_plugin.plan.frameworks`): a layou
 and without optimizer offload.
 
 The activation offload budget is what a node's host memory leaves per rank after the reserve and the rank's
-optimizer offload (:func:`offload_budget_gib`); a configuration that fits is shown with the budget it needs (its
+optimizer offload (:func:`offload_budget_gib`, to 3 significant digits); a configuration that fits is shown with the budget it needs (its
 offloaded bytes rounded up to 3 significant digits) when that is within what is left.
 """
 from __future__ import annotations
@@ -79,11 +79,12 @@ class Setting:
 
 def offload_budget_gib(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster, dtype: torch.dtype,
                        offload_optimizer: bool) -> float | None:
-    """Host GiB per rank left for activation offload (None when nothing is left)."""
+    """Host GiB per rank left for activation offload, to 3 significant digits (rounded down: the budget a preset
+    string states is the one checked), or None when nothing is left."""
     left = cluster.host_bytes_per_rank
     if offload_optimizer:
         left -= optimizer_offload(param_count(model, parallel.tp), parallel.shard_degree, dtype.itemsize, cluster)[0]
-    return left / 2**30 if left > 0 else None
+    return significant(left / 2**30, math.floor) if left > 0 else None
 
 
 def significant(gib: float, rounding) -> float:

@@ -320,6 +320,9 @@ def test_readme_table_is_what_the_planner_prints(capsys):
             assert value.startswith(found + " "), (cmd, value, found)
             term = re.search(r"does not fit: (GPU memory|host memory) binds", out).group(1)
             assert binds.startswith(term), (cmd, binds, term)
+            # what binds is over its limit (the +offload budget, floored to 3 digits, may bind before the node)
+            over = re.search(r"does not fit: .*?: ([-\d,.]+) MiB \(([-\d.]+)%\) over", out)
+            assert float(over.group(1).replace(",", "")) > 0, (cmd, over.group(0))
         else:
             found = re.search(r"MFU ([\d.]+%)", out).group(1)
             assert value.startswith(found), (cmd, value, found)
