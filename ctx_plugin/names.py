@@ -71,8 +71,9 @@ class Modifier(StrEnum):
     """``tile_loss[:<tokens>]``: the LM head and cross-entropy over sequence chunks of ``<tokens>`` tokens (automatic
     when omitted), each chunk's logits recomputed in backward: the full ``[tokens, vocab]`` logits never exist."""
     TILE_MLP = "tile_mlp"
-    """``tile_mlp[:<tokens>]``: every layer's MLP over sequence chunks of ``<tokens>`` tokens (automatic when
-    omitted), each chunk recomputed in backward: one layer's MLP intermediates exist for one chunk at a time."""
+    """``tile_mlp[:<tokens>]``: every layer's MLP and norms, and the final norm, over sequence chunks of ``<tokens>``
+    tokens (automatic when omitted), each chunk recomputed in backward: one layer's MLP intermediates and a norm's
+    fp32 copies and temporaries exist for one chunk at a time."""
     RECOMPUTE_ATTN = "recompute_attn"
     """With ``full``/``sqrt``: the attention is recomputed with its region (not pinned), re-running its ring /
     all-to-all communication in backward (Megatron's full recompute)."""

@@ -11,7 +11,8 @@ by the current layer or region (region presets: its layers' ``none`` tensors but
 region input; ``mlp``: the MLP's intermediates; ``selective``: the norms and activations), the MLP backward's
 temporaries and the incoming gradient, or once the MLP is done its norm's backward temporaries and two gradients.
 Modifiers: ``+tile_loss`` (one chunk's logits; over several, the head-weight gradients autograd sums and the
-chunks' hidden gradients), ``+tile_mlp`` (no MLP intermediates kept; one chunk's in backward),
+chunks' hidden gradients), ``+tile_mlp`` (no MLP intermediates kept, the norms only their input and output; one
+chunk's in backward, and a norm chunk's recomputation and temporaries),
 ``+recompute_attn`` (regions keep only their input; the attention runs twice per step), ``+offload`` /
 ``+offload_attn`` (region inputs, and pins by elements, in ``host`` memory; during a region's backward its copies
 back — its input only while recomputed, unless a norm keeps it — and the previous region's, prefetched). Held to

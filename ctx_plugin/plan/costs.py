@@ -8,7 +8,8 @@ Per GPU and step (one micro-batch), t tokens per GPU, h the width, V/tp the voca
                      chunks replace). Inside ``full``/``sqrt`` regions the region's recompute re-runs the chunked
                      forward with autograd on, so the chunks' own checkpoints recompute again: (n−1)/n more MLP
                      forwards per region layer with n chunks (torch's non-reentrant checkpoint stops the last chunk's
-                     nested recompute early; counted on torch 2.13: 2·n + n−1 MLP calls per region layer).
+                     nested recompute early; counted on torch 2.13: 2·n + n−1 MLP calls per region layer). The
+                     norms it chunks too run again the same way: elementwise work, counted as free (as ``selective``'s).
     +recompute_attn  (and ``core_attn``) the attention forward again in backward for every recomputed layer, at the
                      attention rate, and its forward communication again (ring steps, the 4 all-to-alls, the K/V
                      all-gather) — see :func:`attention_recompute_layers`.

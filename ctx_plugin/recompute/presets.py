@@ -50,7 +50,8 @@ class RecomputeConfig:
     loss_tokens: int | None = None
     """``+tile_loss:<tokens>``: tokens per loss chunk; ``None`` picks it from a memory target."""
     tile_mlp: bool = False
-    """``+tile_mlp``: each layer's MLP runs over sequence chunks, each recomputed in backward."""
+    """``+tile_mlp``: each layer's MLP and norms (and the final norm) run over sequence chunks, each recomputed in
+    backward."""
     mlp_tokens: int | None = None
     """``+tile_mlp:<tokens>``: tokens per MLP chunk; ``None`` picks it automatically."""
     recompute_attention: bool = False

@@ -151,6 +151,28 @@ def test_hf_llama_layers(preset):
     _compare(_hf_grads(preset), _hf_grads(None), 1e-10)
 
 
+def test_final_norm_is_tiled_and_restored():
+    """The DeepSpeed entry point finds a Hugging Face model's final norm next to its layers; apply(final_norm=)
+    chunks it under +tile_mlp only, remove(final_norm=) restores it."""
+    pytest.importorskip("transformers")
+    from ctx_plugin.deepspeed import _decoder_layers
+
+    model = _hf_llama(None)
+    layers, norm = _decoder_layers(model)
+    assert layers is model.model.layers and norm is model.model.norm
+    recompute.apply(layers, "full", final_norm=norm)
+    assert "forward" not in vars(norm)
+    recompute.remove(layers, final_norm=norm)
+    recompute.apply(layers, "full+tile_mlp:4", final_norm=norm)
+    assert "forward" in vars(norm)
+    with pytest.raises(ValueError, match="already applied"):
+        recompute.apply([], "none+tile_mlp", final_norm=norm)
+    recompute.remove(layers, final_norm=norm)
+    assert "forward" not in vars(norm)
+    with pytest.raises(ValueError, match=r"chunks the final norm over the sequence, but its LayerNorm"):
+        recompute.apply(layers, "none+tile_mlp", final_norm=nn.LayerNorm((2, 4)))
+
+
 class _Sizes(TorchDispatchMode):
     """The storages created under it (weakly), and the most bytes of them alive after any operator (``peak``:
     what a step adds to parameters and inputs)."""
