@@ -57,11 +57,11 @@ def _hf(kind: str, vocab: int, dtype: torch.dtype, groups, cfg=CFG):
     return model, layers, run_layers, model.lm_head
 
 
-def _ctx(vocab: int, dtype: torch.dtype, groups):
+def _ctx(vocab: int, dtype: torch.dtype, groups, cfg=CFG):
     from ctx_plugin.models import CoreAttention, DecoderBlock, DecoderConfig, RMSNorm
 
     c = DecoderConfig(hidden=HIDDEN, ffn=FFN, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, vocab=vocab)
-    layers = torch.nn.ModuleList(DecoderBlock(c, CoreAttention(CFG, groups)) for _ in range(LAYERS))
+    layers = torch.nn.ModuleList(DecoderBlock(c, CoreAttention(cfg, groups)) for _ in range(LAYERS))
     norm, head = RMSNorm(HIDDEN), torch.nn.Linear(HIDDEN, vocab, bias=False)
     model = torch.nn.ModuleDict(dict(layers=layers, norm=norm, head=head)).to(dtype)
 
@@ -95,22 +95,67 @@ def _device_only():
         yield
 
 
+class GradientsOnly:
+    """The selected kernel, its backward replaced by allocating its three gradients (zeros): a stand-in whose
+    backward holds what every kernel returns and nothing of a CPU kernel's own temporaries."""
+
+    def __init__(self, kernel):
+        self.kernel, self.name = kernel, kernel.name
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def forward(self, *args, **kwargs):
+        return self.kernel.forward(*args, **kwargs)
+
+    def backward(self, dout, q, k, v, out, lse, **kwargs):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+@contextlib.contextmanager
+def stand_in_kernel():
+    """Every cp_attention call under it runs :class:`GradientsOnly` around the kernel it selects."""
+    import ctx_plugin.core.api as api
+
+    select = api.select_kernel
+    with mock.patch.object(api, "select_kernel", lambda *a, **kw: GradientsOnly(select(*a, **kw))):
+        yield
+
+
 def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, vocab: int = 256,
-            kind: str = "llama", batch: int = BATCH) -> dict:
+            kind: str = "llama", batch: int = BATCH, cp: int = 1, backend: str = "zigzag", rank: int = 0) -> dict:
     """Measured and modelled bytes: ``layers`` (kept by the decoder layers on the device), ``peak`` (a step's
-    device activations) and ``host`` (offloaded after the forward)."""
-    groups = ctx_plugin.build_cp_groups(CFG)
+    device activations) and ``host`` (offloaded after the forward). ``cp`` > 1: rank ``rank`` of ``cp`` simulated
+    ranks with ``backend`` (``seq_len`` the global length) and the :func:`stand_in_kernel`, whose backward allocates
+    exactly its gradients (on CPU the model counts no kernel workspace)."""
+    if cp == 1:
+        cfg, groups = CFG, ctx_plugin.build_cp_groups(CFG)
+    else:
+        from ctx_plugin.bench.simulated import SILENT, simulated_groups
+
+        cfg = ctx_plugin.CPConfig(backend=backend, kernel="sdpa_cpu", check_ranks=False)
+        groups = simulated_groups(cfg, rank, cp, SILENT, "cpu")
+    with stand_in_kernel() if cp > 1 else contextlib.nullcontext(), \
+            mock.patch("torch.distributed.all_reduce", lambda *a, **k: None) if cp > 1 else contextlib.nullcontext():
+        return _measure(family, preset, dtype, seq_len, vocab, kind, batch, cfg, groups)   # (HF's input checks
+        # agree over the CP group: one simulated rank agrees with itself)
+
+
+def _measure(family: str, preset: str, dtype: torch.dtype, seq_len: int, vocab: int, kind: str, batch: int, cfg,
+             groups) -> dict:
     config = recompute.RecomputeConfig.parse(preset)
+    cp = groups.size
     torch.manual_seed(0)
-    build = _ctx if family == "ctx_plugin" else lambda v, d, g: _hf(kind, v, d, g)
-    model, layers, run_layers, head = build(vocab, dtype, groups)
+    build = _ctx if family == "ctx_plugin" else lambda v, d, g, c: _hf(kind, v, d, g, c)
+    model, layers, run_layers, head = build(vocab, dtype, groups, cfg)
     final_norm = model["norm"] if family == "ctx_plugin" else model.model.norm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")       # core_attn warns by design
         recompute.apply(layers, config.for_layers, final_norm=final_norm)     # +tile_loss is the loss's (below)
-    x0 = torch.randn(batch, seq_len, HIDDEN, dtype=dtype, requires_grad=True)
-    pos = torch.arange(seq_len)
-    labels = torch.randint(0, vocab, (batch * seq_len,))
+    local = seq_len // cp
+    x0 = torch.randn(batch, local, HIDDEN, dtype=dtype, requires_grad=True)
+    pos = ctx_plugin.sequence_positions(seq_len, config=cfg, groups=groups)
+    labels = torch.randint(0, vocab, (batch * local,))
     fixed = [*model.parameters(), *model.buffers(), x0, pos]
 
     def only_layers():                # without the final norm: what the layers alone keep
@@ -132,7 +177,7 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
     def step():
         hidden = run_layers(x0 * 1.0, pos)
         if config.tile_loss:           # +tile_loss: the head and loss over chunks (ctx_plugin.tiled_loss)
-            return lm_loss_sum(hidden, labels.view(batch, seq_len), head, tokens=config.loss_tokens)
+            return lm_loss_sum(hidden, labels.view(batch, local), head, tokens=config.loss_tokens)
         return F.cross_entropy(head(hidden).flatten(0, 1).float(), labels)
 
     gc.collect()
@@ -143,14 +188,16 @@ def measure(family: str, preset: str, dtype: torch.dtype, *, seq_len: int = 64, 
     finally:
         gc.enable()
     m = spec(family, vocab, qk_norm=family == "hf" and HF_MODEL_TYPES[kind])
-    est = estimate(m, ParallelSpec(), preset, seq_len=seq_len, micro_batch=batch, dtype=dtype, device="cpu")
-    k = layer_terms(m, ParallelSpec(), seq_len, batch, dtype, "cpu")
+    parallel = ParallelSpec(cp=cp, backend=cfg.backend)
+    est = estimate(m, parallel, preset, seq_len=seq_len, micro_batch=batch, dtype=dtype, device="cpu")
+    k = layer_terms(m, parallel, seq_len, batch, dtype, "cpu")
     head = k.head - (k.norm_drop if config.tile_mlp else 0)     # the final norm's kept (+tile_mlp chunks it)
     layers_model = est.activations - k.shared - head            # the layers' on the device (less what is offloaded)
-    assert est.host or layers_model == sum(layer_activations(m, ParallelSpec(), preset, seq_len=seq_len,
+    assert est.host or layers_model == sum(layer_activations(m, parallel, preset, seq_len=seq_len,
                                                              micro_batch=batch, dtype=dtype, device="cpu"))
     if family == "hf":            # HF's model runs the final norm (its output is the result) and builds cos/sin
         layers_model += k.shared + head - k.x
-    model_peak = est.activations + max(est.logits_peak, est.recompute_peak + est.cp_buffers)
+    model_peak = est.activations + est.transient
     return {"activations": est.activations, "layers": kept, "layers_model": layers_model, "peak": peak,
-            "peak_model": model_peak, "host": host, "host_model": est.host}
+            "peak_model": model_peak, "host": host, "host_model": est.host,
+            "attention_binds": est.attention_peak + est.cp_buffers > max(est.logits_peak, est.recompute_peak)}

@@ -89,7 +89,7 @@ def _measure(preset: str, dtype: torch.dtype, vocab: int, norm: str, fusion: boo
     _, peak = step_bytes(step, exclude=[*fixed, *(p.grad for p in model.parameters())])
     est = estimate(m, ParallelSpec(), preset, **kw)
     return {"layers": kept, "layers_model": layers_model, "peak": peak,
-            "peak_model": est.activations + max(est.logits_peak, est.recompute_peak + est.cp_buffers)}
+            "peak_model": est.activations + est.transient}
 
 
 def measure_cases(rank: int, world: int, payload: dict) -> dict:

@@ -76,6 +76,8 @@ class LayerTerms:
     sel_norm_drop: int  # what a selective layer's recomputation no longer re-materialises when its norms are tiled
                         # (hf: and the input norm's input, which the region keeps anyway)
     grad: int         # the gradient flowing between layers
+    attn_grads: int   # the attention's incoming gradient (its output's); under Ulysses also the k and v gradients
+                      # it returns before q's all-to-all back (its buffers' last moment)
 
     @property
     def pins_host(self) -> int:
@@ -141,7 +143,7 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                           norm_drop=norm - 2 * x, sel_norm_drop=2 * (norm - 2 * x) + x - x_in_none,
                           mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
                           first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e,
-                          mlp_outs=t * up * e + x)
+                          mlp_outs=t * up * e + x, attn_grads=t * (q_w + (2 * kv_w if u > 1 else 0)) * e)
     megatron = m.family == "megatron"
     stats_e = e if megatron and device == "cpu" else acc  # torch's LayerNorm keeps its statistics in e on CPU
     stats = t * (1 if m.norm == "rms" else 2) * stats_e
@@ -175,4 +177,5 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                       last_weight=f * m.hidden * e,
                       first_weight=up * m.hidden * e,
                       chunk_copies=0 if megatron else 2,     # Megatron's chunks: contiguous ([s, b, h])
-                      sel_mlp=inner - t * up * e, mlp_outs=t * up * e + x)
+                      sel_mlp=inner - t * up * e, mlp_outs=t * up * e + x,
+                      attn_grads=t * (q_w + (2 * kv_w if u > 1 else 0)) * e)

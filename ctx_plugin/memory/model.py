@@ -5,11 +5,13 @@ What each layer keeps is counted tensor by tensor for the block family that runs
 own block, Hugging Face Llama/Mistral/Qwen2-style layers, megatron-core's GPT layers), held to the measured byte
 on CPU in bf16 and fp32 (``tests/unit/test_memory_blocks.py``), and so is a whole step's activation peak: the most
 of (a) everything kept plus the loss's fp32 logits, log-softmax and its gradient, (b) everything kept plus the final
-norm's backward
-temporaries, (c) during the layers' backward, what the layers not yet done keep, the working set re-materialised
-by the current layer or region (region presets: its layers' ``none`` tensors but the pinned attention and the
-region input; ``mlp``: the MLP's intermediates; ``selective``: the norms and activations), the MLP backward's
-temporaries and the incoming gradient, or once the MLP is done its norm's backward temporaries and two gradients.
+norm's backward temporaries, (c) during the layers' backward, what the layers not yet done keep, the working set
+re-materialised by the current layer or region (region presets: its layers' ``none`` tensors but the pinned
+attention and the region input; ``mlp``: the MLP's intermediates; ``selective``: the norms and activations), the
+MLP backward's temporaries and the incoming gradient, or once the MLP is done its norm's backward temporaries and
+two gradients, (d) when a layer's attention backward starts, the same less the layer's MLP and MLP-norm tensors,
+with the attention's incoming gradient, plus the attention's communication buffers and kernel workspace
+(:mod:`.buffers`), which exist only then (held to measured bytes at CP 2–8 with simulated ranks of every backend).
 Modifiers: ``+tile_loss`` (one chunk's logits; over several, the head-weight gradients autograd sums and the
 chunks' hidden gradients), ``+tile_mlp`` (no MLP intermediates kept, the norms only their input and output; one
 chunk's in backward, and a norm chunk's recomputation and temporaries),
@@ -40,6 +42,7 @@ _NAMES = SettingNames(cp="cp", heads="query heads per tensor-parallel rank",
 _TP_NAMES = SettingNames(heads="heads", kv_heads="kv_heads", tp="tp")
 GiB = 2**30
 _REGIONS = (Recompute.FULL, Recompute.SQRT)
+_LAYER_KEPT = (Recompute.NONE, Recompute.ATTN_OUT, Recompute.CORE_ATTN, Recompute.MLP)   # layers keep their own
 
 
 def _chunk(tokens: int, per_chunk: int | None, default: int) -> int:
@@ -82,14 +85,18 @@ def _input_kept(k, recompute: RecomputeConfig) -> int:
 
 
 def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[int], chunk_inner: int,
-                   chunk_temps: tuple[int, int], in_flight: list[int], norm_bwd: int) -> int:
+                   chunk_temps: tuple[int, int], in_flight: list[int], norm_bwd: int) -> tuple[int, int]:
     """Activations alive at the worst moment of the layers' backward: what the layers not yet done keep, the
     recomputed working set of the current layer or region and the incoming gradient, with either the MLP
     backward's temporaries or, once the MLP is done (its intermediates freed: the peak when +tile_mlp leaves one
     chunk's), the MLP norm's backward temporaries. ``chunk_temps``: a +tile_mlp chunk's backward temporaries in a
     layer that is not recomputed, and in one that is (``selective``, regions). ``in_flight``: offloaded bytes back
     on the device while each region runs backward. ``norm_bwd``: a layer norm's backward beyond its kept tensors
-    (a +tile_mlp chunk's recomputation and temporaries, and the earlier chunks' input gradients)."""
+    (a +tile_mlp chunk's recomputation and temporaries, and the earlier chunks' input gradients).
+
+    Also returns the activations alive when the attention's backward starts (the MLP's and its norm's tensors
+    freed; the attention's incoming gradient and the layer's output gradient alive), to which its transient
+    communication buffers add (:attr:`MemoryEstimate.attention_peak`)."""
     tiled = recompute.tile_mlp
     drop = k.sel_norm_drop if tiled else 0      # what a selective layer's tiled norms do not re-materialise
     inner, (temps, temps_rec) = (chunk_inner, chunk_temps) if tiled else (0, (k.bwd_temps,) * 2)
@@ -102,7 +109,14 @@ def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[
     peak = kept + working + (temps_rec if preset == Recompute.SELECTIVE else temps) + k.grad
     # the norm's backward: its output's slot holds the incoming gradient, the layer's output gradient waits
     norm = k.grad + norm_bwd
-    peak = max(peak, kept + (k.sel_working - k.sel_mlp - drop if preset == Recompute.SELECTIVE else 0) + norm)
+    sel_rest = k.sel_working - k.sel_mlp - drop if preset == Recompute.SELECTIVE else 0    # once the MLP is done
+    peak = max(peak, kept + sel_rest + norm)
+    # at the attention's backward the layer's MLP and MLP norm are done: what they kept, or re-materialised, is freed
+    mlp_norm = 2 * k.x + (0 if tiled else k.norm_drop)
+    mlp_kept = mlp_norm + (0 if tiled or preset == Recompute.MLP else k.mlp_inner)
+    sel_kept = mlp_norm + (0 if tiled else k.mlp_outs)      # selective: the norm and the MLP's cached outputs
+    attention = kept + sel_rest - (mlp_kept if preset in _LAYER_KEPT else sel_kept * (preset == Recompute.SELECTIVE)) \
+        + k.grad + k.attn_grads
     per_layer_rec = k.none - k.mlp_inner - k.pins - 2 * k.norm_drop * tiled   # tiled: one MLP chunk at a time
     if recompute.recompute_attention:
         per_layer_rec += k.pins
@@ -111,7 +125,8 @@ def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[
         rec = n * per_layer_rec - _input_kept(k, recompute) + back + (0 if tiled else (n - 1) * k.mlp_inner)
         peak = max(peak, sum(per_layer[:stop]) + rec + max((inner if tiled else k.mlp_inner) + temps_rec + k.grad,
                                                            norm))
-    return peak + k.shared
+        attention = max(attention, sum(per_layer[:stop]) + rec - mlp_norm + k.grad + k.attn_grads)
+    return peak + k.shared, attention + k.shared
 
 
 def param_count(m: ModelSpec, tp: int = 1) -> int:
@@ -166,7 +181,12 @@ class MemoryEstimate:
     """Activations beyond :attr:`activations` alive at the worst moment of the layers' backward: the recomputed
     working set of a layer or region, its backward temporaries, the incoming gradient, regions prefetched back."""
     cp_buffers: int
-    """Transient context-parallel communication buffers of one attention call."""
+    """Transient context-parallel communication buffers of one attention call (and on CUDA the kernel's backward
+    workspace), alive only inside the attention's backward: they add to :attr:`attention_peak`."""
+    attention_peak: int
+    """Activations beyond :attr:`activations` alive when a layer's attention backward starts (negative when less
+    is: the final norm's and the layer's MLP tensors are freed by then): the recomputed working set of its layer or
+    region less the MLP's and its norm's, the attention's incoming gradient and the layer's output gradient."""
     logits_peak: int
     """At the loss: the logits' fp32 copy, the saved log-softmax and its gradient; with +tile_loss one chunk's, and
     from the second chunk on the sum of the head-weight gradients so far and the hidden gradients done (autograd
@@ -207,7 +227,13 @@ class MemoryEstimate:
         """Model state + the framework's buffers + kept activations + the largest transient (loss, or backward +
         communication)."""
         return self.params + self.grads + self.optimizer + self.framework_buffers + self.activations + \
-            max(self.logits_peak, self.recompute_peak + self.cp_buffers)
+            self.transient
+
+    @property
+    def transient(self) -> int:
+        """The largest transient beyond the kept activations: the loss's, the layers' backward (:attr:`recompute_peak`)
+        or the attention's backward with its communication buffers."""
+        return max(self.logits_peak, self.recompute_peak, self.attention_peak + self.cp_buffers)
 
     @property
     def peak(self) -> int:
@@ -296,7 +322,8 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
     norm_bwd = k.norm_bwd
     if recompute.tile_mlp:     # a norm chunk's recomputed tensors (all but its input) and temporaries, and the
         norm_bwd = (k.norm_drop + k.x + k.norm_bwd) * mlp_chunk // t + (chunks - 1) * k.x * mlp_chunk // t
-    backward = _backward_peak(model, recompute, k, gpu_layers, chunk_inner, chunk_temps, in_flight, norm_bwd)
+    backward, attention = _backward_peak(model, recompute, k, gpu_layers, chunk_inner, chunk_temps, in_flight,
+                                         norm_bwd)
     spans = [stop - start for start, stop in regions(recompute, model.layers)]
     full_step, mlp, attn = layer_flops(model, parallel, t, seq_len, documents)
     vocab = ceil_div(model.vocab, parallel.tp)
@@ -319,6 +346,7 @@ def estimate(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfi
                           framework_buffers=state.extra, step_peak=state.step,
                           framework=parallel.runs_on, activations=activations,
                           per_layer=per_layer, recompute_peak=max(backward - activations, norm_bwd, 0),
+                          attention_peak=attention - activations,
                           cp_buffers=cp_buffers(model, parallel, t, seq_len, micro_batch, e, acc, device),
                           logits_peak=logits, recompute_flops=extra, step_flops=step,
                           host=sum(host),

@@ -199,7 +199,8 @@ def need_matplotlib() -> None:
 def _row(name: str, est: MemoryEstimate, width: int = 16) -> str:
     static = (est.params + est.grads + est.optimizer + est.framework_buffers) / GiB
     return (f"{name:<{width}} {est.activations / GiB:>11.1f} {est.recompute_peak / GiB:>10.1f} "
-            f"{est.cp_buffers / GiB:>8.2f} {est.logits_peak / GiB:>8.1f} {static:>14.1f} {est.peak / GiB:>9.1f} "
+            f"{round(est.attention_peak / GiB, 1) + 0.0:>8.1f} {est.cp_buffers / GiB:>8.2f} {est.logits_peak / GiB:>8.1f} "
+            f"{static:>14.1f} {est.peak / GiB:>9.1f} "
             f"{100 * est.recompute_fraction:>9.1f}% {est.host / GiB:>8.1f}")
 
 
@@ -250,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     if documents is not None:
         print(f"documents: {describe_documents(documents)}; memory as for one document (every saved tensor is per "
               f"token), extra FLOPs against the attention of the pairs inside each document")
-    print(f"{'preset':<{width}} {'activations':>11} {'recompute':>10} {'cp bufs':>8} {'logits':>8} "
+    print(f"{'preset':<{width}} {'activations':>11} {'recompute':>10} {'attn bwd':>8} {'cp bufs':>8} {'logits':>8} "
           f"{'model state':>14} {'peak':>9} {'extra FLOPs':>10} {'host':>8}")
     print("\n".join(rows))
     first = estimates[0]

@@ -205,10 +205,10 @@ def binding(p: Prediction, cluster: Cluster) -> str:
         return (f"host memory binds: {node:,.2f} GiB per node > {room:,.2f} GiB ({cluster.host_memory_gib:g} less "
                 f"{cluster.host_reserve_gib:g} reserved): {over:,.2f} MiB ({100 * (host_over - 1):.2f}%) over")
     est = p.estimate
-    transient_name = "logits at the loss" if est.logits_peak >= est.recompute_peak + est.cp_buffers else \
-        "one region's recompute + CP buffers"
+    transient_name = "logits at the loss" if est.transient == est.logits_peak else "a layer's backward" \
+        if est.transient == est.recompute_peak else "the attention's backward with its CP buffers"
     parts = {"activations kept for backward": est.activations,
-             f"transient ({transient_name})": max(est.logits_peak, est.recompute_peak + est.cp_buffers),
+             f"transient ({transient_name})": est.transient,
              "parameters": est.params, "gradients": est.grads,
              "optimizer state": 0 if p.offload_optimizer else est.optimizer,
              f"{est.framework.value}'s buffers": est.framework_buffers}

@@ -21,8 +21,8 @@ Only what a framework runs is tried (:mod:`ctx_plugin.plan.frameworks`): a layou
 and without optimizer offload.
 
 The activation offload budget is what a node's host memory leaves per rank after the reserve and the rank's
-optimizer offload (:func:`offload_budget_gib`, to 3 significant digits); a configuration that fits is shown with the budget it needs (its
-offloaded bytes rounded up to 3 significant digits) when that is within what is left.
+optimizer offload (:func:`offload_budget_gib`, to 3 significant digits); a configuration that fits is shown with
+the budget it needs (its offloaded bytes rounded up to 3 significant digits) when that is within what is left.
 """
 from __future__ import annotations
 

@@ -7,45 +7,27 @@ FlashAttention-2's workspace instead (checked below). Measured as a GPU holds th
 out."""
 from __future__ import annotations
 
-from unittest import mock
 
 import pytest
 import torch
 
-import ctx_plugin.core.api as api
 from ctx_plugin import CPConfig, cp_attention
 from ctx_plugin.bench.memory import transient_peak
 from ctx_plugin.bench.simulated import SILENT, simulated_groups
 from ctx_plugin.memory import ModelSpec, ParallelSpec, estimate
+from tests.memory_blocks import stand_in_kernel
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32
 MODEL = ModelSpec(layers=1, hidden=HEADS * HEAD_DIM, heads=HEADS, kv_heads=KV_HEADS, ffn=64, vocab=64)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
-class _GradientsOnly:
-    """The selected kernel, its backward replaced by allocating its three gradients (zeros)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.name = kernel, kernel.name
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
-
-    def forward(self, *args, **kwargs):
-        return self.kernel.forward(*args, **kwargs)
-
-    def backward(self, dout, q, k, v, out, lse, **kwargs):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-
-
 def _measured(backend: str, ulysses_size: int, cp: int, n: int, batch: int = 1, heads: int = HEADS,
               kv_heads: int = KV_HEADS, dtype: torch.dtype = torch.bfloat16) -> list[int]:
     """Every rank's transient bytes in one backward (after a warm-up call)."""
     cfg = CPConfig(backend=backend, kernel="sdpa_cpu", check_ranks=False, ulysses_size=ulysses_size)
-    select = api.select_kernel
     ranks = []
-    with mock.patch.object(api, "select_kernel", lambda *a, **kw: _GradientsOnly(select(*a, **kw))):
+    with stand_in_kernel():
         for rank in range(cp):
             groups = simulated_groups(cfg, rank, cp, SILENT, "cpu")
             g = torch.Generator().manual_seed(rank)

@@ -322,7 +322,7 @@ def test_readme_table_is_what_the_planner_prints(capsys):
             assert binds.startswith(term), (cmd, binds, term)
             # what binds is over its limit (the +offload budget, floored to 3 digits, may bind before the node)
             over = re.search(r"does not fit: .*?: ([-\d,.]+) MiB \(([-\d.]+)%\) over", out)
-            assert float(over.group(1).replace(",", "")) > 0, (cmd, over.group(0))
+            assert not over.group(1).startswith("-"), (cmd, over.group(0))      # 0.00: a few bytes over
         else:
             found = re.search(r"MFU ([\d.]+%)", out).group(1)
             assert value.startswith(found), (cmd, value, found)
