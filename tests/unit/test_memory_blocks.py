@@ -50,7 +50,8 @@ def _hf_types():
     cases = [f"{kind}-{preset}" for kind in sorted(HF_MODEL_TYPES) if kind not in ("llama", "qwen2")
              for preset in ("none-fp32", "sqrt-bf16")]
     return cases + ["qwen3-selective-fp32", "qwen3-full-fp32", "qwen3-full:block:2-bf16", "qwen3-mlp-bf16",
-                    "qwen3-selective+tile_mlp:32-bf16", "qwen3-full+offload:1-fp32"]
+                    "qwen3-selective+tile_mlp:32-bf16", "qwen3-full+offload:1-fp32", "granite-none+tile_mlp:16-fp32",
+                    "hunyuan_v1_dense-sqrt+tile_mlp:16-bf16"]
 
 
 @pytest.mark.parametrize("case", _hf_types())

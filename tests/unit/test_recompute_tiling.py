@@ -173,6 +173,42 @@ def test_final_norm_is_tiled_and_restored():
         recompute.apply(layers, "none+tile_mlp", final_norm=nn.LayerNorm((2, 4)))
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "phi", "cohere", "olmo2", "nemotron"])
+def test_hf_families_norms(kind):
+    """Norm layouts beyond Llama's, chunked with the final norm under full+tile_mlp: Gemma2's four norms per layer,
+    Phi's and Cohere's one (attention and MLP in parallel), OLMo2's norms after attention and MLP, Nemotron's
+    LayerNorm1P. Reference: the same HF model with its own attention (sdpa; Gemma2's eager), no ctx_plugin; float64,
+    except inside Gemma's and Cohere's norms, which compute in fp32 whatever the input (chunks round there as fp32
+    does)."""
+    transformers = pytest.importorskip("transformers")
+    from ctx_plugin.deepspeed import _decoder_layers
+
+    config = transformers.AutoConfig.for_model(kind, vocab_size=64, hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=8, use_cache=False, pad_token_id=0, bos_token_id=1,
+                                               eos_token_id=2,
+                                               attn_implementation="eager" if kind == "gemma2" else "sdpa")
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"] * 2
+    grads = []
+    for tiled in (False, True):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).double().train()
+        for p in model.parameters():
+            if p.dim() == 1:
+                nn.init.normal_(p, 0.5, 0.2)
+        if tiled:
+            hf.enable(model, CFG, ctx_plugin.build_cp_groups(CFG))
+            layers, final = _decoder_layers(model)
+            recompute.apply(layers, "full+tile_mlp:5", final_norm=final)
+            assert final is not None and "forward" in vars(final)
+            assert all("forward" in vars(norm) for norm in recompute.tiling.layer_norms(layers[0]))
+        ids = torch.randint(3, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, position_ids=torch.arange(SEQ).expand(2, SEQ)).logits.pow(2).mean().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    _compare(grads[1], grads[0], 1e-6 if kind in ("gemma2", "cohere") else 1e-12)
+
+
 class _Sizes(TorchDispatchMode):
     """The storages created under it (weakly), and the most bytes of them alive after any operator (``peak``:
     what a step adds to parameters and inputs)."""
