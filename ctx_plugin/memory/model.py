@@ -224,8 +224,7 @@ class MemoryEstimate:
 
     @property
     def training_peak(self) -> int:
-        """Model state + the framework's buffers + kept activations + the largest transient (loss, or backward +
-        communication)."""
+        """Model state + the framework's buffers + kept activations + the largest transient (:attr:`transient`)."""
         return self.params + self.grads + self.optimizer + self.framework_buffers + self.activations + \
             self.transient
 

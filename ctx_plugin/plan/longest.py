@@ -206,7 +206,7 @@ def binding(p: Prediction, cluster: Cluster) -> str:
                 f"{cluster.host_reserve_gib:g} reserved): {over:,.2f} MiB ({100 * (host_over - 1):.2f}%) over")
     est = p.estimate
     transient_name = "logits at the loss" if est.transient == est.logits_peak else "a layer's backward" \
-        if est.transient == est.recompute_peak else "the attention's backward with its CP buffers"
+        if est.transient == est.recompute_peak else "the attention's backward with its CP buffers and kernel workspace"
     parts = {"activations kept for backward": est.activations,
              f"transient ({transient_name})": est.transient,
              "parameters": est.params, "gradients": est.grads,

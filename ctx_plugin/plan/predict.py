@@ -249,6 +249,9 @@ def predict(model: ModelSpec, parallel: ParallelSpec, recompute: RecomputeConfig
     worst = max(parts, key=parts.get)
     if not mem.gpu_fits:
         reason = f"needs {mem.gpu_bytes / 2**30:.1f} GiB > {c.gpu_room_gib:g} GiB"
+    elif not mem.host_fits and mem.host_bytes <= c.host_bytes_per_rank:    # the budget stated (3 digits) binds
+        reason = (f"offloads {est.host / 2**30:.2f} GiB per rank > its {recompute.offload_gib:.2f} GiB offload "
+                  "budget (the host memory a rank has left, to 3 significant digits)")
     elif not mem.host_fits:
         reason = (f"needs {mem.host_bytes / 2**30:.1f} GiB of host memory per rank > "
                   f"{c.host_bytes_per_rank / 2**30:.1f} GiB")

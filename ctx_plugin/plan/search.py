@@ -240,7 +240,7 @@ def _host_too(p: Prediction) -> str:
         return ""
     est = p.estimate
     if est.host_budget is not None and not est.fits_host:
-        return (f", and offloads {est.host / 2**30:.1f} GiB per rank > its {est.host_budget / 2**30:.1f} GiB "
+        return (f", and offloads {est.host / 2**30:.2f} GiB per rank > its {est.host_budget / 2**30:.2f} GiB "
                 f"offload budget (the host memory a rank has left)")
     return f", and {p.host_gib:.1f} GiB of host memory per rank, more than a rank's share of its node"
 

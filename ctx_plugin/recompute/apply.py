@@ -132,8 +132,9 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
     if final_norm is not None and not isinstance(final_norm, nn.Module):
         raise TypeError(f"final_norm must be a torch.nn.Module or None, got {type(final_norm).__name__}")
     if any(hasattr(m, _ORIGINAL) for m in [*(m for layer in layers for m in _parts(layer)), *_final(final_norm)]):
-        raise ValueError("a recompute preset is already applied to these layers; call "
-                         "ctx_plugin.recompute.remove(layers) first")
+        raise ValueError("a recompute preset is already applied to these layers (or this final norm); call "
+                         "ctx_plugin.recompute.remove(layers, final_norm=...) first, with the final norm given to "
+                         "apply")
     preset = config.preset
     if config.tile_loss:
         raise ValueError(f"+tile_loss in {config} is applied by the loss (the LM head and cross-entropy over "
@@ -147,6 +148,8 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
                          f"[seq, batch, hidden]), got {sequence_dim!r}")
     refuse_hf_checkpointing(layers, config)
     _refuse_running_stats(layers, config)
+    spans = regions(config, len(layers)) if preset in (Recompute.FULL, Recompute.SQRT) else []  # its error: nothing
+    # patched yet
     if config.tile_mlp:
         for i, layer in enumerate(layers):
             check_mlp(getattr(layer, "mlp", None), i)
@@ -185,7 +188,7 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
             patch(layer, Region([layer], selective=True, policy=policy).run, index=i)
         return
     offload = HostOffload.from_config(config)      # one host budget for the whole stack
-    for start, stop in regions(config, len(layers)):      # full, full:uniform:N, full:block:N, sqrt
+    for start, stop in spans:      # full, full:uniform:N, full:block:N, sqrt
         region = Region(layers[start:stop], selective=False,
                          pinned=not config.recompute_attention, offload=offload)
         attach(layers[start:stop], offload)

@@ -8,8 +8,9 @@ from .presets import RecomputeConfig, regions
 
 def _apply_instead(config: RecomputeConfig, framework: str, why: str) -> ValueError:
     loss = " and compute the loss with ctx_plugin.tiled_loss (+tile_loss)" if config.tile_loss else ""
+    norm = ", final_norm=<the model's final norm>" if config.tile_mlp else ""
     return ValueError(f"{framework} cannot express recompute preset {config}: {why}; apply it with "
-                      f"ctx_plugin.recompute.apply(layers, {str(config.for_layers)!r}){loss} instead (the "
+                      f"ctx_plugin.recompute.apply(layers, {str(config.for_layers)!r}{norm}){loss} instead (the "
                       f"ctx_plugin {framework} integration does this for you)")
 
 

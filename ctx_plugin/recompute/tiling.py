@@ -96,8 +96,8 @@ def check_norms(layer: nn.Module | None, index: int | str) -> None:
     """A ValueError for a norm of ``layer`` that does not normalise each token over the last dimension alone
     (``index`` "final": ``layer`` is the model's final norm itself, or None)."""
     for norm in (layer_norms(layer) if index != "final" else [layer] if layer is not None else []):
-        shape = getattr(norm, "normalized_shape", None)
-        wide = isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) and len(shape) != 1
+        shape = getattr(norm, "normalized_shape", None)     # torch's, and Megatron's/HF's LayerNorm-likes
+        wide = shape is not None and len(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)) != 1
         if wide or any(p.dim() != 1 for p in norm.parameters()):
             what = f"normalized_shape {tuple(shape)}" if wide else "parameters that are not vectors"
             whose = "the final norm" if index == "final" else f"layer {index}'s norms"

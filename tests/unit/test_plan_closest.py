@@ -59,6 +59,19 @@ def test_the_closest_configuration_may_carry_modifiers():
     assert any(p.recompute == candidates(LLAMA.layers)[0] for p in plans)
 
 
+def test_a_budget_rounded_down_binds_as_the_budget():
+    """The planner's offload budget is what the host leaves to 3 significant digits (105.04 → 105 GiB): a setting
+    that offloads more than it but fits the node's share names the budget, not the node's host memory."""
+    from ctx_plugin.memory import ParallelSpec
+    from ctx_plugin.plan.predict import predict
+
+    p = predict(LLAMA, ParallelSpec(cp=8, backend="ulysses", zero_stage=3),
+                "full+tile_loss+tile_mlp+recompute_attn+offload:105", seq_len=3440832, cluster=Cluster(nodes=1),
+                offload_optimizer=True)
+    assert not p.fits and p.gpu_fits
+    assert p.reason.startswith("offloads 105.01 GiB per rank > its 105.00 GiB offload budget"), p.reason
+
+
 def test_the_cli_names_the_closest_with_its_modifiers(capsys):
     assert main(["plan", "--model", "llama3-8b", "--seq-len", "8m", "--nodes", "1", "--modifiers",
                  "--zero", "0", "1", "2", "3"]) == 1

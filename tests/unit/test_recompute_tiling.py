@@ -165,10 +165,16 @@ def test_final_norm_is_tiled_and_restored():
     recompute.remove(layers, final_norm=norm)
     recompute.apply(layers, "full+tile_mlp:4", final_norm=norm)
     assert "forward" in vars(norm)
-    with pytest.raises(ValueError, match="already applied"):
-        recompute.apply([], "none+tile_mlp", final_norm=norm)
+    recompute.remove(layers)              # the final norm stays tiled: the error says how to remove it
+    with pytest.raises(ValueError, match=r"already applied .*recompute\.remove\(layers, final_norm=\.\.\.\) first"):
+        recompute.apply(layers, "none+tile_mlp", final_norm=norm)
     recompute.remove(layers, final_norm=norm)
     assert "forward" not in vars(norm)
+    with pytest.raises(ValueError, match="counts 4 layers, but the stack has 3"):    # refused before patching
+        recompute.apply(layers, "full:block:4+tile_mlp", final_norm=norm)
+    assert not any("forward" in vars(m) for m in (norm, layers[0].mlp, layers[0].input_layernorm))
+    with pytest.raises(ValueError, match=r"apply\(layers, 'full\+tile_mlp', final_norm=<the model's final norm>\)"):
+        recompute.to_megatron("full+tile_mlp", 32)
     with pytest.raises(ValueError, match=r"chunks the final norm over the sequence, but its LayerNorm"):
         recompute.apply(layers, "none+tile_mlp", final_norm=nn.LayerNorm((2, 4)))
 
@@ -376,12 +382,20 @@ class _WideRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(4, 4))
 
 
+class _WideLayerNorm(nn.Module):           # no parameters: only its normalized_shape says what it normalises
+    def __init__(self) -> None:
+        super().__init__()
+        self.normalized_shape = (4, 4)
+
+
 def test_norms_that_chunking_would_change_are_refused():
     with pytest.raises(ValueError, match=r"layer 0's norms over the sequence, but its LayerNorm normalises over "
                                          r"more than the last dimension \(normalized_shape \(4, 4\)\)"):
         recompute.apply([_NormLayer(nn.LayerNorm((4, 4)))], "full+tile_mlp")
     with pytest.raises(ValueError, match=r"its _WideRMSNorm .* \(parameters that are not vectors\)"):
         recompute.apply([_NormLayer(_WideRMSNorm())], "none+tile_mlp")
+    with pytest.raises(ValueError, match=r"its _WideLayerNorm .* \(normalized_shape \(4, 4\)\)"):
+        recompute.apply([_NormLayer(_WideLayerNorm())], "none+tile_mlp")
     layers = [_NormLayer(nn.RMSNorm(4))]
     recompute.apply(layers, "none+tile_mlp:2")
     assert "forward" in vars(layers[0].input_layernorm)
