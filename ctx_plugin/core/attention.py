@@ -40,4 +40,9 @@ def run_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: CP
         q, k, v = (AllToAll.apply(t, ulysses, counter, True) for t in (q, k, v))
     out = RingAttention.apply(q, k, v, sinks, kernel, ring_layout(config), groups.ring, counter, mask, scale,
                               groups.check_group)
-    return AllToAll.apply(out, ulysses, counter, False) if ulysses.size > 1 else out
+    if ulysses.size == 1:
+        return out
+    # contiguous: with one head per Ulysses rank the all-to-all's result is a strided view of its receive buffer, and
+    # the layer's reshape before its output projection would copy it (once more whenever a region recomputes the
+    # layer, the pinned output then being a second copy); with several it is a copy already
+    return AllToAll.apply(out, ulysses, counter, False).contiguous()

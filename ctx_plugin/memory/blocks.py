@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..names import Backend
 from .specs import FAMILIES, ModelSpec, ParallelSpec, ceil_div
 
 __all__ = ["DEVICES", "FAMILIES", "LayerTerms", "layer_terms"]
@@ -76,8 +77,8 @@ class LayerTerms:
     sel_norm_drop: int  # what a selective layer's recomputation no longer re-materialises when its norms are tiled
                         # (hf: and the input norm's input, which the region keeps anyway)
     grad: int         # the gradient flowing between layers
-    attn_grads: int   # the attention's incoming gradient (its output's); under Ulysses also the k and v gradients
-                      # it returns before q's all-to-all back (its buffers' last moment)
+    attn_grads: int   # the attention's incoming gradient (its output's) and returned gradients alive at its
+                      # buffers' worst moment (_attn_grads)
 
     @property
     def pins_host(self) -> int:
@@ -95,6 +96,19 @@ def _pin_parts(t: int, q_w: int, kv_w: int, rep: int, u: int, e: int, lse: int) 
     if u > 1:
         return (t * q_w * e, t * kv_w * rep * e, t * kv_w * rep * e, t * q_w * e, t * q_w * e, lse)
     return (t * q_w * e, t * kv_w * e, t * kv_w * e, t * q_w * e, lse)
+
+
+def _attn_grads(p: ParallelSpec, t: int, q_w: int, kv_w: int, e: int, acc: int) -> int:
+    """The attention's incoming gradient, and the gradients it returns that are alive at its buffers' worst moment
+    though :func:`~ctx_plugin.memory.buffers.cp_buffers` leaves them out as the layer's: under Ulysses k's and v's,
+    sent back before q's; in fp32 (fp64) training the accumulators that are the returned gradients themselves (the
+    all-gather's dq; the ring's dq and the dK/dV buffer that comes home)."""
+    returned = 0
+    if p.cp > 1 and p.ulysses > 1:
+        returned = 2 * kv_w
+    elif p.cp > 1 and e == acc:
+        returned = q_w if p.backend == Backend.ALLGATHER else q_w + 2 * kv_w
+    return t * (q_w + returned) * e
 
 
 def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, dtype: torch.dtype,
@@ -143,7 +157,7 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                           norm_drop=norm - 2 * x, sel_norm_drop=2 * (norm - 2 * x) + x - x_in_none,
                           mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
                           first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e,
-                          mlp_outs=t * up * e + x, attn_grads=t * (q_w + (2 * kv_w if u > 1 else 0)) * e)
+                          mlp_outs=t * up * e + x, attn_grads=_attn_grads(p, t, q_w, kv_w, e, acc))
     megatron = m.family == "megatron"
     stats_e = e if megatron and device == "cpu" else acc  # torch's LayerNorm keeps its statistics in e on CPU
     stats = t * (1 if m.norm == "rms" else 2) * stats_e
@@ -178,4 +192,4 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                       first_weight=up * m.hidden * e,
                       chunk_copies=0 if megatron else 2,     # Megatron's chunks: contiguous ([s, b, h])
                       sel_mlp=inner - t * up * e, mlp_outs=t * up * e + x,
-                      attn_grads=t * (q_w + (2 * kv_w if u > 1 else 0)) * e)
+                      attn_grads=_attn_grads(p, t, q_w, kv_w, e, acc))

@@ -114,7 +114,8 @@ def _backward_peak(m: ModelSpec, recompute: RecomputeConfig, k, per_layer: list[
     # at the attention's backward the layer's MLP and MLP norm are done: what they kept, or re-materialised, is freed
     mlp_norm = 2 * k.x + (0 if tiled else k.norm_drop)
     mlp_kept = mlp_norm + (0 if tiled or preset == Recompute.MLP else k.mlp_inner)
-    sel_kept = mlp_norm + (0 if tiled else k.mlp_outs)      # selective: the norm and the MLP's cached outputs
+    # selective: the norm and the MLP's cached inputs products (its output's stays until the layer is done)
+    sel_kept = mlp_norm + (0 if tiled else k.mlp_outs - k.x)
     attention = kept + sel_rest - (mlp_kept if preset in _LAYER_KEPT else sel_kept * (preset == Recompute.SELECTIVE)) \
         + k.grad + k.attn_grads
     per_layer_rec = k.none - k.mlp_inner - k.pins - 2 * k.norm_drop * tiled   # tiled: one MLP chunk at a time

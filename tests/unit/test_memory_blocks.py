@@ -23,10 +23,12 @@ def measure(family: str, *args, **kwargs) -> dict:
     return _measure(family, *args, **kwargs)
 
 
-def _check(r: dict, case="") -> None:
+def _check(r: dict, case="", under: float = 0.03) -> None:
+    """Kept bytes exact; the peak within 3% over and ``under`` under (what could let a run that does not fit
+    through)."""
     assert r["layers_model"] == r["layers"], f"{case} kept: model {r['layers_model']} vs measured {r['layers']}"
     err = (r["peak_model"] - r["peak"]) / r["peak"]
-    assert abs(err) <= 0.03, f"{case} peak: model {r['peak_model']} vs measured {r['peak']} ({err:+.2%})"
+    assert -under <= err <= 0.03, f"{case} peak: model {r['peak_model']} vs measured {r['peak']} ({err:+.2%})"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -95,20 +97,24 @@ CP_CASES = ["hf-none-bf16-2-zigzag", "hf-full-bf16-2-zigzag", "ctx_plugin-select
             "hf-selective-bf16-2-zigzag", "hf-full+tile_mlp-bf16-2-zigzag", "hf-mlp-fp32-2-zigzag",
             "ctx_plugin-full-bf16-4-ring", "hf-sqrt+tile_mlp-fp32-4-striped", "ctx_plugin-full-bf16-4-ulysses_ring",
             "hf-full+offload_attn:1-bf16-2-zigzag", "hf-full-bf16-8-allgather", "hf-none-bf16-8-allgather",
-            "ctx_plugin-selective+tile_mlp-bf16-8-allgather"]
+            "ctx_plugin-selective+tile_mlp-bf16-8-allgather", "hf-selective-fp32-8-allgather",
+            "ctx_plugin-full-bf16-4-ulysses", "ctx_plugin-selective-bf16-4-ulysses", "hf-full-fp32-4-ring"]
 
 
 @pytest.mark.parametrize("case", CP_CASES)
 def test_context_parallel_step_peak(case):
     """CP > 1: rank 0 of simulated ranks (every backend's layout and communication buffers) with a stand-in kernel
-    whose backward allocates exactly its gradients. Kept bytes exact; the peak within 3%, exact in practice: the
+    whose backward allocates exactly its gradients. Kept bytes exact; the peak within 3% over and 0.5% under, exact
+    in practice but for a tiled MLP's chunks at batch 2 (1.4% over): the
     attention's communication buffers add to what is alive when its backward starts (the layer's MLP and MLP norm
-    done, the final norm's tensors freed), not to the MLP's or the norm's backward moment (adding them there
-    over-estimated these peaks by 4–34%); at CP 8 the all-gather's gathered K/V make that moment the peak."""
+    done, the final norm's tensors freed; in fp32 the returned gradients its accumulators are), not to the MLP's or
+    the norm's backward moment (adding them there over-estimated these peaks by 4–34%); at CP 8 the all-gather's
+    gathered K/V make that moment the peak. Ulysses with one query head per rank: its output is contiguous, so a
+    recomputed layer does not copy it again (the strided view it was cost 2.6% more here)."""
     family, preset, dtype, cp, backend = case.split("-")
     r = measure(family, preset, DTYPES[dtype], vocab=16, cp=int(cp), backend=backend,
                 seq_len=512 if cp == "8" else 256)
-    _check(r, case)
+    _check(r, case, under=0.005)
     assert r["attention_binds"] == (backend == "allgather")
 
 
