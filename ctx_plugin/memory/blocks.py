@@ -1,7 +1,8 @@
 """What one decoder layer of each block family keeps for backward, and its backward temporaries (bytes per rank).
 
 Families (:class:`ModelSpec.family <ctx_plugin.memory.ModelSpec>`), measured tensor by tensor on CPU (see
-``tests/unit/test_memory_blocks.py``), with t local tokens (b·s/cp), e bytes per element, q_w = heads·d and
+``tests/unit/test_memory_blocks.py``; ``ctx_plugin`` and ``hf`` also at CP 2–8 with simulated ranks of every
+backend), with t local tokens (b·s/cp), e bytes per element, q_w = heads·d and
 kv_w = kv_heads·d per TP rank, f the MLP width:
 
 ``ctx_plugin``  (``ctx_plugin.models``) fused QKV projection, RoPE on q and k, ctx_plugin's fused RMSNorm keeping
