@@ -154,7 +154,8 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
         return LayerTerms(x=x, none=none, pins=pins, pins_parts=parts, lse=lse, core_extra=0, mlp_inner=inner,
                           selective=selective,
                           sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,
-                          shared=2 * t * d * e, head=norm, norm_bwd=4 * t * m.hidden * 4 - t * 4, grad=grad,
+                          shared=2 * t * d * e, head=norm, grad=grad,     # norm_bwd: fp32 `.to`s return their input
+                          norm_bwd=4 * t * m.hidden * 4 - t * 4 - (2 * x if e == 4 else 0),
                           norm_drop=norm - 2 * x, sel_norm_drop=2 * (norm - 2 * x) + x - x_in_none,
                           mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
                           first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e,

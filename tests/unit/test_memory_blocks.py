@@ -1,6 +1,7 @@
 """The memory model against real blocks of every family (ctx_plugin's, Hugging Face Llama, Qwen2 and every other
-model type ``ModelSpec.from_hf_config`` accepts, through ctx_plugin.hf), bf16 and fp32: bytes the layers keep for backward (exact) and a whole step's activation peak
-(layers, final norm, LM head, cross-entropy, backward; within 3%, exact in practice)."""
+model type ``ModelSpec.from_hf_config`` accepts, through ctx_plugin.hf), bf16 and fp32, at CP 1 and with simulated
+CP ranks: bytes the layers keep for backward (exact) and a whole step's activation peak (layers, final norm, LM head,
+cross-entropy, backward; within 3%, exact in practice)."""
 from __future__ import annotations
 
 import pytest
@@ -98,7 +99,8 @@ CP_CASES = ["hf-none-bf16-2-zigzag", "hf-full-bf16-2-zigzag", "ctx_plugin-select
             "ctx_plugin-full-bf16-4-ring", "hf-sqrt+tile_mlp-fp32-4-striped", "ctx_plugin-full-bf16-4-ulysses_ring",
             "hf-full+offload_attn:1-bf16-2-zigzag", "hf-full-bf16-8-allgather", "hf-none-bf16-8-allgather",
             "ctx_plugin-selective+tile_mlp-bf16-8-allgather", "hf-selective-fp32-8-allgather",
-            "ctx_plugin-full-bf16-4-ulysses", "ctx_plugin-selective-bf16-4-ulysses", "hf-full-fp32-4-ring"]
+            "ctx_plugin-full-bf16-4-ulysses", "ctx_plugin-selective-bf16-4-ulysses", "hf-full-fp32-4-ring",
+            "hf-none-fp32-2-zigzag"]
 
 
 @pytest.mark.parametrize("case", CP_CASES)
