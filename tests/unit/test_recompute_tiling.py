@@ -346,7 +346,6 @@ class _Layer(nn.Module):
 
 
 def test_refusals():
-    groups = ctx_plugin.build_cp_groups(CFG)
     with pytest.raises(ValueError, match=r"\+tile_loss .* applied by the loss .* config\.for_layers \(full\)"):
         recompute.apply([_Layer(nn.Linear(4, 4))], "full+tile_loss")
     with pytest.raises(ValueError, match=r"\+tile_mlp needs layers with an `.mlp` submodule; layer 0"):
