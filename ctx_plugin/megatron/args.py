@@ -146,6 +146,8 @@ def settings_from_args(args: argparse.Namespace, *, resolve_budget: bool = True,
                          "it to the decoder's layers only, so the multi-token-prediction layers would run without it "
                          "(Megatron checkpoints them only under its own full recompute); drop --mtp-num-layers, or "
                          "use --cp-recompute none, attn_out, mlp or core_attn (Megatron's own fields)")
+    if layers.tile_mlp:
+        _check_tiled_norms(layers, args)
     if megatron_fields is None and layers.preset != Recompute.BUDGET:       # ctx_plugin recomputes the layers
         from .moe_state import check_router_recompute
 
@@ -183,6 +185,22 @@ def _check_chunks(layers: RecomputeConfig, args: argparse.Namespace) -> None:
                          "drop --cpu-offloading-num-layers and offload with ctx_plugin's +offload:<GiB> modifier "
                          "(region inputs in host memory), or use a preset with one layer per region (full, "
                          "full:block:N)")
+
+
+def _check_tiled_norms(layers: RecomputeConfig, args: argparse.Namespace) -> None:
+    """+tile_mlp chunks the layers' norms (ctx_plugin.recompute.tiling): refuse the Megatron options under which a
+    norm's call cannot be chunked, before anything is built."""
+    if getattr(args, "fused_residual_rmsnorm", False):
+        raise ValueError(f"--cp-recompute {layers} with --fused-residual-rmsnorm: +tile_mlp chunks the layers' norms "
+                         "over the sequence, and Transformer Engine's fused residual RMSNorm returns the residual "
+                         "next to its output, which the chunks cannot join; drop --fused-residual-rmsnorm, or "
+                         "+tile_mlp")
+    norms = sorted({"attn_norm", "mlp_norm"} & set(getattr(args, "offload_modules", None) or ()))
+    if getattr(args, "fine_grained_activation_offloading", False) and norms:
+        raise ValueError(f"--cp-recompute {layers} with --fine-grained-activation-offloading --offload-modules "
+                         f"{' '.join(norms)}: Megatron frees the norm input's device memory once it has offloaded "
+                         "what the norm saved, but +tile_mlp's chunked norm saves views of that input, which would "
+                         f"then read freed memory; drop {' and '.join(norms)} from --offload-modules, or +tile_mlp")
 
 
 def _own_equivalent(args: argparse.Namespace) -> str:

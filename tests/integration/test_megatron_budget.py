@@ -213,6 +213,24 @@ def test_multi_token_prediction_next_to_a_preset_ctx_plugin_applies_is_refused(m
     assert settings_from_args(_args(monkeypatch, "--cp-recompute", "mlp", *mtp)).megatron_recompute is not None
 
 
+def test_megatron_options_a_tiled_norm_cannot_follow_are_refused(monkeypatch):
+    """+tile_mlp chunks the norms: TE's fused residual RMSNorm returns the residual too (it failed only in the first
+    forward, naming +tile_mlp), and Megatron's norm offloading frees the input the chunks' views point into."""
+    from ctx_plugin.megatron.args import settings_from_args
+
+    with pytest.raises(ValueError, match=r"full\+tile_mlp with --fused-residual-rmsnorm: .* drop "
+                                         r"--fused-residual-rmsnorm, or \+tile_mlp"):
+        settings_from_args(_args(monkeypatch, "--cp-recompute", "full+tile_mlp", "--fused-residual-rmsnorm"))
+    args = _args(monkeypatch, "--cp-recompute", "none+tile_mlp")
+    args.fine_grained_activation_offloading, args.offload_modules = True, ["mlp_norm", "core_attn", "attn_norm"]
+    with pytest.raises(ValueError, match=r"--offload-modules attn_norm mlp_norm: .* drop attn_norm and mlp_norm"):
+        settings_from_args(args)
+    args.offload_modules = ["core_attn"]
+    settings_from_args(args)
+    assert settings_from_args(_args(monkeypatch, "--cp-recompute", "full",
+                                    "--fused-residual-rmsnorm")).recompute.preset == "full"
+
+
 def test_switches_and_presets_set_in_code_are_flag_errors(monkeypatch):
     """settings_from_args on a namespace built in code: a string for a switch, a preset of another type."""
     from ctx_plugin.megatron.args import settings_from_args
