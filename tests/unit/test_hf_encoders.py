@@ -92,9 +92,9 @@ def test_rotary_positions_of_the_same_embeddings_are_accepted():
 def test_encoder_decoders_are_refused_at_enable():
     """T5Gemma takes position_ids (so the check of its forward's signature passes it) but its decoder attends to the
     encoder's states: refused as an encoder-decoder, not later for its sub-configs as other modalities."""
-    config = transformers.T5GemmaConfig(encoder=dict(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                                     head_dim=8), vocab_size=64)
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    config = transformers.T5GemmaConfig(encoder=small, decoder=small, vocab_size=64)   # a small decoder too (38 s)
     model = transformers.T5GemmaForConditionalGeneration(config)
     with pytest.raises(ValueError, match="is an encoder-decoder model"):
         cphf.enable(model, *_one_rank())
