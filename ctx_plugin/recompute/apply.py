@@ -28,7 +28,7 @@ from . import pinning
 from .offload import HostOffload, attach, detach
 from .presets import RecomputeConfig, regions
 from .checkpointing import Region, tiled_selective_policy
-from .tiling import TilingState, check_mlp, check_norms, layer_norms, tiled_forward
+from .tiling import TilingState, check_mlp, check_norm, layer_norms, tiled_forward
 
 _ORIGINAL = "_ctx_plugin_original_forward"
 
@@ -131,7 +131,7 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
         raise TypeError("layers must be torch.nn.Module objects")
     if final_norm is not None and not isinstance(final_norm, nn.Module):
         raise TypeError(f"final_norm must be a torch.nn.Module or None, got {type(final_norm).__name__}")
-    if any(hasattr(m, _ORIGINAL) for m in [*(m for layer in layers for m in _parts(layer)), *_final(final_norm)]):
+    if any(hasattr(m, _ORIGINAL) for m in _patchable(layers, final_norm)):
         raise ValueError("a recompute preset is already applied to these layers (or this final norm); call "
                          "ctx_plugin.recompute.remove(layers, final_norm=...) first, with the final norm given to "
                          "apply")
@@ -153,8 +153,10 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
     if config.tile_mlp:
         for i, layer in enumerate(layers):
             check_mlp(getattr(layer, "mlp", None), i)
-            check_norms(layer, i)
-        check_norms(final_norm, "final")
+            for norm in layer_norms(layer):
+                check_norm(norm, f"layer {i}'s norms")
+        if final_norm is not None:
+            check_norm(final_norm, "the final norm")
     elif preset == Recompute.MLP:
         missing = [i for i, layer in enumerate(layers) if not isinstance(getattr(layer, "mlp", None), nn.Module)]
         if missing:
@@ -197,15 +199,16 @@ def apply(layers: Sequence[nn.Module], config: RecomputeConfig | str, *, sequenc
             patch(layers[start + position], partial(region.later, position), index=start + position)
 
 
-def _final(final_norm: nn.Module | None) -> list[nn.Module]:
-    return [] if final_norm is None else [final_norm]
+def _patchable(layers: Sequence[nn.Module], final_norm: nn.Module | None) -> list[nn.Module]:
+    """Every module whose forward :func:`apply` may replace: each layer, its MLP and norms, and the final norm."""
+    return [*(m for layer in layers for m in _parts(layer)), *([] if final_norm is None else [final_norm])]
 
 
 def remove(layers: Sequence[nn.Module], *, final_norm: nn.Module | None = None) -> None:
     """Undoes :func:`apply` on ``layers`` and ``final_norm`` (no-op for those without a preset)."""
     for layer in layers:
         detach(layer)
-    for module in [*(m for layer in layers for m in _parts(layer)), *_final(final_norm)]:
+    for module in _patchable(layers, final_norm):
         if hasattr(module, _ORIGINAL):
             del module.forward           # the instance attribute; the class's forward shows again
             delattr(module, _ORIGINAL)

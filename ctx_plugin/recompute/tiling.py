@@ -92,18 +92,16 @@ def layer_norms(layer: nn.Module) -> list[nn.Module]:
             if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith(_NORM_CLASSES)]
 
 
-def check_norms(layer: nn.Module | None, index: int | str) -> None:
-    """A ValueError for a norm of ``layer`` that does not normalise each token over the last dimension alone
-    (``index`` "final": ``layer`` is the model's final norm itself, or None)."""
-    for norm in (layer_norms(layer) if index != "final" else [layer] if layer is not None else []):
-        shape = getattr(norm, "normalized_shape", None)     # torch's, and Megatron's/HF's LayerNorm-likes
-        wide = shape is not None and len(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)) != 1
-        if wide or any(p.dim() != 1 for p in norm.parameters()):
-            what = f"normalized_shape {tuple(shape)}" if wide else "parameters that are not vectors"
-            whose = "the final norm" if index == "final" else f"layer {index}'s norms"
-            raise ValueError(f"+tile_mlp chunks {whose} over the sequence, but its "
-                             f"{type(norm).__name__} normalises over more than the last dimension ({what}), which "
-                             "chunking would change; drop +tile_mlp for this model")
+def check_norm(norm: nn.Module, whose: str) -> None:
+    """A ValueError for ``norm`` (``whose``: "layer 3's norms", "the final norm") if it does not normalise each token
+    over the last dimension alone."""
+    shape = getattr(norm, "normalized_shape", None)     # torch's, and Megatron's/HF's LayerNorm-likes
+    wide = shape is not None and len(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)) != 1
+    if wide or any(p.dim() != 1 for p in norm.parameters()):
+        what = f"normalized_shape {tuple(shape)}" if wide else "parameters that are not vectors"
+        raise ValueError(f"+tile_mlp chunks {whose} over the sequence, but its "
+                         f"{type(norm).__name__} normalises over more than the last dimension ({what}), which "
+                         "chunking would change; drop +tile_mlp for this model")
 
 
 def chunk_sizes(tokens: int, per_chunk: int) -> list[int]:
