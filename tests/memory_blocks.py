@@ -200,5 +200,4 @@ def _measure(family: str, preset: str, dtype: torch.dtype, seq_len: int, vocab: 
     model_peak = est.activations + est.transient
     return {"activations": est.activations, "layers": kept, "layers_model": layers_model, "peak": peak,
             "peak_model": model_peak, "host": host, "host_model": est.host,
-            "attention_binds": est.attention_peak + est.cp_buffers > max(est.logits_peak, est.recompute_peak),
-            "attn_model": est.activations + est.attention_peak}
+            "attention_binds": est.attention_peak + est.cp_buffers > max(est.logits_peak, est.recompute_peak)}

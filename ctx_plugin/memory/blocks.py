@@ -74,12 +74,17 @@ class LayerTerms:
     norm_bwd: int     # a norm's backward temporaries beyond its kept tensors and its output's slot (which its
                       # incoming gradient takes): the final norm's, and each layer's (the peak of a recomputed
                       # layer whose MLP is tiled)
-    norm_drop: int    # what a norm no longer keeps when +tile_mlp chunks it: all but its input and its output
     sel_norm_drop: int  # what a selective layer's recomputation no longer re-materialises when its norms are tiled
                         # (hf: and the input norm's input, which the region keeps anyway)
     grad: int         # the gradient flowing between layers
     attn_grads: int   # the attention's incoming gradient (its output's) and returned gradients alive at its
                       # buffers' worst moment (_attn_grads)
+
+    @property
+    def norm_drop(self) -> int:
+        """What a norm no longer keeps when +tile_mlp chunks it: all but its input and its output (``head`` is one
+        norm's kept tensors, its output among them)."""
+        return self.head - 2 * self.x
 
     @property
     def pins_host(self) -> int:
@@ -156,7 +161,7 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                           sel_working=sel_working, x_in_none=x_in_none, bwd_temps=mlp_temps, mlp_temps=mlp_temps,
                           shared=2 * t * d * e, head=norm, grad=grad,     # norm_bwd: fp32 `.to`s return their input
                           norm_bwd=4 * t * m.hidden * 4 - t * 4 - (2 * x if e == 4 else 0),
-                          norm_drop=norm - 2 * x, sel_norm_drop=2 * (norm - 2 * x) + x - x_in_none,
+                          sel_norm_drop=2 * (norm - 2 * x) + x - x_in_none,
                           mlp_weights=mlp_weights, last_weight=f * m.hidden * e,
                           first_weight=f * m.hidden * e, chunk_copies=3, sel_mlp=2 * t * f * e,
                           mlp_outs=t * up * e + x, attn_grads=_attn_grads(p, t, q_w, kv_w, e, acc))
@@ -188,7 +193,7 @@ def layer_terms(m: ModelSpec, p: ParallelSpec, seq_len: int, micro_batch: int, d
                       core_extra=qkv + q_k_out - pins + lse,
                       mlp_inner=inner, selective=selective, sel_working=none - selective + x, x_in_none=x_in_none,
                       bwd_temps=mlp_temps, mlp_temps=mlp_temps, shared=0, head=norm,
-                      norm_bwd=norm_bwd, norm_drop=norm - 2 * x, sel_norm_drop=2 * (norm - 2 * x), grad=grad,
+                      norm_bwd=norm_bwd, sel_norm_drop=2 * (norm - 2 * x), grad=grad,
                       mlp_weights=mlp_weights,
                       last_weight=f * m.hidden * e,
                       first_weight=up * m.hidden * e,
